@@ -1,0 +1,1 @@
+"""The ctypes layer: libcudnn, its prototypes and enums, status mapping, owned objects."""

@@ -1,0 +1,133 @@
+"""Finding and loading ``libcudnn``, once per process.
+
+Search order: a copy already loaded in the process (PyTorch loads its own), the
+``nvidia-cudnn-cu12``/``-cu13`` wheel (``nvidia/cudnn/lib`` on ``sys.path``), ``$CUDNN_PATH``,
+then the system's dynamic loader. Importing the package never loads anything; the first call
+that needs cuDNN does, and a failure is stored and raised again, listing every place tried.
+"""
+
+import ctypes
+import os
+import sys
+import threading
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+
+from ..enums import Status
+from ..errors import CudnnNotFoundError
+
+SONAMES = ("libcudnn.so.9", "libcudnn.so.8")
+
+
+@dataclass(frozen=True)
+class CudnnInfo:
+    """Which libcudnn was loaded, from where, and its version (``cudnnGetVersion``)."""
+
+    path: str
+    found_via: str
+    version: int
+
+    @property
+    def version_string(self) -> str:
+        major, minor, patch = self.version // 10000, self.version // 100 % 100, self.version % 100
+        if major == 0:  # cuDNN 8 encodes versions as major*1000 + minor*100 + patch.
+            major, minor = self.version // 1000, self.version // 100 % 10
+        return f"{major}.{minor}.{patch}"
+
+
+def _already_loaded() -> Iterator[str]:
+    try:
+        with open("/proc/self/maps") as maps:
+            lines = maps.read().splitlines()
+    except OSError:
+        return
+    seen = set()
+    for line in lines:
+        path = line.split(maxsplit=5)[-1]
+        if os.path.basename(path) in SONAMES and path not in seen:
+            seen.add(path)
+            yield path
+
+
+def candidates(
+    environ: Mapping[str, str] = os.environ, search_path: Sequence[str] = sys.path
+) -> Iterator[tuple[str, str]]:
+    """``(found_via, path)`` pairs in search order; ``path`` may not exist."""
+    for path in _already_loaded():
+        yield "already loaded", path
+    for entry in search_path:
+        for soname in SONAMES:
+            yield "wheel", os.path.join(entry or os.curdir, "nvidia", "cudnn", "lib", soname)
+    if root := environ.get("CUDNN_PATH"):
+        for sub in ("lib", "lib64", ""):
+            for soname in SONAMES:
+                yield "CUDNN_PATH", os.path.join(root, sub, soname)
+    for soname in SONAMES:
+        yield "system", soname
+
+
+def _try_load(path: str) -> tuple[ctypes.CDLL, int]:
+    lib = ctypes.CDLL(path)
+    try:
+        get_version = lib.cudnnGetVersion
+    except AttributeError:
+        raise OSError("not a cuDNN library: no cudnnGetVersion") from None
+    get_version.restype, get_version.argtypes = ctypes.c_size_t, []
+    return lib, int(get_version())
+
+
+def find_and_load(
+    environ: Mapping[str, str] = os.environ, search_path: Sequence[str] = sys.path
+) -> tuple[ctypes.CDLL, CudnnInfo]:
+    """Load the first libcudnn in search order, or raise ``CudnnNotFoundError`` listing all."""
+    tried = []
+    for found_via, path in candidates(environ, search_path):
+        is_file = os.path.sep in path
+        if is_file and not os.path.exists(path):
+            continue
+        try:
+            lib, version = _try_load(path)
+        except OSError as exc:
+            tried.append(f"  {found_via}: {path}: {exc}")
+            continue
+        return lib, CudnnInfo(path=_resolved(lib, path), found_via=found_via, version=version)
+    places = [
+        "  already loaded in this process: none",
+        f"  wheel: nvidia/cudnn/lib/{{{','.join(SONAMES)}}} under each of {len(search_path)} "
+        "sys.path entries",
+        f"  CUDNN_PATH: {environ.get('CUDNN_PATH', '(not set)')}",
+        "  system: the dynamic loader's search path (LD_LIBRARY_PATH, ldconfig)",
+    ]
+    raise CudnnNotFoundError(
+        Status.DEVICE_NOT_INITIALIZED,
+        "libcudnn could not be loaded. Looked in:\n"
+        + "\n".join(places)
+        + ("\nFound but failed to load:\n" + "\n".join(tried) if tried else "")
+        + "\nInstall it with `pip install nvidia-cudnn-cu12` (or -cu13), or set CUDNN_PATH.",
+    )
+
+
+def _resolved(lib: ctypes.CDLL, path: str) -> str:
+    """The file the dynamic loader actually opened (a bare soname names no file)."""
+    if os.path.sep in path:
+        return os.path.realpath(path)
+    return next(_already_loaded(), path)
+
+
+_lock = threading.Lock()
+_loaded: tuple[ctypes.CDLL, CudnnInfo] | None = None
+_failure: CudnnNotFoundError | None = None
+
+
+def load() -> tuple[ctypes.CDLL, CudnnInfo]:
+    """The process-wide libcudnn and its ``CudnnInfo``; a failure is remembered and re-raised."""
+    global _loaded, _failure
+    with _lock:
+        if _loaded is None and _failure is None:
+            try:
+                _loaded = find_and_load()
+            except CudnnNotFoundError as exc:
+                _failure = exc
+        if _failure is not None:
+            raise CudnnNotFoundError(_failure.status, str(_failure).partition(": ")[2])
+        return _loaded

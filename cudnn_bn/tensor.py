@@ -1,0 +1,68 @@
+"""``TensorDesc``: what ``infiniopTensorDescriptor_t`` holds (dtype, shape, strides).
+
+Strides are in elements, as in the C API. The checks here are the layout facts every
+operator's validation needs: contiguity, channels-last order, and overlap.
+"""
+
+import math
+from dataclasses import dataclass
+
+from .enums import DataType
+
+
+def contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    """Row-major strides, in elements, of a packed tensor of ``shape``."""
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= max(size, 1)
+    return tuple(reversed(strides))
+
+
+@dataclass(frozen=True)
+class TensorDesc:
+    """A tensor's dtype, shape and strides (in elements)."""
+
+    dtype: DataType
+    shape: tuple[int, ...]
+    strides: tuple[int, ...]
+
+    @classmethod
+    def contiguous(cls, dtype: DataType, shape: tuple[int, ...]) -> "TensorDesc":
+        return cls(dtype, tuple(shape), contiguous_strides(tuple(shape)))
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    def is_contiguous(self) -> bool:
+        """Packed row-major; strides of size-1 axes do not matter."""
+        return all(n == 1 or s == c for n, s, c in zip(self.shape, self.strides, contiguous_strides(self.shape), strict=True))
+
+    def is_channels_last(self) -> bool:
+        """Packed with the channel axis (1) innermost: NHWC / NDHWC / NLC memory order."""
+        if self.ndim < 3:
+            return False
+        order = (0, *range(2, self.ndim), 1)
+        permuted = TensorDesc(self.dtype, tuple(self.shape[i] for i in order), tuple(self.strides[i] for i in order))
+        return permuted.is_contiguous()
+
+    def overlaps(self) -> bool:
+        """Whether two different indices can address the same element.
+
+        Sorting axes by stride, a layout is free of overlap when each stride exceeds the
+        span of all smaller-stride axes; that test is exact for the layouts tensors have
+        and conservative otherwise (it may call an exotic interleaving overlapping).
+        """
+        if self.numel == 0:
+            return False
+        span = 0
+        for stride, size in sorted((abs(s), n) for n, s in zip(self.shape, self.strides, strict=True) if n > 1):
+            if stride <= span:
+                return True
+            span += stride * (size - 1)
+        return False
