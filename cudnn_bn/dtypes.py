@@ -28,8 +28,11 @@ FLOAT_TYPES: dict[DataType, FloatType] = {
     DataType.F64: FloatType(DataType.F64, 8, np.dtype(np.float64), CudnnDataType.DOUBLE),
 }
 
-_FROM_NUMPY = {np.dtype(np.float16): DataType.F16, np.dtype(np.float32): DataType.F32,
-               np.dtype(np.float64): DataType.F64}
+_FROM_NUMPY = {
+    np.dtype(np.float16): DataType.F16,
+    np.dtype(np.float32): DataType.F32,
+    np.dtype(np.float64): DataType.F64,
+}
 
 
 def from_numpy(dtype: np.dtype) -> DataType | None:

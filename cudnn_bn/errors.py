@@ -4,6 +4,8 @@
 status and catch by class (``except BadParamError``) or by ``.status``.
 """
 
+from typing import ClassVar
+
 from .enums import Status
 
 
@@ -11,7 +13,7 @@ class InfiniError(Exception):
     """A failed operation: ``.status`` says which ``Status``, the message says why."""
 
     status: Status = Status.INTERNAL_ERROR
-    _by_status: dict[Status, type["InfiniError"]] = {}
+    _by_status: ClassVar[dict[Status, type["InfiniError"]]] = {}
 
     def __new__(cls, status: int, message: str = "") -> "InfiniError":
         sub = InfiniError._by_status.get(Status(status), cls) if cls is InfiniError else cls

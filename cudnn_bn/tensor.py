@@ -41,14 +41,21 @@ class TensorDesc:
 
     def is_contiguous(self) -> bool:
         """Packed row-major; strides of size-1 axes do not matter."""
-        return all(n == 1 or s == c for n, s, c in zip(self.shape, self.strides, contiguous_strides(self.shape), strict=True))
+        return all(
+            n == 1 or s == c
+            for n, s, c in zip(
+                self.shape, self.strides, contiguous_strides(self.shape), strict=True
+            )
+        )
 
     def is_channels_last(self) -> bool:
         """Packed with the channel axis (1) innermost: NHWC / NDHWC / NLC memory order."""
         if self.ndim < 3:
             return False
         order = (0, *range(2, self.ndim), 1)
-        permuted = TensorDesc(self.dtype, tuple(self.shape[i] for i in order), tuple(self.strides[i] for i in order))
+        permuted = TensorDesc(
+            self.dtype, tuple(self.shape[i] for i in order), tuple(self.strides[i] for i in order)
+        )
         return permuted.is_contiguous()
 
     def overlaps(self) -> bool:
@@ -61,7 +68,9 @@ class TensorDesc:
         if self.numel == 0:
             return False
         span = 0
-        for stride, size in sorted((abs(s), n) for n, s in zip(self.shape, self.strides, strict=True) if n > 1):
+        for stride, size in sorted(
+            (abs(s), n) for n, s in zip(self.shape, self.strides, strict=True) if n > 1
+        ):
             if stride <= span:
                 return True
             span += stride * (size - 1)

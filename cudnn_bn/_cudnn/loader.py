@@ -50,9 +50,15 @@ def _already_loaded() -> Iterator[str]:
 
 
 def candidates(
-    environ: Mapping[str, str] = os.environ, search_path: Sequence[str] = sys.path
+    environ: Mapping[str, str] | None = None, search_path: Sequence[str] | None = None
 ) -> Iterator[tuple[str, str]]:
-    """``(found_via, path)`` pairs in search order; ``path`` may not exist."""
+    """``(found_via, path)`` pairs in search order; ``path`` may not exist.
+
+    ``environ`` and ``search_path`` default to ``os.environ`` and ``sys.path`` as they are
+    at the call (``sys.path`` may have been rebound since import).
+    """
+    environ = os.environ if environ is None else environ
+    search_path = sys.path if search_path is None else search_path
     for path in _already_loaded():
         yield "already loaded", path
     for entry in search_path:
@@ -77,9 +83,11 @@ def _try_load(path: str) -> tuple[ctypes.CDLL, int]:
 
 
 def find_and_load(
-    environ: Mapping[str, str] = os.environ, search_path: Sequence[str] = sys.path
+    environ: Mapping[str, str] | None = None, search_path: Sequence[str] | None = None
 ) -> tuple[ctypes.CDLL, CudnnInfo]:
     """Load the first libcudnn in search order, or raise ``CudnnNotFoundError`` listing all."""
+    environ = os.environ if environ is None else environ
+    search_path = sys.path if search_path is None else search_path
     tried = []
     for found_via, path in candidates(environ, search_path):
         is_file = os.path.sep in path

@@ -20,7 +20,9 @@ _CUDNN8_AS_CUDNN9: dict[int, CudnnStatus] = {
     Cudnn8Status.EXECUTION_FAILED: CudnnStatus.EXECUTION_FAILED,
     Cudnn8Status.NOT_SUPPORTED: CudnnStatus.NOT_SUPPORTED,
     Cudnn8Status.LICENSE_ERROR: CudnnStatus.LICENSE_ERROR,
-    Cudnn8Status.RUNTIME_PREREQUISITE_MISSING: CudnnStatus.NOT_SUPPORTED_RUNTIME_PREREQUISITE_MISSING,
+    Cudnn8Status.RUNTIME_PREREQUISITE_MISSING: (
+        CudnnStatus.NOT_SUPPORTED_RUNTIME_PREREQUISITE_MISSING
+    ),
     Cudnn8Status.RUNTIME_IN_PROGRESS: CudnnStatus.RUNTIME_IN_PROGRESS,
     Cudnn8Status.RUNTIME_FP_OVERFLOW: CudnnStatus.RUNTIME_FP_OVERFLOW,
     Cudnn8Status.VERSION_MISMATCH: CudnnStatus.SUBLIBRARY_VERSION_MISMATCH,
@@ -60,4 +62,3 @@ def cudnn_status_to_infini(code: int) -> Status:
     if code > 0:
         return _BY_CATEGORY.get(code // 1000 * 1000, Status.INTERNAL_ERROR)
     return Status.INTERNAL_ERROR
-

@@ -20,7 +20,9 @@ MAX_NDIM = 8
 INT32_MAX = 2**31 - 1
 
 
-def pad_to_4d(shape: Sequence[int], strides: Sequence[int]) -> tuple[tuple[int, ...], tuple[int, ...]]:
+def pad_to_4d(
+    shape: Sequence[int], strides: Sequence[int]
+) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """``shape`` and ``strides`` with trailing size-1, stride-1 axes up to rank 4."""
     missing = max(0, MIN_NDIM - len(shape))
     return tuple(shape) + (1,) * missing, tuple(strides) + (1,) * missing
@@ -36,16 +38,22 @@ class TensorDescriptor(Owned):
         super().__init__(ref, lib.cudnnDestroyTensorDescriptor)
 
     @classmethod
-    def nd(cls, dtype: CudnnDataType, shape: Sequence[int], strides: Sequence[int]) -> "TensorDescriptor":
+    def nd(
+        cls, dtype: CudnnDataType, shape: Sequence[int], strides: Sequence[int]
+    ) -> "TensorDescriptor":
         """A descriptor of ``shape``/``strides`` (in elements), padded to at least 4-D."""
         if len(shape) != len(strides):
             raise InfiniError(
                 Status.BAD_TENSOR_STRIDES,
-                f"shape {tuple(shape)} has {len(shape)} axes but strides {tuple(strides)} has {len(strides)}",
+                f"shape {tuple(shape)} has {len(shape)} axes "
+                f"but strides {tuple(strides)} has {len(strides)}",
             )
         dims, steps = pad_to_4d(shape, strides)
         if len(dims) > MAX_NDIM:
-            raise InfiniError(Status.BAD_TENSOR_SHAPE, f"cuDNN takes at most {MAX_NDIM} axes, got shape {tuple(shape)}")
+            raise InfiniError(
+                Status.BAD_TENSOR_SHAPE,
+                f"cuDNN takes at most {MAX_NDIM} axes, got shape {tuple(shape)}",
+            )
         for what, values in (("shape", dims), ("strides", steps)):
             if any(not 0 <= v <= INT32_MAX for v in values):
                 raise InfiniError(
@@ -55,7 +63,9 @@ class TensorDescriptor(Owned):
         desc = cls()
         try:
             n = len(dims)
-            cudnn().cudnnSetTensorNdDescriptor(desc, dtype, n, (ctypes.c_int * n)(*dims), (ctypes.c_int * n)(*steps))
+            cudnn().cudnnSetTensorNdDescriptor(
+                desc, dtype, n, (ctypes.c_int * n)(*dims), (ctypes.c_int * n)(*steps)
+            )
         except BaseException:
             desc.close()
             raise
@@ -76,6 +86,8 @@ class TensorDescriptor(Owned):
         """``(dtype, shape, strides)`` as cuDNN holds them (``cudnnGetTensorNdDescriptor``)."""
         dtype, nbdims = ctypes.c_int(), ctypes.c_int()
         dims, strides = (ctypes.c_int * MAX_NDIM)(), (ctypes.c_int * MAX_NDIM)()
-        cudnn().cudnnGetTensorNdDescriptor(self, MAX_NDIM, ctypes.byref(dtype), ctypes.byref(nbdims), dims, strides)
+        cudnn().cudnnGetTensorNdDescriptor(
+            self, MAX_NDIM, ctypes.byref(dtype), ctypes.byref(nbdims), dims, strides
+        )
         n = nbdims.value
         return CudnnDataType(dtype.value), tuple(dims[:n]), tuple(strides[:n])
