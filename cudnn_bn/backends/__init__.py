@@ -1,0 +1,1 @@
+"""Backends of the operators: NumPy on host pointers (``cpu``) and cuDNN on device pointers."""
