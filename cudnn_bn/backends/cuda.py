@@ -1,0 +1,76 @@
+"""The few CUDA runtime facts the NVIDIA backend needs, through CuPy, imported on first use.
+
+Kept in one place so that importing ``cudnn_bn`` never imports CuPy, and so that tests
+without a GPU can stand in for the device (``tests/test_nvidia_arguments.py``).
+"""
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+from ..enums import Status
+from ..errors import InfiniError
+
+
+def _cupy() -> Any:
+    try:
+        import cupy
+    except ImportError as exc:
+        raise InfiniError(
+            Status.DEVICE_NOT_INITIALIZED, f"CuPy is needed on NVIDIA devices: {exc}"
+        ) from exc
+    return cupy
+
+
+def _runtime_call(what: str, fn: Any, *args: Any) -> Any:
+    cupy = _cupy()
+    try:
+        return fn(*args)
+    except cupy.cuda.runtime.CUDARuntimeError as exc:
+        raise InfiniError(Status.DEVICE_NOT_INITIALIZED, f"{what} failed: {exc}") from exc
+
+
+def device_count() -> int:
+    """How many CUDA devices there are; DEVICE_NOT_INITIALIZED where CUDA cannot start."""
+    return _runtime_call("cudaGetDeviceCount", _cupy().cuda.runtime.getDeviceCount)
+
+
+def current_device() -> int:
+    """The CUDA device current in this thread."""
+    return _runtime_call("cudaGetDevice", _cupy().cuda.runtime.getDevice)
+
+
+@contextmanager
+def on_device(device_id: int) -> Iterator[None]:
+    """Make ``device_id`` current for the block, switching only when it is not already."""
+    previous = current_device()
+    if previous == device_id:
+        yield
+        return
+    runtime = _cupy().cuda.runtime
+    _runtime_call("cudaSetDevice", runtime.setDevice, device_id)
+    try:
+        yield
+    finally:
+        runtime.setDevice(previous)
+
+
+def current_stream() -> int:
+    """CuPy's current stream on the current device, as a ``cudaStream_t`` address."""
+    return _cupy().cuda.get_current_stream().ptr
+
+
+_streams: dict[tuple[int, int], Any] = {}
+
+
+@contextmanager
+def stream_scope(stream: int, device_id: int) -> Iterator[None]:
+    """Make the ``cudaStream_t`` ``stream`` (0: the legacy default) CuPy's current stream."""
+    cupy = _cupy()
+    key = (stream, device_id)
+    if (wrapped := _streams.get(key)) is None:
+        wrapped = _streams[key] = (
+            cupy.cuda.Stream.null if stream == 0 else cupy.cuda.ExternalStream(stream, device_id)
+        )
+    with wrapped:
+        yield

@@ -1,0 +1,1 @@
+"""Operators: validation, the descriptor with its cached sizes, dispatch to a backend."""
