@@ -30,29 +30,39 @@ from .device_arrays import WorkspaceLayout, device_view
 CUDNN_MAX_NUMEL = 2**31 - 1
 CUDNN_MODES = (Mode.TRAIN, Mode.SAVED, Mode.SAVED_INVSTD)
 CUDNN_DTYPES = (DataType.F16, DataType.F32, DataType.F64)
+CUDNN8_MIN_EPSILON, CUDNN9_VERSION = 1e-5, 90000
 
 _ONE_F, _ZERO_F = ctypes.c_float(1.0), ctypes.c_float(0.0)
 _ONE_D, _ZERO_D = ctypes.c_double(1.0), ctypes.c_double(0.0)
 
 
-def _packed(desc: TensorDesc) -> bool:
-    return desc.is_contiguous() or desc.is_channels_last()
+def _layout(desc: TensorDesc) -> str | None:
+    if desc.is_contiguous():
+        return "NCHW"
+    return "NHWC" if desc.is_channels_last() else None
 
 
-def cudnn_can_run(tensors: BackwardTensors, mode: Mode) -> bool:
-    """Whether cuDNN's batch-norm backward serves this problem exactly."""
+def cudnn_can_run(tensors: BackwardTensors, mode: Mode, eps: float) -> bool:
+    """Whether cuDNN's batch-norm backward serves this problem exactly.
+
+    x, dy and dx must share one packed layout (NCHW or channels-last), and cuDNN 8 refuses
+    eps below its CUDNN_BN_MIN_EPSILON of 1e-5 (cuDNN 9 allows 0).
+    """
     x = tensors.input
+    layouts = {_layout(d) for d in (x, tensors.grad_output, tensors.grad_input)}
     return (
         mode in CUDNN_MODES
         and x.dtype in CUDNN_DTYPES
         and x.numel <= CUDNN_MAX_NUMEL
-        and all(_packed(d) for d in (tensors.input, tensors.grad_output, tensors.grad_input))
+        and len(layouts) == 1
+        and None not in layouts
+        and (eps >= CUDNN8_MIN_EPSILON or cudnn().info.version >= CUDNN9_VERSION)
     )
 
 
 def BatchNormBackward(tensors: BackwardTensors, mode: Mode, eps: float, device_id: int) -> Any:
     """The engine for this problem on NVIDIA device ``device_id``, built on that device."""
-    engine = CudnnBatchNormBackward if cudnn_can_run(tensors, mode) else CupyBatchNormBackward
+    engine = CudnnBatchNormBackward if cudnn_can_run(tensors, mode, eps) else CupyBatchNormBackward
     with cuda.on_device(device_id):
         return engine(tensors, mode, eps, device_id)
 
@@ -170,6 +180,10 @@ class CudnnBatchNormBackward:
                 self.stores.append((field, desc))
 
     def run(self, ptrs: BackwardPointers, workspace: int, stream: int) -> None:
+        with cuda.on_device(self.device_id):
+            self._run(ptrs, workspace, stream)
+
+    def _run(self, ptrs: BackwardPointers, workspace: int, stream: int) -> None:
         handle = thread_handle(self.device_id)
         handle.set_stream(stream)
         if self.loads:
@@ -245,7 +259,7 @@ class CupyBatchNormBackward:
         from . import cupy_kernels as kern
 
         t, dev = self.tensors, self.device_id
-        with cuda.stream_scope(stream, dev):
+        with cuda.on_device(dev), cuda.stream_scope(stream, dev):
             ws = {name: self.layout.view(workspace, name, dev) for name in self.layout.slices}
             x = device_view(ptrs.input, t.input, dev)
             dy = device_view(ptrs.grad_output, t.grad_output, dev)
