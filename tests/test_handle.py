@@ -1,0 +1,44 @@
+"""cuDNN handles without a GPU: creation fails with cuDNN's own status and strings."""
+
+import ctypes
+
+import pytest
+
+from cudnn_bn._cudnn.handle import Handle, thread_handle
+from cudnn_bn.errors import DeviceNotInitializedError
+
+
+def _gpu_present() -> bool:
+    try:
+        cuda = ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return False
+    count = ctypes.c_int()
+    if cuda.cuInit(0) != 0 or cuda.cuDeviceGetCount(ctypes.byref(count)) != 0:
+        return False
+    return count.value > 0
+
+
+@pytest.fixture(autouse=True)
+def _no_gpu():
+    if _gpu_present():
+        pytest.skip("a GPU is present, so cudnnCreate succeeds")
+
+
+def _assert_not_initialized(error: DeviceNotInitializedError) -> None:
+    message = str(error)
+    assert "cudnnCreate" in message
+    assert "CUDNN_STATUS_NOT_INITIALIZED (1001)" in message
+
+
+def test_handle_without_driver():
+    with pytest.raises(DeviceNotInitializedError) as caught:
+        Handle()
+    _assert_not_initialized(caught.value)
+
+
+def test_thread_handle_without_driver_fails_every_time():
+    for _ in range(2):
+        with pytest.raises(DeviceNotInitializedError) as caught:
+            thread_handle(0)
+        _assert_not_initialized(caught.value)
