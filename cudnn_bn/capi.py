@@ -96,7 +96,7 @@ def _release(value: Any, kind: type, name: str) -> Any:
 
 
 def _sequence(values: Any, n: int, name: str) -> tuple[int, ...]:
-    if values is None:
+    if values is None or values == 0:
         raise InfiniError(Status.NULL_POINTER, f"{name} is NULL")
     if isinstance(values, int):
         values = ctypes.cast(values, ctypes.POINTER(ctypes.c_int64))
