@@ -13,6 +13,7 @@ from .descriptor_cache import DescriptorCache
 from .enums import Device, Status
 from .errors import InfiniError
 from .ops.batch_norm_backward import BatchNormBackwardDescriptor, parse_mode
+from .ops.validation import check_eps
 from .problems import BackwardTensors, Mode
 from .runtime import Handle
 from .tensor import TensorDesc, contiguous_strides
@@ -130,7 +131,7 @@ def batch_norm_backward(
         ops["running_mean"].desc if "running_mean" in ops else None,
         ops["running_var"].desc if "running_var" in ops else None,
     )
-    key = (device, device_id, tensors, parsed, float(eps))
+    key = (device, device_id, tensors, parsed, check_eps(eps))
     desc = descriptor_cache.get(
         key,
         lambda: BatchNormBackwardDescriptor(

@@ -100,6 +100,8 @@ def _sequence(values: Any, n: int, name: str) -> tuple[int, ...]:
         raise InfiniError(Status.NULL_POINTER, f"{name} is NULL")
     if isinstance(values, int):
         values = ctypes.cast(values, ctypes.POINTER(ctypes.c_int64))
+    elif hasattr(values, "__len__") and len(values) != n:
+        raise InfiniError(Status.BAD_PARAM, f"{name} has {len(values)} entries but ndim is {n}")
     return tuple(int(values[i]) for i in range(n))
 
 
@@ -131,7 +133,7 @@ def infiniopCreateTensorDescriptor(
         raise InfiniError(Status.BAD_TENSOR_SHAPE, f"shape {dims} has a negative size")
     steps = (
         contiguous_strides(dims)
-        if _address(strides) == 0 and not isinstance(strides, list | tuple)
+        if not isinstance(strides, list | tuple) and _address(strides) == 0
         else (_sequence(strides, ndim, "strides") if ndim else ())
     )
     _store(

@@ -35,7 +35,9 @@ def validate_tensors(tensors: BackwardTensors) -> None:
     x = require("input_desc", tensors.input)
     check_data_tensor("input_desc", x)
     for name in ("grad_output", "grad_input"):
-        check_like(f"{name}_desc", require(f"{name}_desc", getattr(tensors, name)), "input_desc", x)
+        desc = require(f"{name}_desc", getattr(tensors, name))
+        check_like(f"{name}_desc", desc, "input_desc", x)
+        check_data_tensor(f"{name}_desc", desc)  # its strides: >= 0, like input's
     check_output("grad_input_desc", tensors.grad_input)
     channels = x.shape[1]
     for name in ("weight", "grad_weight", "grad_bias"):
@@ -103,10 +105,14 @@ class BatchNormBackwardDescriptor:
         validate_tensors(self.tensors)
         self._backend_type = _backend(handle.device)
         self._kernel: Any = None
-        self.set_attributes(eps, mode)
+        self._build(eps, mode)
 
     def set_attributes(self, eps: float, mode: Mode | str | int) -> None:
         """Set eps and mode (``infiniopSetBatchNormBackwardAttributes``) and rebuild the backend."""
+        self._live()
+        self._build(eps, mode)
+
+    def _build(self, eps: float, mode: Mode | str | int) -> None:
         eps, mode = check_eps(eps), parse_mode(mode)
         if mode.reads_statistics:
             require("running_mean_desc", self.tensors.running_mean)
