@@ -19,7 +19,7 @@ from typing import Any
 from .._cudnn.enums import BatchNormMode, BatchNormOps, CudnnDataType
 from .._cudnn.handle import thread_handle
 from .._cudnn.library import cudnn
-from .._cudnn.tensor import TensorDescriptor
+from .._cudnn.tensor import TensorDescriptor, pad_to_4d
 from ..dtypes import FLOAT_TYPES
 from ..enums import DataType
 from ..problems import BackwardPointers, BackwardTensors, Mode
@@ -40,6 +40,24 @@ def _layout(desc: TensorDesc) -> str | None:
     if desc.is_contiguous():
         return "NCHW"
     return "NHWC" if desc.is_channels_last() else None
+
+
+def _cudnn_shape_strides(desc: TensorDesc) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """``desc`` padded to 4-D, with every stride the one its packed layout implies.
+
+    A size-1 axis is never stepped, so its stride may be anything in memory, but cuDNN reads
+    strides literally to recognise packed NCHW/NHWC (PyTorch's ``fixSizeOneDimStride``): an
+    NLC tensor padded to (N, C, L, 1) must say W stride C, not 1, and a broadcast size-1 axis
+    must not say 0.
+    """
+    shape, _ = pad_to_4d(desc.shape, desc.strides)
+    nhwc = _layout(desc) == "NHWC"
+    order = (0, *range(2, len(shape)), 1) if nhwc else tuple(range(len(shape)))
+    strides, step = [0] * len(shape), 1
+    for axis in reversed(order):
+        strides[axis] = step
+        step *= shape[axis]
+    return shape, tuple(strides)
 
 
 def cudnn_can_run(tensors: BackwardTensors, mode: Mode, eps: float) -> bool:
@@ -85,7 +103,7 @@ class CudnnBatchNormBackward:
         self._descriptors: list[TensorDescriptor] = []
         try:
             x_desc, dy_desc, dx_desc = (
-                self._own(TensorDescriptor.nd(ctype, d.shape, d.strides))
+                self._own(TensorDescriptor.nd(ctype, *_cudnn_shape_strides(d)))
                 for d in (x, tensors.grad_output, tensors.grad_input)
             )
             bn_desc = self._own(TensorDescriptor.derive_bn(x_desc, self.bn_mode))
