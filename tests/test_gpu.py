@@ -1,0 +1,407 @@
+"""cudnn_bn on a real GPU: the cuDNN and CuPy engines against PyTorch and the CPU backend.
+
+Every test is marked ``gpu`` and is skipped, with the reason, where there is no usable GPU
+(``tests/conftest.py``); ``make test-gpu`` runs them from the source tree and writes a report.
+
+Data is made in float64, rounded to its dtype on the device by torch and laid out with the
+strides under test, then handed to ``cudnn_bn`` as CuPy arrays (aliasing the torch memory
+through ``__cuda_array_interface__``) or as the torch tensors themselves. The reference is
+PyTorch's ``native_batch_norm_backward`` on CUDA in float64 on those same rounded values, so
+the only error an engine may add is its own accumulation and the final rounding. The CPU
+backend gets host copies of the same data.
+
+Not tested here: the CuPy engine for 2^31 elements or more (tens of GiB);
+``tests/test_nvidia_arguments.py`` checks that such problems are sent to it.
+"""
+
+import ctypes
+from dataclasses import dataclass
+
+import numpy as np
+import pytest
+import torch
+
+import cudnn_bn
+from cudnn_bn import BatchNormBackwardDescriptor, DataType, Device, Status, TensorDesc, capi
+from cudnn_bn.errors import InsufficientWorkspaceError
+from cudnn_bn.tensor import contiguous_strides
+
+cupy = pytest.importorskip("cupy", reason="CuPy is not installed")
+
+pytestmark = pytest.mark.gpu
+
+F16, BF16, F32, F64 = torch.float16, torch.bfloat16, torch.float32, torch.float64
+DATA_TYPES = {
+    np.dtype(np.float16): DataType.F16,
+    np.dtype(np.float32): DataType.F32,
+    np.dtype(np.float64): DataType.F64,
+}
+EPS = 1e-5
+
+# atol = rtol against the float64 reference. F16/BF16: InfiniCore's 1e-2. F32: InfiniCore's
+# 2e-5, relative to the float64 reference. cuDNN and the CuPy kernels accumulate F32 data in
+# F32, so each per-channel sum over M elements carries about sqrt(M) * 2^-24 of relative
+# error (M is at most 52 here): far inside 2e-5. If a cuDNN release's reduction order ever
+# made this too tight, the next step is 1e-4 relative to the magnitude, not a looser atol.
+# F64: double accumulation against double, a different summation order only.
+TOL = {F16: 1e-2, BF16: 1e-2, F32: 2e-5, F64: 1e-9}
+NAMES = ("grad_input", "grad_weight", "grad_bias")
+
+
+# --- layouts -------------------------------------------------------------------------------
+
+
+def channels_last(shape):
+    """Channel axis innermost: NLC, NHWC, NDHWC."""
+    order = (0, *range(2, len(shape)), 1)
+    packed = contiguous_strides(tuple(shape[i] for i in order))
+    strides = [0] * len(shape)
+    for axis, stride in zip(order, packed, strict=True):
+        strides[axis] = stride
+    return tuple(strides)
+
+
+def padded(shape):
+    """Row-major with 3 extra elements after each innermost row and 5 after each batch item."""
+    strides = list(contiguous_strides((*shape[:-1], shape[-1] + 3)))
+    strides[0] += 5
+    return tuple(strides)
+
+
+SHAPES = [(16, 3), (4, 3, 10), (2, 3, 4, 5), (2, 3, 2, 3, 4)]
+
+
+def _layouts():
+    cases = []
+    for shape in SHAPES:
+        cases.append(pytest.param(shape, contiguous_strides(shape), "contiguous", id=f"{shape}"))
+        if len(shape) > 2:
+            cases.append(pytest.param(shape, channels_last(shape), "channels_last",
+                                      id=f"{shape}-channels_last"))  # fmt: skip
+        cases.append(pytest.param(shape, padded(shape), "padded", id=f"{shape}-padded"))
+    # InfiniCore's own test case: batch items 10 elements apart instead of 8.
+    cases.append(pytest.param((13, 2, 4), (10, 4, 1), "padded", id="(13, 2, 4)-(10, 4, 1)"))
+    # Packed, but a broadcast size-1 axis says stride 0: cuDNN must be told the packed one.
+    cases.append(pytest.param((2, 3, 1, 5), (15, 5, 0, 1), "contiguous", id="broadcast-H"))
+    return cases
+
+
+LAYOUTS = _layouts()
+
+
+# --- problems and references ----------------------------------------------------------------
+
+
+@dataclass
+class Problem:
+    """One batch-norm backward: torch CUDA tensors and the array API's keyword arguments."""
+
+    x: torch.Tensor
+    dy: torch.Tensor
+    w: torch.Tensor
+    stats: dict  # running_mean/running_var, or saved_mean/saved_invstd
+    mode: str  # the array API's mode: "train", "saved" or "eval"
+    eps: float = EPS
+
+
+def on_device(values: np.ndarray, dtype: torch.dtype, strides=None) -> torch.Tensor:
+    """``values`` rounded to ``dtype`` on the GPU, laid out with ``strides`` (elements)."""
+    tensor = torch.from_numpy(values).to(device="cuda", dtype=dtype)
+    if strides is None:
+        return tensor
+    laid_out = torch.empty_strided(tensor.shape, strides, dtype=dtype, device="cuda")
+    return laid_out.copy_(tensor)
+
+
+def make_problem(shape, strides, dtype, channel_dtype, mode, eps=EPS, seed=0) -> Problem:
+    """``mode``: "train", "saved" (running_* are the batch mean and biased variance),
+    "saved_invstd" (saved_mean/saved_invstd as a forward saves them) or "eval"."""
+    rng = np.random.default_rng(seed)
+    channels = shape[1]
+    x = on_device(2 * rng.standard_normal(shape) + 0.5, dtype, strides)
+    dy = on_device(rng.standard_normal(shape), dtype, strides)
+    w = on_device(1 + 0.5 * rng.standard_normal(channels), channel_dtype)
+    x64 = x.double()
+    axes = [0, *range(2, x.ndim)]
+    mean, var = x64.mean(dim=axes), x64.var(dim=axes, correction=0)
+    if mode in ("train", "eval"):  # train: random running statistics, never read
+        stats = {
+            "running_mean": on_device(0.1 * rng.standard_normal(channels), channel_dtype),
+            "running_var": on_device(0.5 + rng.random(channels), channel_dtype),
+        }
+    elif mode == "saved":
+        stats = {"running_mean": mean.to(channel_dtype), "running_var": var.to(channel_dtype)}
+    else:
+        invstd = torch.rsqrt(var + eps)
+        stats = {"saved_mean": mean.to(channel_dtype), "saved_invstd": invstd.to(channel_dtype)}
+    torch.cuda.synchronize()
+    return Problem(x, dy, w, stats, "saved" if mode == "saved_invstd" else mode, eps)
+
+
+def reference(p: Problem) -> tuple:
+    """PyTorch's batch-norm backward on CUDA in float64, on the values the operator saw."""
+    x, dy, w = p.x.double(), p.dy.double(), p.w.double()
+    stats = {name: t.double() for name, t in p.stats.items()}
+    backward, mask = torch.ops.aten.native_batch_norm_backward, [True, True, True]
+    if p.mode == "eval":
+        mean, var = stats["running_mean"], stats["running_var"]
+        return backward(dy, x, w, mean, var, None, None, False, p.eps, mask)
+    if "saved_mean" in stats:
+        mean, invstd = stats["saved_mean"], stats["saved_invstd"]
+    elif p.mode == "saved":
+        mean, invstd = stats["running_mean"], torch.rsqrt(stats["running_var"] + p.eps)
+    else:
+        _, mean, invstd = torch.ops.aten.native_batch_norm(x, w, None, None, None, True, 0.0, p.eps)
+    return backward(dy, x, w, None, None, mean, invstd, True, p.eps, mask)
+
+
+def run(p: Problem, convert=lambda t: t, **kwargs) -> tuple:
+    """``cudnn_bn.batch_norm_backward`` on ``convert``-ed copies or views of the problem."""
+    stats = {name: convert(t) for name, t in p.stats.items()}
+    return cudnn_bn.batch_norm_backward(
+        convert(p.x), convert(p.dy), convert(p.w),
+        stats.get("running_mean"), stats.get("running_var"),
+        eps=p.eps, mode=p.mode, saved_mean=stats.get("saved_mean"),
+        saved_invstd=stats.get("saved_invstd"), **kwargs,
+    )  # fmt: skip
+
+
+def to_cupy(t: torch.Tensor):
+    return cupy.asarray(t)  # a view of the same device memory
+
+
+def to_numpy(t: torch.Tensor) -> np.ndarray:
+    return t.cpu().numpy()
+
+
+def to_torch_cpu(t: torch.Tensor) -> torch.Tensor:
+    return t.cpu()
+
+
+def as_f64(a) -> np.ndarray:
+    if isinstance(a, torch.Tensor):
+        return a.detach().double().cpu().numpy()
+    if isinstance(a, np.ndarray):
+        return a.astype(np.float64)
+    return cupy.asnumpy(a).astype(np.float64)
+
+
+def assert_close(actual, expected, tol: float, what: str) -> None:
+    for name, a, e in zip(NAMES, actual, expected, strict=True):
+        np.testing.assert_allclose(
+            as_f64(a), as_f64(e), rtol=tol, atol=tol, err_msg=f"{what}: {name}"
+        )
+
+
+def used_engine() -> str:
+    """The engine of the one descriptor in the cache (cleared before the call)."""
+    entries = list(cudnn_bn.descriptor_cache._entries.values())
+    assert len(entries) == 1
+    return entries[0].engine
+
+
+def expected_engine(mode: str, dtype: torch.dtype, layout: str) -> str:
+    """DESIGN.md: cuDNN for train/saved on F16/F32/F64 in one packed layout, else CuPy."""
+    packed = layout in ("contiguous", "channels_last")
+    return "cudnn" if mode != "eval" and dtype != BF16 and packed else "cupy"
+
+
+def cudnn_version() -> int:
+    return cudnn_bn.cudnn_info().version
+
+
+# --- every mode, dtype and layout ------------------------------------------------------------
+
+MODES = ["train", "saved", "saved_invstd", "eval"]
+# (how the arrays are handed over, input dtype, per-channel dtype); CuPy has no bfloat16.
+KINDS = [
+    ("cupy", F16, F32), ("cupy", F16, F16), ("cupy", F32, F32), ("cupy", F64, F64),
+    ("torch", BF16, BF16), ("torch", BF16, F32), ("torch", F16, F32), ("torch", F32, F32),
+]  # fmt: skip
+KIND_IDS = [f"{k}-{str(d)[6:]}-{str(c)[6:]}" for k, d, c in KINDS]
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize(("kind", "dtype", "channel_dtype"), KINDS, ids=KIND_IDS)
+@pytest.mark.parametrize(("shape", "strides", "layout"), LAYOUTS)
+def test_against_torch_and_cpu(shape, strides, layout, kind, dtype, channel_dtype, mode):
+    p = make_problem(shape, strides, dtype, channel_dtype, mode)
+    convert = to_cupy if kind == "cupy" else (lambda t: t)
+    cudnn_bn.descriptor_cache.clear()
+    got = run(p, convert)
+    assert used_engine() == expected_engine(p.mode, dtype, layout)
+    kind_type = cupy.ndarray if kind == "cupy" else torch.Tensor
+    assert all(isinstance(g, kind_type) for g in got)
+
+    cpu = run(p, to_numpy if kind == "cupy" else to_torch_cpu)
+    expected, tol = reference(p), TOL[dtype]
+    assert_close(got, expected, tol, "GPU vs float64 reference")
+    assert_close(cpu, expected, tol, "CPU backend vs float64 reference")
+    assert_close(got, cpu, tol, "GPU vs CPU backend")
+
+
+def test_eps_zero():
+    """cuDNN 9 takes eps 0 (cuDNN 8 refuses below 1e-5, so the CuPy engine serves it)."""
+    p = make_problem((2, 3, 4, 5), None, F32, F32, "train", eps=0.0)
+    cudnn_bn.descriptor_cache.clear()
+    got = run(p, to_cupy)
+    assert used_engine() == ("cudnn" if cudnn_version() >= 90000 else "cupy")
+    assert_close(got, reference(p), TOL[F32], "eps 0")
+
+
+@pytest.mark.parametrize(("strides", "engine"), [(None, "cudnn"), (padded((2, 3, 4, 5)), "cupy")])
+def test_saved_statistics_are_used_as_given(strides, engine):
+    """Saved statistics that are not the batch's give the formula's result with them."""
+    p = make_problem((2, 3, 4, 5), strides, F32, F32, "saved_invstd")
+    p.stats = {
+        "saved_mean": p.stats["saved_mean"] + 0.25,
+        "saved_invstd": p.stats["saved_invstd"] * 1.5,
+    }
+    cudnn_bn.descriptor_cache.clear()
+    got = run(p, to_cupy)
+    assert used_engine() == engine
+    assert_close(got, reference(p), TOL[F32], "shifted saved statistics")
+    recomputed = run(Problem(p.x, p.dy, p.w, {}, "train"), to_cupy)
+    assert not np.allclose(as_f64(got[0]), as_f64(recomputed[0]), rtol=1e-3, atol=1e-3)
+
+
+# --- PyTorch's own cuDNN batch norm ----------------------------------------------------------
+
+CUDNN_CASES = [
+    pytest.param(shape, strides, dtype, channel_dtype, id=f"{shape}-{label}-{str(dtype)[6:]}")
+    for dtype, channel_dtype in [(F16, F32), (F32, F32), (F64, F64)]
+    for shape in SHAPES
+    for label, strides in [("contiguous", None), ("channels_last", channels_last(shape))]
+    if label == "contiguous" or len(shape) >= 4  # torch's memory formats: NHWC and NDHWC
+]
+
+
+@pytest.mark.parametrize(("shape", "strides", "dtype", "channel_dtype"), CUDNN_CASES)
+def test_against_torch_cudnn_batch_norm_backward(shape, strides, dtype, channel_dtype):
+    if not torch.backends.cudnn.is_available():
+        pytest.skip("this torch has no cuDNN")
+    p = make_problem(shape, strides, dtype, channel_dtype, "train")
+    channels = shape[1]
+    bias = torch.zeros(channels, dtype=channel_dtype, device="cuda")
+    running_mean = torch.zeros(channels, dtype=channel_dtype, device="cuda")
+    running_var = torch.ones(channels, dtype=channel_dtype, device="cuda")
+    _, save_mean, save_invstd, reserve = torch.ops.aten.cudnn_batch_norm(
+        p.x, p.w, bias, running_mean, running_var, True, 0.1, p.eps
+    )
+    expected = torch.ops.aten.cudnn_batch_norm_backward(
+        p.x, p.dy, p.w, running_mean, running_var, save_mean, save_invstd, p.eps, reserve
+    )
+    saved = cudnn_bn.batch_norm_backward(
+        p.x, p.dy, p.w, None, None, eps=p.eps, mode="saved",
+        saved_mean=save_mean, saved_invstd=save_invstd,
+    )  # fmt: skip
+    recomputed = cudnn_bn.batch_norm_backward(p.x, p.dy, p.w, None, None, eps=p.eps)
+    tol = TOL[dtype]
+    assert_close(saved, expected, tol, "saved statistics vs aten.cudnn_batch_norm_backward")
+    assert_close(recomputed, expected, tol, "train vs aten.cudnn_batch_norm_backward")
+
+
+# --- torch tensors, CuPy streams -------------------------------------------------------------
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "channels_last"])
+def test_torch_tensors_on_a_side_stream(layout):
+    shape = (4, 8, 6, 6)
+    strides = channels_last(shape) if layout == "channels_last" else None
+    p = make_problem(shape, strides, F16, F32, "train")
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        got = run(p)
+    stream.synchronize()
+    for grad, like in zip(got, (p.x, p.w, p.w), strict=True):
+        assert isinstance(grad, torch.Tensor)
+        assert (grad.device, grad.dtype, grad.shape) == (like.device, like.dtype, like.shape)
+    assert got[0].stride() == p.x.stride()  # the gradient keeps the input's layout
+    assert_close(got, reference(p), TOL[F16], "torch tensors on a side stream")
+
+
+def test_cupy_arrays_on_an_explicit_stream():
+    p = make_problem((2, 3, 4, 5), None, F32, F32, "train")
+    stream = cupy.cuda.Stream(non_blocking=True)
+    got = run(p, to_cupy, stream=stream)
+    stream.synchronize()
+    assert_close(got, reference(p), TOL[F32], "CuPy arrays on a non-blocking stream")
+
+
+# --- the C API and the workspace ------------------------------------------------------------
+
+
+def capi_tensor(a) -> ctypes.c_void_p:
+    """An infiniop tensor descriptor for the CuPy array ``a``."""
+    out, n = ctypes.c_void_p(), a.ndim
+    shape = (ctypes.c_size_t * n)(*a.shape)
+    strides = (ctypes.c_ssize_t * n)(*(s // a.itemsize for s in a.strides))
+    status = capi.infiniopCreateTensorDescriptor(
+        ctypes.byref(out), n, shape, strides, DATA_TYPES[a.dtype]
+    )
+    assert status == Status.SUCCESS, capi.last_error()
+    return out
+
+
+def test_capi_with_device_pointers():
+    shape = (2, 3, 4, 5)
+    p = make_problem(shape, None, F32, F32, "saved")
+    inputs = [cupy.asarray(t) for t in (p.x, p.dy, p.w, *p.stats.values())]
+    grads = [cupy.full(shape, cupy.nan, cupy.float32), cupy.full(3, cupy.nan, cupy.float32),
+             cupy.full(3, cupy.nan, cupy.float32)]  # fmt: skip
+    cupy.cuda.Device().synchronize()  # the compute stream below does not wait for the default
+
+    assert capi.infinirtSetDevice(Device.NVIDIA, 0) == Status.SUCCESS
+    handle, desc, size = ctypes.c_void_p(), ctypes.c_void_p(), ctypes.c_size_t()
+    assert capi.infiniopCreateHandle(ctypes.byref(handle)) == Status.SUCCESS
+    tensors = [capi_tensor(a) for a in grads + inputs]
+    status = capi.infiniopCreateBatchNormBackwardDescriptor(handle, ctypes.byref(desc), *tensors)
+    assert status == Status.SUCCESS, capi.last_error()
+    assert capi.infiniopSetBatchNormBackwardAttributes(desc, EPS, 1) == Status.SUCCESS
+    status = capi.infiniopGetBatchNormBackwardWorkspaceSize(desc, ctypes.byref(size))
+    assert status == Status.SUCCESS
+    workspace = cupy.empty(max(size.value, 1), cupy.uint8)
+    stream = cupy.cuda.Stream(non_blocking=True)
+    pointers = [a.data.ptr for a in grads + inputs]
+
+    status = capi.infiniopBatchNormBackward(
+        desc, workspace.data.ptr, size.value, *pointers, stream.ptr
+    )
+    assert status == Status.SUCCESS, capi.last_error()
+    stream.synchronize()
+    assert_close(grads, reference(p), TOL[F32], "C API")
+
+    for t in tensors:
+        assert capi.infiniopDestroyTensorDescriptor(t) == Status.SUCCESS
+    assert capi.infiniopDestroyBatchNormBackwardDescriptor(desc) == Status.SUCCESS
+    assert capi.infiniopDestroyHandle(handle) == Status.SUCCESS
+
+
+@pytest.mark.parametrize(
+    ("mode", "channel_dtype", "engine"),
+    [("train", F16, "cudnn"), ("eval", F32, "cupy")],  # both need workspace: staging, scratch
+)
+def test_small_workspace_leaves_outputs_untouched(mode, channel_dtype, engine):
+    shape = (2, 3, 4, 5)
+    p = make_problem(shape, None, F16, channel_dtype, mode)
+    inputs = [cupy.asarray(t) for t in (p.x, p.dy, p.w, *p.stats.values())]
+    w = inputs[2]
+    grads = [cupy.full(shape, 7, cupy.float16), cupy.full(3, 7, w.dtype), cupy.full(3, 7, w.dtype)]
+    arrays = grads + inputs
+    descs = [TensorDesc(DATA_TYPES[a.dtype], a.shape, contiguous_strides(a.shape)) for a in arrays]
+    pointers = [a.data.ptr for a in arrays]
+    handle = cudnn_bn.Handle(Device.NVIDIA, 0)
+    with BatchNormBackwardDescriptor(handle, *descs, eps=EPS, mode=mode) as desc:
+        assert desc.engine == engine
+        assert desc.workspace_size > 0
+        workspace = cupy.zeros(desc.workspace_size, cupy.uint8)
+        cupy.cuda.Device().synchronize()
+        with pytest.raises(InsufficientWorkspaceError):
+            desc.compute(workspace.data.ptr, desc.workspace_size - 1, *pointers, stream=0)
+        cupy.cuda.Device().synchronize()
+        for name, grad in zip(NAMES, grads, strict=True):
+            assert bool((grad == 7).all()), f"{name} was written"
+        desc.compute(workspace.data.ptr, desc.workspace_size, *pointers, stream=0)
+        cupy.cuda.Device().synchronize()
+    assert_close(grads, reference(p), TOL[F16], "after a refused call")
