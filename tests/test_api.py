@@ -19,12 +19,16 @@ SHAPES = [(6, 3), (2, 3, 5), (2, 3, 4, 5), (2, 3, 2, 3, 4)]
 MODES = ["train", "saved", "eval"]
 # (data dtype, per-channel dtype): one dtype for all, or F32 statistics for half data.
 NUMPY_DTYPES = [
-    (np.float16, np.float16), (np.float16, np.float32),
-    (np.float32, np.float32), (np.float64, np.float64),
+    (np.float16, np.float16),
+    (np.float16, np.float32),
+    (np.float32, np.float32),
+    (np.float64, np.float64),
 ]
 TORCH_DTYPES = [
-    (torch.float16, torch.float32), (torch.bfloat16, torch.bfloat16),
-    (torch.bfloat16, torch.float32), (torch.float32, torch.float32),
+    (torch.float16, torch.float32),
+    (torch.bfloat16, torch.bfloat16),
+    (torch.bfloat16, torch.float32),
+    (torch.float32, torch.float32),
 ]
 
 
@@ -49,8 +53,12 @@ def batch_stats(x) -> tuple[np.ndarray, np.ndarray]:
 
 def as_numpy(values, data, channel):
     x, dy, w, rm, rv = values
-    return x.astype(data), dy.astype(data), w.astype(channel), rm.astype(channel), rv.astype(
-        channel
+    return (
+        x.astype(data),
+        dy.astype(data),
+        w.astype(channel),
+        rm.astype(channel),
+        rv.astype(channel),
     )
 
 
@@ -103,8 +111,9 @@ def test_saved_running_stats_are_the_batch_mean_and_biased_variance(shape, kind)
     check(saved, train, dtype, dtype, x)
 
 
-@pytest.mark.parametrize(("data", "channel"), [*TORCH_DTYPES, (torch.float64, torch.float64)],
-                         ids=str)
+@pytest.mark.parametrize(
+    ("data", "channel"), [*TORCH_DTYPES, (torch.float64, torch.float64)], ids=str
+)
 @pytest.mark.parametrize("shape", SHAPES, ids=str)
 def test_saved_mean_and_invstd_from_the_forward(shape, data, channel):
     """What ``native_batch_norm`` (training) saved goes straight into the backward."""
@@ -156,6 +165,7 @@ def test_eps_zero():
 
 
 # --- output layout -------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("shape", SHAPES[1:], ids=str)
 def test_channels_last_input_gives_channels_last_grad_input(shape):
@@ -211,6 +221,7 @@ def test_mixed_numpy_and_torch_cpu_arrays():
 
 # --- the descriptor cache ----------------------------------------------------------------------
 
+
 def test_repeated_calls_reuse_the_cached_descriptor():
     cache = cudnn_bn.descriptor_cache
     cache.clear()
@@ -229,8 +240,13 @@ def test_repeated_calls_reuse_the_cached_descriptor():
         dict(mode="saved"),
         dict(x=x5, dy=dy5),  # shape
         dict(x=np.asfortranarray(x), dy=dy),  # strides
-        dict(x=x.astype(np.float64), dy=dy.astype(np.float64), w=w.astype(np.float64),
-             rm=rm.astype(np.float64), rv=rv.astype(np.float64)),  # dtype
+        dict(
+            x=x.astype(np.float64),
+            dy=dy.astype(np.float64),
+            w=w.astype(np.float64),
+            rm=rm.astype(np.float64),
+            rv=rv.astype(np.float64),
+        ),  # dtype
         dict(rm=None, rv=None),  # no running statistics
     ]
     for count, change in enumerate(new_problems, start=2):
@@ -238,8 +254,13 @@ def test_repeated_calls_reuse_the_cached_descriptor():
         args.update(change)
         for _ in range(2):
             cudnn_bn.batch_norm_backward(
-                args["x"], args["dy"], args["w"], args["rm"], args["rv"],
-                eps=args["eps"], mode=args["mode"],
+                args["x"],
+                args["dy"],
+                args["w"],
+                args["rm"],
+                args["rv"],
+                eps=args["eps"],
+                mode=args["mode"],
             )
         assert len(cache) == count, change
     cudnn_bn.batch_norm_backward(x, dy, w, rm, rv)  # the first problem again

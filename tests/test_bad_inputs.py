@@ -31,8 +31,14 @@ STORAGE = {F16: np.float16, BF16: np.uint16, F32: np.float32, F64: np.float64, I
 SENTINEL = 0xA5
 
 ORDER = (  # the spec's argument order
-    "grad_input", "grad_weight", "grad_bias",
-    "input", "grad_output", "weight", "running_mean", "running_var",
+    "grad_input",
+    "grad_weight",
+    "grad_bias",
+    "input",
+    "grad_output",
+    "weight",
+    "running_mean",
+    "running_var",
 )
 OUTPUTS = ORDER[:3]
 DATA = ("grad_input", "input", "grad_output")
@@ -47,6 +53,7 @@ def names(argument: str) -> str:
 
 
 # --- the array API's side ----------------------------------------------------------------
+
 
 def array_args() -> dict:
     """A good float32 problem for ``batch_norm_backward``: positional and keyword arguments."""
@@ -81,12 +88,16 @@ class OnCuda:
 
     def __init__(self, shape: tuple[int, ...]) -> None:
         self.__cuda_array_interface__ = {
-            "shape": shape, "typestr": "<f4", "data": (0xDEAD0000, False),
-            "strides": None, "version": 3,
+            "shape": shape,
+            "typestr": "<f4",
+            "data": (0xDEAD0000, False),
+            "strides": None,
+            "version": 3,
         }
 
 
 # --- the C API's side --------------------------------------------------------------------
+
 
 def default_spec(name: str) -> tuple[DataType, tuple[int, ...], tuple[int, ...] | None]:
     return (F32, SHAPE, None) if name in DATA else (F32, (C,), None)
@@ -175,31 +186,44 @@ def run_capi(p: CapiProblem) -> tuple[Outcome, dict[str, Buffer]]:
                 continue
             dtype, shape, strides = p.descs[name]
             tensors[name] = ctypes.c_void_p()
-            _check("infiniopCreateTensorDescriptor", capi.infiniopCreateTensorDescriptor(
-                ctypes.byref(tensors[name]), len(shape), (ctypes.c_size_t * len(shape))(*shape),
-                None if strides is None else (ctypes.c_int64 * len(shape))(*strides), dtype,
-            ))
+            _check(
+                "infiniopCreateTensorDescriptor",
+                capi.infiniopCreateTensorDescriptor(
+                    ctypes.byref(tensors[name]),
+                    len(shape),
+                    (ctypes.c_size_t * len(shape))(*shape),
+                    None if strides is None else (ctypes.c_int64 * len(shape))(*strides),
+                    dtype,
+                ),
+            )
         if p.destroyed_tensor:
             capi.infiniopDestroyTensorDescriptor(tensors[p.destroyed_tensor])
-        _check("create", capi.infiniopCreateBatchNormBackwardDescriptor(
-            handle if p.handle is None else p.handle,
-            None if p.null_out == "desc_ptr" else ctypes.byref(op),
-            *(tensors[name] for name in ORDER),
-        ))
+        _check(
+            "create",
+            capi.infiniopCreateBatchNormBackwardDescriptor(
+                handle if p.handle is None else p.handle,
+                None if p.null_out == "desc_ptr" else ctypes.byref(op),
+                *(tensors[name] for name in ORDER),
+            ),
+        )
         op_live = True
         _check("attributes", capi.infiniopSetBatchNormBackwardAttributes(op, p.eps, p.mode))
         size = ctypes.c_size_t()
-        _check("workspace", capi.infiniopGetBatchNormBackwardWorkspaceSize(
-            op, None if p.null_out == "size" else ctypes.byref(size)
-        ))
+        _check(
+            "workspace",
+            capi.infiniopGetBatchNormBackwardWorkspaceSize(
+                op, None if p.null_out == "size" else ctypes.byref(size)
+            ),
+        )
         workspace = np.empty(max(size.value, 1), np.uint8)
         if p.destroy_first:
             op_live = False
             _check("destroy", capi.infiniopDestroyBatchNormBackwardDescriptor(op))
         pointers = [0 if name in p.null_data else buffers[name].ptr for name in ORDER]
-        _check("compute", capi.infiniopBatchNormBackward(
-            op, workspace.ctypes.data, size.value, *pointers, None
-        ))
+        _check(
+            "compute",
+            capi.infiniopBatchNormBackward(op, workspace.ctypes.data, size.value, *pointers, None),
+        )
         op_live = False
         _check("destroy", capi.infiniopDestroyBatchNormBackwardDescriptor(op))
         if p.destroy_twice:
@@ -220,6 +244,7 @@ def run_capi(p: CapiProblem) -> tuple[Outcome, dict[str, Buffer]]:
 
 # --- the table ---------------------------------------------------------------------------
 
+
 @dataclass(frozen=True)
 class Case:
     id: str
@@ -232,13 +257,21 @@ class Case:
 
 def _data_shape_cases() -> list[Case]:
     cases = []
-    for label, shape in (("1-D", (N * C * L,)), ("6-D", (N, C, 2, 1, 2, 1)),
-                         ("zero-size", (0, C, L)), ("zero-channel", (N, 0, L))):
-        cases.append(Case(
-            f"input {label}", Status.BAD_TENSOR_SHAPE, names("input"),
-            arrays(input=np.ones(shape, np.float32), grad_output=np.ones(shape, np.float32)),
-            descs(**{n: (F32, shape, None) for n in DATA}),
-        ))
+    for label, shape in (
+        ("1-D", (N * C * L,)),
+        ("6-D", (N, C, 2, 1, 2, 1)),
+        ("zero-size", (0, C, L)),
+        ("zero-channel", (N, 0, L)),
+    ):
+        cases.append(
+            Case(
+                f"input {label}",
+                Status.BAD_TENSOR_SHAPE,
+                names("input"),
+                arrays(input=np.ones(shape, np.float32), grad_output=np.ones(shape, np.float32)),
+                descs(**{n: (F32, shape, None) for n in DATA}),
+            )
+        )
     return cases
 
 
@@ -247,24 +280,44 @@ def _per_channel_cases() -> list[Case]:
     for name in PER_CHANNEL:
         as_array = name not in OUTPUTS
         for shape in ((C + 1,), (C, 1), ()):
-            cases.append(Case(
-                f"{name} shape {shape}", Status.BAD_TENSOR_SHAPE, names(name),
-                arrays(**{name: np.ones(shape, np.float32)}) if as_array else None,
-                descs(**{name: (F32, shape, None)}),
-            ))
+            cases.append(
+                Case(
+                    f"{name} shape {shape}",
+                    Status.BAD_TENSOR_SHAPE,
+                    names(name),
+                    arrays(**{name: np.ones(shape, np.float32)}) if as_array else None,
+                    descs(**{name: (F32, shape, None)}),
+                )
+            )
         cases += [
-            Case(f"{name} stride 0", Status.BAD_TENSOR_STRIDES, names(name),
-                 arrays(**{name: np.broadcast_to(np.float32(1), (C,))}) if as_array else None,
-                 descs(**{name: (F32, (C,), (0,))})),
-            Case(f"{name} negative stride", Status.BAD_TENSOR_STRIDES, names(name),
-                 arrays(**{name: lambda a, n=name: a[n][::-1]}) if as_array else None,
-                 descs(**{name: (F32, (C,), (-1,))})),
-            Case(f"F16 {name} with F32 input", Status.BAD_TENSOR_DTYPE, names(name),
-                 arrays(**{name: np.ones(C, np.float16)}) if as_array else None,
-                 descs(**{name: (F16, (C,), None)})),
-            Case(f"F64 {name} with F32 input", Status.BAD_TENSOR_DTYPE, names(name),
-                 arrays(**{name: np.ones(C, np.float64)}) if as_array else None,
-                 descs(**{name: (F64, (C,), None)})),
+            Case(
+                f"{name} stride 0",
+                Status.BAD_TENSOR_STRIDES,
+                names(name),
+                arrays(**{name: np.broadcast_to(np.float32(1), (C,))}) if as_array else None,
+                descs(**{name: (F32, (C,), (0,))}),
+            ),
+            Case(
+                f"{name} negative stride",
+                Status.BAD_TENSOR_STRIDES,
+                names(name),
+                arrays(**{name: lambda a, n=name: a[n][::-1]}) if as_array else None,
+                descs(**{name: (F32, (C,), (-1,))}),
+            ),
+            Case(
+                f"F16 {name} with F32 input",
+                Status.BAD_TENSOR_DTYPE,
+                names(name),
+                arrays(**{name: np.ones(C, np.float16)}) if as_array else None,
+                descs(**{name: (F16, (C,), None)}),
+            ),
+            Case(
+                f"F64 {name} with F32 input",
+                Status.BAD_TENSOR_DTYPE,
+                names(name),
+                arrays(**{name: np.ones(C, np.float64)}) if as_array else None,
+                descs(**{name: (F64, (C,), None)}),
+            ),
         ]
     return cases
 
@@ -274,104 +327,287 @@ def _null_cases() -> list[Case]:
     for name in ORDER[:6]:
         as_array = name not in OUTPUTS
         cases += [
-            Case(f"{name}_desc NULL", Status.NULL_POINTER, names(name),
-                 arrays(**{name: None}) if as_array else None, descs(**{name: None})),
-            Case(f"{name} data NULL", Status.NULL_POINTER, names(name),
-                 None, attrs(null_data=(name,)), stage="compute"),
+            Case(
+                f"{name}_desc NULL",
+                Status.NULL_POINTER,
+                names(name),
+                arrays(**{name: None}) if as_array else None,
+                descs(**{name: None}),
+            ),
+            Case(
+                f"{name} data NULL",
+                Status.NULL_POINTER,
+                names(name),
+                None,
+                attrs(null_data=(name,)),
+                stage="compute",
+            ),
         ]
     for name in ("running_mean", "running_var"):
         for mode, label in ((1, "saved"), (2, "eval")):
             cases += [
-                Case(f"{name} data NULL in {label}", Status.NULL_POINTER, names(name),
-                     arrays(**{name: None}, mode=label), attrs(null_data=(name,), mode=mode),
-                     stage="compute"),
-                Case(f"{name}_desc NULL, attributes {label}", Status.NULL_POINTER, names(name),
-                     None, lambda p, n=name, m=mode: (descs(**{n: None})(p), attrs(mode=m)(p)),
-                     stage="attributes"),
+                Case(
+                    f"{name} data NULL in {label}",
+                    Status.NULL_POINTER,
+                    names(name),
+                    arrays(**{name: None}, mode=label),
+                    attrs(null_data=(name,), mode=mode),
+                    stage="compute",
+                ),
+                Case(
+                    f"{name}_desc NULL, attributes {label}",
+                    Status.NULL_POINTER,
+                    names(name),
+                    None,
+                    lambda p, n=name, m=mode: (descs(**{n: None})(p), attrs(mode=m)(p)),
+                    stage="attributes",
+                ),
             ]
     return cases
 
 
 CASES: list[Case] = [
     *_data_shape_cases(),
-    Case("grad_output shape", Status.BAD_TENSOR_SHAPE, names("grad_output"),
-         arrays(grad_output=np.ones((N, C, L + 1), np.float32)),
-         descs(grad_output=(F32, (N, C, L + 1), None))),
-    Case("grad_input shape", Status.BAD_TENSOR_SHAPE, names("grad_input"),
-         None, descs(grad_input=(F32, (N, C + 1, L), None))),
+    Case(
+        "grad_output shape",
+        Status.BAD_TENSOR_SHAPE,
+        names("grad_output"),
+        arrays(grad_output=np.ones((N, C, L + 1), np.float32)),
+        descs(grad_output=(F32, (N, C, L + 1), None)),
+    ),
+    Case(
+        "grad_input shape",
+        Status.BAD_TENSOR_SHAPE,
+        names("grad_input"),
+        None,
+        descs(grad_input=(F32, (N, C + 1, L), None)),
+    ),
     *_per_channel_cases(),
-    Case("int32 input", Status.BAD_TENSOR_DTYPE, names("input"),
-         arrays(input=np.ones(SHAPE, np.int32), grad_output=np.ones(SHAPE, np.int32)),
-         descs(**{n: (I32, SHAPE, None) for n in DATA})),
-    Case("F16 grad_output with F32 input", Status.BAD_TENSOR_DTYPE, names("grad_output"),
-         arrays(grad_output=lambda a: a["grad_output"].astype(np.float16)),
-         descs(grad_output=(F16, SHAPE, None))),
-    Case("F16 grad_input with F32 input", Status.BAD_TENSOR_DTYPE, names("grad_input"),
-         None, descs(grad_input=(F16, SHAPE, None))),
-    Case("F16 input with F32 grad_output", Status.BAD_TENSOR_DTYPE, names("grad_output"),
-         arrays(input=lambda a: a["input"].astype(np.float16),
-                weight=lambda a: a["weight"].astype(np.float16)),
-         descs(input=(F16, SHAPE, None), grad_input=(F16, SHAPE, None),
-               weight=(F16, (C,), None))),
-    Case("grad_input overlapping strides", Status.BAD_TENSOR_STRIDES, names("grad_input"),
-         None, descs(grad_input=(F32, SHAPE, (0, 1, 1)))),
-    Case("grad_input broadcast channel", Status.BAD_TENSOR_STRIDES, names("grad_input"),
-         None, descs(grad_input=(F32, SHAPE, (L, 0, 1)))),
-    *(Case(f"{name} negative strides", Status.BAD_TENSOR_STRIDES, names(name),
-           None if name == "grad_input" else arrays(**{name: lambda a, n=name: a[n][..., ::-1]}),
-           descs(**{name: (F32, SHAPE, (C * L, L, -1))}))
-      for name in DATA),
-    *(Case(f"eps {eps}", Status.BAD_PARAM, names("eps"),
-           arrays(eps=eps), attrs(eps=eps), stage="attributes")
-      for eps in (-1e-5, math.nan, math.inf, -math.inf, "abc")),
+    Case(
+        "int32 input",
+        Status.BAD_TENSOR_DTYPE,
+        names("input"),
+        arrays(input=np.ones(SHAPE, np.int32), grad_output=np.ones(SHAPE, np.int32)),
+        descs(**{n: (I32, SHAPE, None) for n in DATA}),
+    ),
+    Case(
+        "F16 grad_output with F32 input",
+        Status.BAD_TENSOR_DTYPE,
+        names("grad_output"),
+        arrays(grad_output=lambda a: a["grad_output"].astype(np.float16)),
+        descs(grad_output=(F16, SHAPE, None)),
+    ),
+    Case(
+        "F16 grad_input with F32 input",
+        Status.BAD_TENSOR_DTYPE,
+        names("grad_input"),
+        None,
+        descs(grad_input=(F16, SHAPE, None)),
+    ),
+    Case(
+        "F16 input with F32 grad_output",
+        Status.BAD_TENSOR_DTYPE,
+        names("grad_output"),
+        arrays(
+            input=lambda a: a["input"].astype(np.float16),
+            weight=lambda a: a["weight"].astype(np.float16),
+        ),
+        descs(input=(F16, SHAPE, None), grad_input=(F16, SHAPE, None), weight=(F16, (C,), None)),
+    ),
+    Case(
+        "grad_input overlapping strides",
+        Status.BAD_TENSOR_STRIDES,
+        names("grad_input"),
+        None,
+        descs(grad_input=(F32, SHAPE, (0, 1, 1))),
+    ),
+    Case(
+        "grad_input broadcast channel",
+        Status.BAD_TENSOR_STRIDES,
+        names("grad_input"),
+        None,
+        descs(grad_input=(F32, SHAPE, (L, 0, 1))),
+    ),
+    *(
+        Case(
+            f"{name} negative strides",
+            Status.BAD_TENSOR_STRIDES,
+            names(name),
+            None if name == "grad_input" else arrays(**{name: lambda a, n=name: a[n][..., ::-1]}),
+            descs(**{name: (F32, SHAPE, (C * L, L, -1))}),
+        )
+        for name in DATA
+    ),
+    *(
+        Case(
+            f"eps {eps}",
+            Status.BAD_PARAM,
+            names("eps"),
+            arrays(eps=eps),
+            attrs(eps=eps),
+            stage="attributes",
+        )
+        for eps in (-1e-5, math.nan, math.inf, -math.inf, "abc")
+    ),
     Case("array eps None", Status.BAD_PARAM, names("eps"), arrays(eps=None)),
-    Case("unknown mode", Status.BAD_PARAM, names("mode"),
-         arrays(mode="bogus"), attrs(mode=7), stage="attributes"),
-    Case("negative mode", Status.BAD_PARAM, names("mode"),
-         arrays(mode=-1), attrs(mode=-1), stage="attributes"),
+    Case(
+        "unknown mode",
+        Status.BAD_PARAM,
+        names("mode"),
+        arrays(mode="bogus"),
+        attrs(mode=7),
+        stage="attributes",
+    ),
+    Case(
+        "negative mode",
+        Status.BAD_PARAM,
+        names("mode"),
+        arrays(mode=-1),
+        attrs(mode=-1),
+        stage="attributes",
+    ),
     *_null_cases(),
-    Case("desc_ptr NULL", Status.NULL_POINTER, names("desc_ptr"),
-         None, attrs(null_out="desc_ptr")),
-    Case("workspace size_ptr NULL", Status.NULL_POINTER, names("size"),
-         None, attrs(null_out="size"), stage="workspace"),
-    Case("device CAMBRICON", Status.DEVICE_TYPE_NOT_SUPPORTED, "CAMBRICON",
-         None, attrs(device=(Device.CAMBRICON, 0)), stage="infinirtSetDevice"),
-    Case("device 99", Status.DEVICE_TYPE_NOT_SUPPORTED, "99",
-         None, attrs(device=(99, 0)), stage="infinirtSetDevice"),
-    Case("CPU device 1", Status.DEVICE_NOT_FOUND, "device_id",
-         None, attrs(device=(Device.CPU, 1)), stage="infinirtSetDevice"),
+    Case("desc_ptr NULL", Status.NULL_POINTER, names("desc_ptr"), None, attrs(null_out="desc_ptr")),
+    Case(
+        "workspace size_ptr NULL",
+        Status.NULL_POINTER,
+        names("size"),
+        None,
+        attrs(null_out="size"),
+        stage="workspace",
+    ),
+    Case(
+        "device CAMBRICON",
+        Status.DEVICE_TYPE_NOT_SUPPORTED,
+        "CAMBRICON",
+        None,
+        attrs(device=(Device.CAMBRICON, 0)),
+        stage="infinirtSetDevice",
+    ),
+    Case(
+        "device 99",
+        Status.DEVICE_TYPE_NOT_SUPPORTED,
+        "99",
+        None,
+        attrs(device=(99, 0)),
+        stage="infinirtSetDevice",
+    ),
+    Case(
+        "CPU device 1",
+        Status.DEVICE_NOT_FOUND,
+        "device_id",
+        None,
+        attrs(device=(Device.CPU, 1)),
+        stage="infinirtSetDevice",
+    ),
     Case("handle 12345", Status.BAD_PARAM, names("handle"), None, attrs(handle=12345)),
     Case("handle NULL", Status.NULL_POINTER, names("handle"), None, attrs(handle=0)),
-    Case("destroyed input_desc", Status.BAD_PARAM, names("input"),
-         None, attrs(destroyed_tensor="input")),
-    Case("descriptor used after destroy", Status.BAD_PARAM, names("desc"),
-         None, attrs(destroy_first=True), stage="compute"),
-    Case("descriptor destroyed twice", Status.BAD_PARAM, names("desc"),
-         None, attrs(destroy_twice=True), stage="destroy"),
-    Case("grad_output on another device", Status.BAD_PARAM, "grad_output on NVIDIA",
-         arrays(grad_output=OnCuda(SHAPE))),
-    Case("weight of another kind and device", Status.BAD_PARAM, "weight on NVIDIA",
-         arrays(weight=OnCuda((C,)))),
-    Case("torch meta tensor", Status.DEVICE_TYPE_NOT_SUPPORTED, names("grad_output"),
-         arrays(grad_output=torch.empty(SHAPE, device="meta"))),
-    Case("saved_mean without saved_invstd", Status.NULL_POINTER, names("saved_invstd"),
-         arrays(mode="saved", running_mean=None, running_var=None,
-                saved_mean=lambda a: a["running_mean"])),
-    Case("saved_invstd without saved_mean", Status.NULL_POINTER, names("saved_mean"),
-         arrays(mode="saved", running_mean=None, running_var=None,
-                saved_invstd=lambda a: a["running_var"])),
-    *(Case(f"saved_* with mode {mode}", Status.BAD_PARAM, "saved_mean.*mode",
-           arrays(mode=mode, running_mean=None, running_var=None,
-                  saved_mean=lambda a: a["weight"], saved_invstd=lambda a: a["weight"]))
-      for mode in ("train", "eval")),
-    Case("running_* and saved_* together", Status.BAD_PARAM, "running_mean.*saved_mean",
-         arrays(mode="saved", saved_mean=lambda a: a["running_mean"],
-                saved_invstd=lambda a: a["running_var"])),
-    Case("saved_mean of wrong shape", Status.BAD_TENSOR_SHAPE, "(saved|running)_mean",
-         arrays(mode="saved", running_mean=None, running_var=None,
-                saved_mean=np.ones(C + 1, np.float32), saved_invstd=np.ones(C, np.float32))),
-    Case("input is a list", Status.BAD_PARAM, names("input"),
-         arrays(input=lambda a: a["input"].tolist())),
+    Case(
+        "destroyed input_desc",
+        Status.BAD_PARAM,
+        names("input"),
+        None,
+        attrs(destroyed_tensor="input"),
+    ),
+    Case(
+        "descriptor used after destroy",
+        Status.BAD_PARAM,
+        names("desc"),
+        None,
+        attrs(destroy_first=True),
+        stage="compute",
+    ),
+    Case(
+        "descriptor destroyed twice",
+        Status.BAD_PARAM,
+        names("desc"),
+        None,
+        attrs(destroy_twice=True),
+        stage="destroy",
+    ),
+    Case(
+        "grad_output on another device",
+        Status.BAD_PARAM,
+        "grad_output on NVIDIA",
+        arrays(grad_output=OnCuda(SHAPE)),
+    ),
+    Case(
+        "weight of another kind and device",
+        Status.BAD_PARAM,
+        "weight on NVIDIA",
+        arrays(weight=OnCuda((C,))),
+    ),
+    Case(
+        "torch meta tensor",
+        Status.DEVICE_TYPE_NOT_SUPPORTED,
+        names("grad_output"),
+        arrays(grad_output=torch.empty(SHAPE, device="meta")),
+    ),
+    Case(
+        "saved_mean without saved_invstd",
+        Status.NULL_POINTER,
+        names("saved_invstd"),
+        arrays(
+            mode="saved",
+            running_mean=None,
+            running_var=None,
+            saved_mean=lambda a: a["running_mean"],
+        ),
+    ),
+    Case(
+        "saved_invstd without saved_mean",
+        Status.NULL_POINTER,
+        names("saved_mean"),
+        arrays(
+            mode="saved",
+            running_mean=None,
+            running_var=None,
+            saved_invstd=lambda a: a["running_var"],
+        ),
+    ),
+    *(
+        Case(
+            f"saved_* with mode {mode}",
+            Status.BAD_PARAM,
+            "saved_mean.*mode",
+            arrays(
+                mode=mode,
+                running_mean=None,
+                running_var=None,
+                saved_mean=lambda a: a["weight"],
+                saved_invstd=lambda a: a["weight"],
+            ),
+        )
+        for mode in ("train", "eval")
+    ),
+    Case(
+        "running_* and saved_* together",
+        Status.BAD_PARAM,
+        "running_mean.*saved_mean",
+        arrays(
+            mode="saved",
+            saved_mean=lambda a: a["running_mean"],
+            saved_invstd=lambda a: a["running_var"],
+        ),
+    ),
+    Case(
+        "saved_mean of wrong shape",
+        Status.BAD_TENSOR_SHAPE,
+        "(saved|running)_mean",
+        arrays(
+            mode="saved",
+            running_mean=None,
+            running_var=None,
+            saved_mean=np.ones(C + 1, np.float32),
+            saved_invstd=np.ones(C, np.float32),
+        ),
+    ),
+    Case(
+        "input is a list",
+        Status.BAD_PARAM,
+        names("input"),
+        arrays(input=lambda a: a["input"].tolist()),
+    ),
     Case("weight is a list", Status.BAD_PARAM, names("weight"), arrays(weight=[1.0] * C)),
 ]
 ARRAY_CASES = [case for case in CASES if case.array]
@@ -386,7 +622,8 @@ def test_case_ids_are_unique():
 def _snapshot(args: dict) -> dict:
     """Copies of the arguments' values (a torch meta tensor has none)."""
     return {
-        k: np.array(v, copy=True) for k, v in args.items()
+        k: np.array(v, copy=True)
+        for k, v in args.items()
         if isinstance(v, np.ndarray) or (isinstance(v, torch.Tensor) and not v.is_meta)
     }
 
@@ -419,6 +656,7 @@ def test_capi(case: Case):
 
 
 # --- inputs that look odd but are good ----------------------------------------------------
+
 
 def _gpu_present() -> bool:
     try:
@@ -462,9 +700,16 @@ def test_running_statistics_may_be_missing_only_in_train(mode):
     """NULL running data: fine in train (not read), NULL_POINTER in saved and eval."""
     outcome, _ = run_capi(CapiProblem(mode=mode, null_data=("running_mean", "running_var")))
     assert outcome.status == (Status.SUCCESS if mode == 0 else Status.NULL_POINTER)
-    outcome, _ = run_capi(CapiProblem(mode=mode, descs={
-        **CapiProblem().descs, "running_mean": None, "running_var": None,
-    }))
+    outcome, _ = run_capi(
+        CapiProblem(
+            mode=mode,
+            descs={
+                **CapiProblem().descs,
+                "running_mean": None,
+                "running_var": None,
+            },
+        )
+    )
     assert outcome.status == (Status.SUCCESS if mode == 0 else Status.NULL_POINTER)
     args = array_args()
     args.update(mode=("train", "saved", "eval")[mode], running_mean=None, running_var=None)
@@ -476,23 +721,38 @@ def test_running_statistics_may_be_missing_only_in_train(mode):
         assert caught.value.status == Status.NULL_POINTER
 
 
-@pytest.mark.parametrize(("data", "channel"), [
-    (F16, F16), (F16, F32), (F32, F32), (F64, F64), (BF16, BF16), (BF16, F32),
-])
+@pytest.mark.parametrize(
+    ("data", "channel"),
+    [
+        (F16, F16),
+        (F16, F32),
+        (F32, F32),
+        (F64, F64),
+        (BF16, BF16),
+        (BF16, F32),
+    ],
+)
 def test_allowed_dtype_pairs(data, channel):
     """Per-channel tensors in the data dtype, or F32 for F16/BF16 data (the C API)."""
-    problem = CapiProblem(descs={
-        **{n: (data, SHAPE, None) for n in DATA},
-        **{n: (channel, (C,), None) for n in PER_CHANNEL},
-    })
+    problem = CapiProblem(
+        descs={
+            **{n: (data, SHAPE, None) for n in DATA},
+            **{n: (channel, (C,), None) for n in PER_CHANNEL},
+        }
+    )
     outcome, _ = run_capi(problem)
     assert outcome.status == Status.SUCCESS, outcome.message
 
 
-@pytest.mark.parametrize(("data", "channel"), [
-    (torch.float16, torch.float32), (torch.bfloat16, torch.float32),
-    (torch.bfloat16, torch.bfloat16), (torch.float16, torch.float16),
-])
+@pytest.mark.parametrize(
+    ("data", "channel"),
+    [
+        (torch.float16, torch.float32),
+        (torch.bfloat16, torch.float32),
+        (torch.bfloat16, torch.bfloat16),
+        (torch.float16, torch.float16),
+    ],
+)
 def test_allowed_dtype_pairs_array_api(data, channel):
     x, dy = torch.randn(SHAPE, dtype=data), torch.randn(SHAPE, dtype=data)
     w = torch.ones(C, dtype=channel)
@@ -511,6 +771,7 @@ def test_bf16_weight_with_f16_input_is_a_dtype_error():
 
 # --- the workspace check -------------------------------------------------------------------
 
+
 def test_insufficient_workspace(monkeypatch):
     """The CPU backend needs no workspace; pretend it needs 64 bytes to reach the check."""
     monkeypatch.setattr(cpu.BatchNormBackward, "workspace_size", 64)
@@ -527,13 +788,16 @@ def test_insufficient_workspace(monkeypatch):
     tensors = []
     for a in arrays_in_order:
         tensors.append(ctypes.c_void_p())
-        assert capi.infiniopCreateTensorDescriptor(
-            ctypes.byref(tensors[-1]), a.ndim, list(a.shape), None, F32
-        ) == 0
+        assert (
+            capi.infiniopCreateTensorDescriptor(
+                ctypes.byref(tensors[-1]), a.ndim, list(a.shape), None, F32
+            )
+            == 0
+        )
     try:
-        assert capi.infiniopCreateBatchNormBackwardDescriptor(
-            handle, ctypes.byref(op), *tensors
-        ) == 0
+        assert (
+            capi.infiniopCreateBatchNormBackwardDescriptor(handle, ctypes.byref(op), *tensors) == 0
+        )
         assert capi.infiniopGetBatchNormBackwardWorkspaceSize(op, ctypes.byref(size)) == 0
         assert size.value == 64
         workspace = np.zeros(64, np.uint8)
@@ -566,8 +830,12 @@ def test_python_descriptor_after_destroy_raises():
     (desc,) = cudnn_bn.descriptor_cache._entries.values()
     assert desc.workspace_size == 0
     desc.destroy()
-    for use in (desc.destroy, lambda: desc.workspace_size, lambda: desc.set_attributes(1e-5, 0),
-                lambda: desc.compute(0, 0, 1, 1, 1, 1, 1, 1, 1, 1)):
+    for use in (
+        desc.destroy,
+        lambda: desc.workspace_size,
+        lambda: desc.set_attributes(1e-5, 0),
+        lambda: desc.compute(0, 0, 1, 1, 1, 1, 1, 1, 1, 1),
+    ):
         with pytest.raises(InfiniError) as caught:
             use()
         assert caught.value.status == Status.BAD_PARAM

@@ -18,15 +18,25 @@ from helpers import assert_close, reference
 from cudnn_bn import DataType, Status, capi
 
 ORDER = (  # the spec's argument order
-    "grad_input", "grad_weight", "grad_bias",
-    "input", "grad_output", "weight", "running_mean", "running_var",
+    "grad_input",
+    "grad_weight",
+    "grad_bias",
+    "input",
+    "grad_output",
+    "weight",
+    "running_mean",
+    "running_var",
 )
 OUTPUTS = ORDER[:3]
 MODES = {0: "train", 1: "saved", 2: "eval", 3: "saved_invstd"}
 DTYPES = {
-    np.dtype(np.float16): DataType.F16, np.dtype(np.float32): DataType.F32,
-    np.dtype(np.float64): DataType.F64, torch.float16: DataType.F16,
-    torch.bfloat16: DataType.BF16, torch.float32: DataType.F32, torch.float64: DataType.F64,
+    np.dtype(np.float16): DataType.F16,
+    np.dtype(np.float32): DataType.F32,
+    np.dtype(np.float64): DataType.F64,
+    torch.float16: DataType.F16,
+    torch.bfloat16: DataType.BF16,
+    torch.float32: DataType.F32,
+    torch.float64: DataType.F64,
 }
 
 
@@ -60,20 +70,31 @@ def tensor_desc(array, style: str = "ctypes", out: str = "byref") -> ctypes.c_vo
     elif style == "address":  # c_shape and c_strides keep the memory alive
         shape_arg, strides_arg = ctypes.addressof(c_shape), ctypes.addressof(c_strides)
     elif style == "null":
-        contiguous = torch.Tensor.is_contiguous if isinstance(array, torch.Tensor) else (
-            lambda a: a.flags.c_contiguous
+        contiguous = (
+            torch.Tensor.is_contiguous
+            if isinstance(array, torch.Tensor)
+            else (lambda a: a.flags.c_contiguous)
         )
         assert contiguous(array)
         strides_arg = None
     desc = ctypes.c_void_p()
-    ok(capi.infiniopCreateTensorDescriptor(out_param(desc, out), n, shape_arg, strides_arg,
-                                           DTYPES[array.dtype]))
+    ok(
+        capi.infiniopCreateTensorDescriptor(
+            out_param(desc, out), n, shape_arg, strides_arg, DTYPES[array.dtype]
+        )
+    )
     assert desc.value
     return desc
 
 
-def backward(arrays: dict, *, mode: int | None = 0, eps: float = 1e-5, style: str = "ctypes",
-             out: str = "byref") -> None:
+def backward(
+    arrays: dict,
+    *,
+    mode: int | None = 0,
+    eps: float = 1e-5,
+    style: str = "ctypes",
+    out: str = "byref",
+) -> None:
     """The whole cycle; results are written into ``arrays``' grad_* (None: a NULL tensor)."""
     handle, op, size = ctypes.c_void_p(), ctypes.c_void_p(), ctypes.c_size_t()
     ok(capi.infiniopCreateHandle(out_param(handle, out)))
@@ -117,10 +138,24 @@ def make_problem(shape, data, channel, kind="numpy", seed=0) -> dict:
 def expected(arrays: dict, mode: int, eps: float = 1e-5):
     a = arrays
     if MODES[mode] == "saved_invstd":
-        return reference(a["input"], a["grad_output"], a["weight"], mode="saved", eps=eps,
-                         mean=a["running_mean"], invstd=a["running_var"])
-    return reference(a["input"], a["grad_output"], a["weight"], mode=MODES[mode], eps=eps,
-                     mean=a["running_mean"], var=a["running_var"])
+        return reference(
+            a["input"],
+            a["grad_output"],
+            a["weight"],
+            mode="saved",
+            eps=eps,
+            mean=a["running_mean"],
+            invstd=a["running_var"],
+        )
+    return reference(
+        a["input"],
+        a["grad_output"],
+        a["weight"],
+        mode=MODES[mode],
+        eps=eps,
+        mean=a["running_mean"],
+        var=a["running_var"],
+    )
 
 
 def check(arrays: dict, want, data) -> None:
@@ -129,6 +164,7 @@ def check(arrays: dict, want, data) -> None:
 
 
 # --- the cycle -------------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("out", ["byref", "address"])
 @pytest.mark.parametrize("style", ["ctypes", "list", "address", "null"])
@@ -143,11 +179,18 @@ def test_cycle(kind, mode, style, out):
 
 @pytest.mark.parametrize("mode", [0, 1, 2])
 @pytest.mark.parametrize("shape", [(6, 3), (2, 3, 5), (2, 3, 4, 5), (2, 3, 2, 3, 4)], ids=str)
-@pytest.mark.parametrize(("data", "channel"), [
-    (np.float16, np.float16), (np.float16, np.float32), (np.float64, np.float64),
-    (torch.bfloat16, torch.bfloat16), (torch.bfloat16, torch.float32),
-    (torch.float16, torch.float32),
-], ids=str)
+@pytest.mark.parametrize(
+    ("data", "channel"),
+    [
+        (np.float16, np.float16),
+        (np.float16, np.float32),
+        (np.float64, np.float64),
+        (torch.bfloat16, torch.bfloat16),
+        (torch.bfloat16, torch.float32),
+        (torch.float16, torch.float32),
+    ],
+    ids=str,
+)
 def test_dtypes_and_ranks(data, channel, shape, mode):
     kind = "torch" if isinstance(data, torch.dtype) else "numpy"
     arrays = make_problem(shape, data, channel, kind)
@@ -199,6 +242,7 @@ def test_running_statistics_may_be_null_in_train():
 
 # --- layouts ---------------------------------------------------------------------------------
 
+
 def strided(base: np.ndarray, shape, strides) -> np.ndarray:
     b = base.itemsize
     return np.lib.stride_tricks.as_strided(base, shape, tuple(s * b for s in strides))
@@ -242,13 +286,17 @@ def test_channels_last(kind):
     arrays = make_problem((2, 3, 4, 5), data, data, kind)
     for name in ("input", "grad_output", "grad_input"):
         a = arrays[name]
-        arrays[name] = (np.moveaxis(np.moveaxis(a, 1, -1).copy(), -1, 1) if kind == "numpy"
-                        else a.contiguous(memory_format=torch.channels_last))
+        arrays[name] = (
+            np.moveaxis(np.moveaxis(a, 1, -1).copy(), -1, 1)
+            if kind == "numpy"
+            else a.contiguous(memory_format=torch.channels_last)
+        )
     backward(arrays, mode=0)
     check(arrays, expected(arrays, 0), data)
 
 
 # --- one descriptor, many calls --------------------------------------------------------------
+
 
 def test_one_descriptor_many_computes_and_modes():
     """Attributes can change between computes; handles and descriptors go in as ints too."""

@@ -39,6 +39,7 @@ SENTINEL = 0xA5  # every byte of every buffer before the run; gaps must keep it
 
 # --- memory ------------------------------------------------------------------------------
 
+
 def padded_strides(shape):
     """Row-major with 3 extra elements after each innermost row and 5 after each batch item."""
     strides = list(contiguous_strides((*shape[:-1], shape[-1] + 3)))
@@ -56,8 +57,11 @@ def channels_last_strides(shape):
     return tuple(strides)
 
 
-LAYOUTS = {"contiguous": contiguous_strides, "padded": padded_strides,
-           "channels_last": channels_last_strides}
+LAYOUTS = {
+    "contiguous": contiguous_strides,
+    "padded": padded_strides,
+    "channels_last": channels_last_strides,
+}
 
 
 def strides_of(layout, shape):
@@ -80,7 +84,8 @@ class Buffer:
         flat = np.empty(size, dtype=storage)
         flat.view(np.uint8).fill(SENTINEL)
         view = np.lib.stride_tricks.as_strided(
-            flat, shape, tuple(s * storage.itemsize for s in strides), writeable=True)
+            flat, shape, tuple(s * storage.itemsize for s in strides), writeable=True
+        )
         return cls(TensorDesc(dtype, tuple(shape), tuple(strides)), flat, view)
 
     @property
@@ -133,8 +138,10 @@ class Case:
         """The descriptors and pointers; absent running_* are None and 0."""
         b = {**self.inputs, **self.outputs}
         names = BackwardTensors._fields
-        return (BackwardTensors(*(b[n].desc if n in b else None for n in names)),
-                BackwardPointers(*(b[n].ptr if n in b else 0 for n in names)))
+        return (
+            BackwardTensors(*(b[n].desc if n in b else None for n in names)),
+            BackwardPointers(*(b[n].ptr if n in b else 0 for n in names)),
+        )
 
     def run(self, mode, eps):
         """Run the backend; check inputs and gaps untouched; return the outputs in float64."""
@@ -159,17 +166,24 @@ def make_case(x, dy, w, stats, dtype, pc_dtype, layouts=("contiguous",) * 3, pc_
     if stats is not None:
         inputs["running_mean"] = filled(stats[0], pc_dtype, pc)
         inputs["running_var"] = filled(stats[1], pc_dtype, pc)
-    outputs = {"grad_input": Buffer.empty(dtype, shape, strides_of(layouts[2], shape)),
-               "grad_weight": Buffer.empty(pc_dtype, (c,), pc),
-               "grad_bias": Buffer.empty(pc_dtype, (c,), pc)}
-    return Case(inputs["input"].values(), inputs["grad_output"].values(),
-                inputs["weight"].values(),
-                inputs["running_mean"].values() if stats is not None else None,
-                inputs["running_var"].values() if stats is not None else None,
-                inputs, outputs)
+    outputs = {
+        "grad_input": Buffer.empty(dtype, shape, strides_of(layouts[2], shape)),
+        "grad_weight": Buffer.empty(pc_dtype, (c,), pc),
+        "grad_bias": Buffer.empty(pc_dtype, (c,), pc),
+    }
+    return Case(
+        inputs["input"].values(),
+        inputs["grad_output"].values(),
+        inputs["weight"].values(),
+        inputs["running_mean"].values() if stats is not None else None,
+        inputs["running_var"].values() if stats is not None else None,
+        inputs,
+        outputs,
+    )
 
 
 # --- data and references -----------------------------------------------------------------
+
 
 def random_data(shape, seed):
     """x with a different mean and spread per channel, dy, weight with both signs."""
@@ -199,8 +213,10 @@ def mode_case(mode, shape, dtype, pc_dtype, seed=0, **layout):
         Mode.TRAIN: None,
         Mode.SAVED: (mean, var),
         Mode.SAVED_INVSTD: (mean, 1 / torch.sqrt(var + eps)),
-        Mode.EVAL: (torch.as_tensor(np.random.default_rng(seed + 1).uniform(-1, 1, shape[1])),
-                    torch.as_tensor(np.random.default_rng(seed + 2).uniform(0.5, 2, shape[1]))),
+        Mode.EVAL: (
+            torch.as_tensor(np.random.default_rng(seed + 1).uniform(-1, 1, shape[1])),
+            torch.as_tensor(np.random.default_rng(seed + 2).uniform(0.5, 2, shape[1])),
+        ),
     }[mode]
     return make_case(x, dy, w, stats, dtype, pc_dtype, **layout)
 
@@ -213,7 +229,8 @@ def torch_reference(case: Case, mode, eps):
     elif mode is Mode.TRAIN:
         bias = torch.zeros_like(w)
         _, save_mean, save_invstd = torch.ops.aten.native_batch_norm(
-            x, w, bias, None, None, True, 0.1, eps)
+            x, w, bias, None, None, True, 0.1, eps
+        )
         args = (None, None, save_mean, save_invstd, True)
     elif mode is Mode.SAVED:
         args = (None, None, case.stat0, 1 / torch.sqrt(case.stat1 + eps), True)
@@ -223,10 +240,16 @@ def torch_reference(case: Case, mode, eps):
 
 
 def assert_close(got, want, dtype, pc_dtype):
-    for name, g, r, dt in zip(("grad_input", "grad_weight", "grad_bias"), got, want,
-                              (dtype, pc_dtype, pc_dtype), strict=True):
-        torch.testing.assert_close(g, r, atol=TOL[dt], rtol=TOL[dt],
-                                   msg=lambda m, n=name: f"{n}: {m}")
+    for name, g, r, dt in zip(
+        ("grad_input", "grad_weight", "grad_bias"),
+        got,
+        want,
+        (dtype, pc_dtype, pc_dtype),
+        strict=True,
+    ):
+        torch.testing.assert_close(
+            g, r, atol=TOL[dt], rtol=TOL[dt], msg=lambda m, n=name: f"{n}: {m}"
+        )
 
 
 def check_against_torch(case, mode, eps, dtype, pc_dtype):
@@ -236,15 +259,20 @@ def check_against_torch(case, mode, eps, dtype, pc_dtype):
 
 # --- against PyTorch -----------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("mode", MODES, ids=lambda m: m.name)
 @pytest.mark.parametrize(("dtype", "pc_dtype"), DTYPES, ids=lambda d: d.name)
 @pytest.mark.parametrize("shape", SHAPES, ids=str)
-@pytest.mark.parametrize(("layouts", "pc_stride"), [
-    (("contiguous",) * 3, 1),
-    (("padded",) * 3, 2),
-    (("channels_last",) * 3, 3),
-    (("contiguous", "channels_last", "padded"), 2),  # each big tensor its own layout
-], ids=["contiguous", "padded", "channels_last", "mixed"])
+@pytest.mark.parametrize(
+    ("layouts", "pc_stride"),
+    [
+        (("contiguous",) * 3, 1),
+        (("padded",) * 3, 2),
+        (("channels_last",) * 3, 3),
+        (("contiguous", "channels_last", "padded"), 2),  # each big tensor its own layout
+    ],
+    ids=["contiguous", "padded", "channels_last", "mixed"],
+)
 def test_matches_torch(mode, dtype, pc_dtype, shape, layouts, pc_stride):
     case = mode_case(mode, shape, dtype, pc_dtype, layouts=layouts, pc_stride=pc_stride)
     check_against_torch(case, mode, 1e-5, dtype, pc_dtype)
@@ -260,8 +288,11 @@ def test_infinicore_padded_strides(mode, dtype, pc_dtype):
 
 
 @pytest.mark.parametrize("mode", MODES, ids=lambda m: m.name)
-@pytest.mark.parametrize("shape", [(1, 3, 5), (4, 3, 1), (4, 1, 5), (1, 2, 1), (1, 1, 1, 1),
-                                   (5, 1), (1, 4), (1, 2, 3, 1, 2)], ids=str)
+@pytest.mark.parametrize(
+    "shape",
+    [(1, 3, 5), (4, 3, 1), (4, 1, 5), (1, 2, 1), (1, 1, 1, 1), (5, 1), (1, 4), (1, 2, 3, 1, 2)],
+    ids=str,
+)
 @pytest.mark.parametrize(("dtype", "pc_dtype"), [(F32, F32), (F64, F64)], ids=lambda d: d.name)
 def test_degenerate_sizes(mode, shape, dtype, pc_dtype):
     """N = 1, L = 1, C = 1, and one value per channel (zero variance, eps keeps it finite)."""
@@ -274,8 +305,12 @@ def test_degenerate_sizes(mode, shape, dtype, pc_dtype):
 def test_eps_zero(mode, shape):
     x, dy, w = random_data(shape, 3)
     mean, var = batch_stats(torch.as_tensor(x))
-    stats = {Mode.TRAIN: None, Mode.SAVED: (mean, var), Mode.SAVED_INVSTD: (mean, var**-0.5),
-             Mode.EVAL: (mean + 0.25, var * 2)}[mode]
+    stats = {
+        Mode.TRAIN: None,
+        Mode.SAVED: (mean, var),
+        Mode.SAVED_INVSTD: (mean, var**-0.5),
+        Mode.EVAL: (mean + 0.25, var * 2),
+    }[mode]
     case = make_case(x, dy, w, stats, F64, F64, layouts=("channels_last",) * 3)
     check_against_torch(case, mode, 0.0, F64, F64)
 
@@ -323,6 +358,7 @@ def test_descriptor_attributes():
 
 # --- against finite differences ------------------------------------------------------------
 
+
 def forward(x, w, b, mode, stats, eps):
     """PyTorch's batch-norm forward: batch statistics, or the fixed ``stats`` in EVAL."""
     if mode is Mode.EVAL:
@@ -356,8 +392,12 @@ def test_matches_finite_differences(mode, shape, eps):
     b = torch.linspace(-0.5, 0.5, shape[1], dtype=torch.float64)
     mean, var = batch_stats(x)
     eval_stats = (mean + 0.3, var * 1.5 + 0.1)
-    stats = {Mode.TRAIN: None, Mode.SAVED: (mean, var),
-             Mode.SAVED_INVSTD: (mean, 1 / torch.sqrt(var + eps)), Mode.EVAL: eval_stats}[mode]
+    stats = {
+        Mode.TRAIN: None,
+        Mode.SAVED: (mean, var),
+        Mode.SAVED_INVSTD: (mean, 1 / torch.sqrt(var + eps)),
+        Mode.EVAL: eval_stats,
+    }[mode]
     case = make_case(x.numpy(), dy.numpy(), w.numpy(), stats, F64, F64)
     got = case.run(mode, eps)
 
@@ -370,6 +410,7 @@ def test_matches_finite_differences(mode, shape, eps):
 
 
 # --- host memory and BF16 ------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("dtype", [F16, BF16, F32, F64], ids=lambda d: d.name)
 def test_host_array_is_a_writable_view(dtype):
@@ -386,8 +427,9 @@ def test_bf16_reads_every_bit_pattern_as_torch():
     bits = np.arange(1 << 16, dtype=np.uint16)
     want = torch.from_numpy(bits.view(np.int16)).view(torch.bfloat16).float().numpy()
     got = bf16_bits_to_f32(bits)
-    np.testing.assert_array_equal(got.view(np.uint32)[~np.isnan(want)],
-                                  want.view(np.uint32)[~np.isnan(want)])
+    np.testing.assert_array_equal(
+        got.view(np.uint32)[~np.isnan(want)], want.view(np.uint32)[~np.isnan(want)]
+    )
     assert np.array_equal(np.isnan(got), np.isnan(want))
 
 
@@ -395,8 +437,19 @@ def test_bf16_rounds_as_torch():
     rng = np.random.default_rng(0)
     bits = rng.integers(0, 1 << 32, 200_000, dtype=np.uint64).astype(np.uint32)
     ties = (rng.integers(0, 1 << 16, 1000, dtype=np.uint32) << 16) | 0x8000  # exact halves
-    special = np.array([0x7F7FFFFF, 0xFF7FFFFF, 0x7F800000, 0x7F800001, 0xFFFFFFFF, 0x00000001,
-                        0x80000000, 0x7FFF8000], dtype=np.uint32)
+    special = np.array(
+        [
+            0x7F7FFFFF,
+            0xFF7FFFFF,
+            0x7F800000,
+            0x7F800001,
+            0xFFFFFFFF,
+            0x00000001,
+            0x80000000,
+            0x7FFF8000,
+        ],
+        dtype=np.uint32,
+    )
     values = np.concatenate([bits, ties, special]).view(np.float32)
     got = f32_to_bf16_bits(values)
     want = torch.from_numpy(values).to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
