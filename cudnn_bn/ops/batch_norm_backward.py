@@ -1,23 +1,23 @@
 """BatchNormBackward: the operator of the spec (``seeds/004``) and ``include/infiniop/ops``.
 
-``BatchNormBackwardDescriptor`` validates its tensors once, picks a backend for the handle's
-device, and caches what that backend built (cuDNN descriptors, workspace and reserve sizes).
-``compute`` checks only what changes per call (pointers, workspace size) and runs.
+Beyond the spec's tensors, the descriptor takes the fused forward's ``output`` and ``bias``
+and a ``grad_z`` output (``Fusion`` BN_RELU / BN_ADD_RELU), and an ``output_mask`` of the
+gradients wanted; a masked-off output may be NULL and is never written.
 """
 
-from typing import Any, Self
+from typing import Any
 
-from ..enums import Device, Status
-from ..errors import InfiniError
-from ..problems import BackwardPointers, BackwardTensors, Mode
+from ..problems import BackwardAttributes, BackwardPointers, BackwardTensors, Fusion, Mode
 from ..runtime import Handle
 from ..tensor import TensorDesc
+from .descriptor import OperatorDescriptor
 from .validation import (
-    check_channel_tensor,
-    check_data_tensor,
+    check_channel_tensors,
+    check_data_tensors,
     check_eps,
-    check_like,
-    check_output,
+    check_flag,
+    check_output_mask,
+    parse_enum,
     require,
 )
 
@@ -28,53 +28,40 @@ MODE_NAMES = {
     "eval": Mode.EVAL,
     "saved_invstd": Mode.SAVED_INVSTD,
 }
+FUSION_NAMES = {None: Fusion.BN, "relu": Fusion.BN_RELU, "add_relu": Fusion.BN_ADD_RELU}
+OUTPUTS = ("grad_input", "grad_weight", "grad_bias")
 
 
 def validate_tensors(tensors: BackwardTensors) -> None:
     """Every check that needs no data: shapes, dtypes, strides, missing descriptors."""
-    x = require("input_desc", tensors.input)
-    check_data_tensor("input_desc", x)
-    for name in ("grad_output", "grad_input"):
-        desc = require(f"{name}_desc", getattr(tensors, name))
-        check_like(f"{name}_desc", desc, "input_desc", x)
-        check_data_tensor(f"{name}_desc", desc)  # its strides: >= 0, like input's
-    check_output("grad_input_desc", tensors.grad_input)
-    channels = x.shape[1]
-    for name in ("weight", "grad_weight", "grad_bias"):
-        check_channel_tensor(
-            f"{name}_desc", require(f"{name}_desc", getattr(tensors, name)), channels, x.dtype
-        )
-    for name in ("running_mean", "running_var"):
-        if (desc := getattr(tensors, name)) is not None:
-            check_channel_tensor(f"{name}_desc", desc, channels, x.dtype)
+    x = check_data_tensors(
+        tensors,
+        required=("input", "grad_output", "grad_input"),
+        optional=("output", "grad_z"),
+        outputs=("grad_input", "grad_z"),
+    )
+    check_channel_tensors(
+        tensors,
+        x,
+        required=("weight", "grad_weight", "grad_bias"),
+        optional=("running_mean", "running_var", "bias"),
+    )
 
 
 def parse_mode(mode: object) -> Mode:
     """A ``Mode`` from its name (``"train"``, ``"saved"``, ``"eval"``) or its C value."""
-    if isinstance(mode, str) and mode in MODE_NAMES:
-        return MODE_NAMES[mode]
-    if isinstance(mode, int) and not isinstance(mode, bool) and mode in Mode._value2member_map_:
-        return Mode(mode)
-    raise InfiniError(
-        Status.BAD_PARAM,
-        f"mode must be one of {', '.join(map(repr, MODE_NAMES))} (or 0..3), got {mode!r}",
-    )
+    return parse_enum("mode", mode, MODE_NAMES, Mode)
 
 
-def _backend(device: Device) -> Any:
-    if device == Device.CPU:
-        from ..backends import cpu
-
-        return cpu.BatchNormBackward
-    if device == Device.NVIDIA:
-        from ..backends import nvidia
-
-        return nvidia.BatchNormBackward
-    raise InfiniError(Status.DEVICE_TYPE_NOT_SUPPORTED, f"no backend for device {device!r}")
+def parse_fusion(fusion: object) -> Fusion:
+    """A ``Fusion`` from None, ``"relu"``, ``"add_relu"`` or its C value."""
+    return parse_enum("fusion", fusion, FUSION_NAMES, Fusion)
 
 
-class BatchNormBackwardDescriptor:
+class BatchNormBackwardDescriptor(OperatorDescriptor):
     """``infiniopBatchNormBackwardDescriptor_t``: validated tensors plus a built backend."""
+
+    op_name = "BatchNormBackward"
 
     def __init__(
         self,
@@ -88,11 +75,16 @@ class BatchNormBackwardDescriptor:
         running_mean_desc: TensorDesc | None,
         running_var_desc: TensorDesc | None,
         *,
+        output_desc: TensorDesc | None = None,
+        bias_desc: TensorDesc | None = None,
+        grad_z_desc: TensorDesc | None = None,
         eps: float = DEFAULT_EPS,
-        mode: Mode | str = Mode.TRAIN,
+        mode: Mode | str | int = Mode.TRAIN,
+        fusion: Fusion | str | int | None = Fusion.BN,
+        output_mask: tuple[bool, bool, bool] = (True, True, True),
+        persistent: bool | None = None,
     ) -> None:
-        self.handle = handle
-        self.tensors = BackwardTensors(
+        tensors = BackwardTensors(
             grad_input_desc,
             grad_weight_desc,
             grad_bias_desc,
@@ -101,40 +93,57 @@ class BatchNormBackwardDescriptor:
             weight_desc,
             running_mean_desc,
             running_var_desc,
+            output_desc,
+            bias_desc,
+            grad_z_desc,
         )
-        validate_tensors(self.tensors)
-        self._backend_type = _backend(handle.device)
-        self._kernel: Any = None
-        self._build(eps, mode)
+        validate_tensors(tensors)
+        attributes = BackwardAttributes(eps, mode, fusion, output_mask, persistent)  # type: ignore[arg-type]
+        super().__init__(handle, tensors, attributes)
 
-    def set_attributes(self, eps: float, mode: Mode | str | int) -> None:
-        """Set eps and mode (``infiniopSetBatchNormBackwardAttributes``) and rebuild the backend."""
-        self._live()
-        self._build(eps, mode)
+    def check_attributes(self, attributes: BackwardAttributes) -> BackwardAttributes:
+        checked = BackwardAttributes(
+            eps=check_eps(attributes.eps),
+            mode=parse_mode(attributes.mode),
+            fusion=parse_fusion(attributes.fusion),
+            output_mask=check_output_mask(attributes.output_mask),
+            persistent=check_flag("persistent", attributes.persistent),
+        )
+        t = self.tensors
+        if checked.mode.reads_statistics:
+            require("running_mean_desc", t.running_mean)
+            require("running_var_desc", t.running_var)
+        if checked.fusion != Fusion.BN:
+            require("output_desc", t.output)
+            require("bias_desc", t.bias)
+        if checked.fusion == Fusion.BN_ADD_RELU:
+            require("grad_z_desc", t.grad_z)
+        return checked
 
-    def _build(self, eps: float, mode: Mode | str | int) -> None:
-        eps, mode = check_eps(eps), parse_mode(mode)
-        if mode.reads_statistics:
-            require("running_mean_desc", self.tensors.running_mean)
-            require("running_var_desc", self.tensors.running_var)
-        kernel = self._backend_type(self.tensors, mode, eps, self.handle.device_id)
-        self._release()
-        self.eps, self.mode, self._kernel = eps, mode, kernel
-
-    @property
-    def engine(self) -> str:
-        """Which engine runs this problem: ``"numpy"``, ``"cudnn"`` or ``"cupy"``."""
-        return self._live().engine
-
-    @property
-    def workspace_size(self) -> int:
-        """Bytes of device (or host) workspace ``compute`` needs."""
-        return self._live().workspace_size
+    def set_attributes(self, eps: float, mode: Mode | str | int, **changes: Any) -> None:  # type: ignore[override]
+        """``infiniopSetBatchNormBackwardAttributes``: eps and mode (and any other attribute)."""
+        super().set_attributes(eps=eps, mode=mode, **changes)
 
     @property
-    def reserve_size(self) -> int:
-        """Bytes of training reserve space cuDNN asked for (0 where unused)."""
-        return self._live().reserve_size
+    def eps(self) -> float:
+        return self.attributes.eps
+
+    @property
+    def mode(self) -> Mode:
+        return self.attributes.mode
+
+    def needed_pointers(self) -> tuple[str, ...]:
+        """The pointers this problem reads or writes: each must be non-NULL."""
+        a = self.attributes
+        needed = ["input", "grad_output", "weight"]
+        needed += [name for name, wanted in zip(OUTPUTS, a.output_mask, strict=True) if wanted]
+        if a.mode.reads_statistics:
+            needed += ["running_mean", "running_var"]
+        if a.fusion != Fusion.BN:
+            needed += ["output", "bias"]
+        if a.fusion == Fusion.BN_ADD_RELU:
+            needed.append("grad_z")
+        return tuple(needed)
 
     def compute(
         self,
@@ -149,9 +158,18 @@ class BatchNormBackwardDescriptor:
         running_mean: int,
         running_var: int,
         stream: int = 0,
+        *,
+        output: int = 0,
+        bias: int = 0,
+        grad_z: int = 0,
+        reserve: int = 0,
+        reserve_size: int = 0,
     ) -> None:
-        """Run on raw pointers (ints; 0 is NULL). Allocates nothing, never synchronizes."""
-        kernel = self._live()
+        """Run on raw pointers (ints; 0 is NULL). Allocates nothing, never synchronizes.
+
+        A fused backward needs the reserve space its forward filled (``reserve_size`` bytes
+        at ``reserve``); a plain one uses it when given.
+        """
         ptrs = BackwardPointers(
             grad_input,
             grad_weight,
@@ -161,63 +179,16 @@ class BatchNormBackwardDescriptor:
             weight,
             running_mean,
             running_var,
+            output,
+            bias,
+            grad_z,
+            reserve,
         )
-        if workspace_size < kernel.workspace_size:
-            raise InfiniError(
-                Status.INSUFFICIENT_WORKSPACE,
-                f"workspace_size is {workspace_size} bytes; "
-                f"this descriptor needs {kernel.workspace_size}",
-            )
-        if kernel.workspace_size and not workspace:
-            raise InfiniError(
-                Status.NULL_POINTER,
-                f"workspace is NULL but {kernel.workspace_size} bytes are needed",
-            )
-        for name, ptr in zip(BackwardPointers._fields, ptrs, strict=True):
-            if not ptr and (self.mode.reads_statistics or not name.startswith("running_")):
-                raise InfiniError(Status.NULL_POINTER, f"{name} is NULL")
-        try:
-            kernel.run(ptrs, workspace, stream)
-        except InfiniError as exc:
-            raise InfiniError(exc.status, f"{str(exc).partition(': ')[2]}\n{self.repro()}") from exc
-
-    def repro(self) -> str:
-        """A Python snippet that rebuilds this problem with the array API, for bug reports."""
-        t = self.tensors
-        lines = ["To reproduce:", "import cupy, cudnn_bn"]
-        for name in ("input", "grad_output", "weight", "running_mean", "running_var"):
-            desc = getattr(t, name)
-            if desc is not None:
-                lines.append(
-                    f"# {name}: dtype {desc.dtype.name}, shape {desc.shape}, strides {desc.strides}"
-                )
-        lines.append(
-            f"cudnn_bn.batch_norm_backward(input, grad_output, weight, running_mean, running_var, "
-            f"eps={self.eps!r}, mode={self.mode.name.lower()!r})  # engine {self.engine}"
+        fused = self.attributes.fusion != Fusion.BN
+        self._launch(
+            ptrs,
+            workspace,
+            workspace_size,
+            stream,
+            reserve_size=reserve_size if fused or reserve else None,
         )
-        return "\n".join(lines)
-
-    def destroy(self) -> None:
-        """Release the backend's resources; later use raises BAD_PARAM."""
-        if self._kernel is None:
-            raise InfiniError(
-                Status.BAD_PARAM, "BatchNormBackward descriptor was already destroyed"
-            )
-        self._release()
-
-    def _release(self) -> None:
-        kernel, self._kernel = self._kernel, None
-        if kernel is not None and hasattr(kernel, "close"):
-            kernel.close()
-
-    def _live(self) -> Any:
-        if self._kernel is None:
-            raise InfiniError(Status.BAD_PARAM, "BatchNormBackward descriptor used after destroy()")
-        return self._kernel
-
-    def __enter__(self) -> Self:
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        if self._kernel is not None:
-            self._release()

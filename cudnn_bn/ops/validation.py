@@ -1,6 +1,10 @@
 """Checks shared by every batch-norm operator: each raises ``InfiniError`` naming the argument."""
 
+import enum
 import math
+import numbers
+from collections.abc import Mapping
+from typing import Any, NamedTuple, TypeVar
 
 from ..enums import DataType, Status
 from ..errors import InfiniError
@@ -83,12 +87,16 @@ def check_channel_tensor(name: str, desc: TensorDesc, channels: int, data_dtype:
         )
 
 
-def check_eps(eps: float) -> float:
+def _number(name: str, value: object) -> float:
+    """``value`` as a float if it is a real number (not a string or a bool), else BAD_PARAM."""
+    if isinstance(value, str | bytes | bool) or not isinstance(value, numbers.Real):
+        raise InfiniError(Status.BAD_PARAM, f"{name} must be a number, got {value!r}")
+    return float(value)
+
+
+def check_eps(eps: object) -> float:
     """A finite eps >= 0 (the spec's formula has none, so 0 is allowed)."""
-    try:
-        value = float(eps)
-    except (TypeError, ValueError):
-        raise InfiniError(Status.BAD_PARAM, f"eps must be a number, got {eps!r}") from None
+    value = _number("eps", eps)
     if not math.isfinite(value) or value < 0:
         raise InfiniError(Status.BAD_PARAM, f"eps must be finite and >= 0, got {eps!r}")
     return value
@@ -96,3 +104,87 @@ def check_eps(eps: float) -> float:
 
 def _name(dtype: int) -> str:
     return DataType(dtype).name if dtype in DataType._value2member_map_ else f"<invalid {dtype}>"
+
+
+def check_data_tensors(
+    tensors: NamedTuple,
+    required: tuple[str, ...],
+    optional: tuple[str, ...] = (),
+    outputs: tuple[str, ...] = (),
+) -> TensorDesc:
+    """Check the ``(N, C, ...)`` operands of ``tensors``; the first is the one others match.
+
+    ``required`` must be present, ``optional`` may be None; all share the first's shape and
+    dtype, and those in ``outputs`` must not overlap. Returns the first (the input).
+    """
+    first = required[0]
+    x = require(f"{first}_desc", getattr(tensors, first))
+    for name in required + optional:
+        desc = getattr(tensors, name)
+        if desc is None and name in optional:
+            continue
+        desc = require(f"{name}_desc", desc)
+        check_data_tensor(f"{name}_desc", desc)
+        check_like(f"{name}_desc", desc, f"{first}_desc", x)
+        if name in outputs:
+            check_output(f"{name}_desc", desc)
+    return x
+
+
+def check_channel_tensors(
+    tensors: NamedTuple, x: TensorDesc, required: tuple[str, ...], optional: tuple[str, ...] = ()
+) -> None:
+    """Check the per-channel ``(C,)`` operands of ``tensors`` against the input ``x``."""
+    for name in required + optional:
+        desc = getattr(tensors, name)
+        if desc is None and name in optional:
+            continue
+        check_channel_tensor(f"{name}_desc", require(f"{name}_desc", desc), x.shape[1], x.dtype)
+
+
+E = TypeVar("E", bound=enum.IntEnum)
+
+
+def parse_enum(name: str, value: object, names: Mapping[Any, E], enum_type: type[E]) -> E:
+    """An ``enum_type`` member from one of its ``names`` or its C value; else BAD_PARAM."""
+    if isinstance(value, enum_type):
+        return value
+    if (isinstance(value, str) or value is None) and value in names:
+        return names[value]
+    if (
+        isinstance(value, int)
+        and not isinstance(value, bool)
+        and value in enum_type._value2member_map_
+    ):
+        return enum_type(value)
+    choices = ", ".join(map(repr, names))
+    raise InfiniError(
+        Status.BAD_PARAM, f"{name} must be one of {choices} (or its C value), got {value!r}"
+    )
+
+
+def check_flag(name: str, value: object) -> bool | None:
+    """True, False or None (automatic); anything else is BAD_PARAM."""
+    if value is None or isinstance(value, bool):
+        return value
+    raise InfiniError(Status.BAD_PARAM, f"{name} must be True, False or None, got {value!r}")
+
+
+def check_output_mask(mask: object) -> tuple[bool, bool, bool]:
+    """Three booleans: which of (grad_input, grad_weight, grad_bias) to compute."""
+    values = tuple(mask) if isinstance(mask, list | tuple) else ()
+    if len(values) != 3 or not all(isinstance(v, bool) for v in values):
+        raise InfiniError(
+            Status.BAD_PARAM,
+            "output_mask must be three booleans (grad_input, grad_weight, grad_bias), "
+            f"got {mask!r}",
+        )
+    return values  # type: ignore[return-value]
+
+
+def check_fraction(name: str, value: object) -> float:
+    """A number in [0, 1] (momentum)."""
+    number = _number(name, value)
+    if not 0.0 <= number <= 1.0:
+        raise InfiniError(Status.BAD_PARAM, f"{name} must be in [0, 1], got {value!r}")
+    return number
