@@ -18,7 +18,7 @@ from cudnn_bn.backends.cpu import BatchNormBackward
 from cudnn_bn.backends.host import from_f64, host_array, to_f64
 from cudnn_bn.dtypes import FLOAT_TYPES
 from cudnn_bn.enums import DataType
-from cudnn_bn.problems import BackwardPointers, BackwardTensors, Mode
+from cudnn_bn.problems import BackwardAttributes, BackwardPointers, BackwardTensors, Mode
 from cudnn_bn.tensor import TensorDesc, contiguous_strides
 
 F16, BF16, F32, F64 = DataType.F16, DataType.BF16, DataType.F32, DataType.F64
@@ -147,7 +147,7 @@ class Case:
         """Run the backend; check inputs and gaps untouched; return the outputs in float64."""
         tensors, ptrs = self.interface()
         before = {n: buf.flat.copy() for n, buf in self.inputs.items()}
-        BatchNormBackward(tensors, mode, eps).run(ptrs, 0, 0)
+        BatchNormBackward(tensors, BackwardAttributes(eps=eps, mode=mode)).run(ptrs, 0, 0)
         for n, buf in self.inputs.items():
             assert np.array_equal(buf.flat.view(np.uint8), before[n].view(np.uint8)), n
         for n, buf in self.outputs.items():
@@ -345,14 +345,14 @@ def test_grad_input_may_overwrite_grad_output():
     tensors, ptrs = case.interface()
     dy = case.inputs["grad_output"]
     tensors, ptrs = tensors._replace(grad_input=dy.desc), ptrs._replace(grad_input=dy.ptr)
-    BatchNormBackward(tensors, Mode.TRAIN, 1e-5).run(ptrs, 0, 0)
+    BatchNormBackward(tensors, BackwardAttributes(eps=1e-5)).run(ptrs, 0, 0)
     got = (dy.values(), case.outputs["grad_weight"].values(), case.outputs["grad_bias"].values())
     assert_close(got, want, F64, F64)
 
 
 def test_descriptor_attributes():
     case = mode_case(Mode.TRAIN, (2, 3), F32, F32)
-    op = BatchNormBackward(case.interface()[0], Mode.TRAIN, 0.0)
+    op = BatchNormBackward(case.interface()[0], BackwardAttributes(eps=0.0))
     assert (op.engine, op.workspace_size, op.reserve_size) == ("numpy", 0, 0)
 
 
