@@ -58,6 +58,21 @@ class TensorDesc:
         )
         return permuted.is_contiguous()
 
+    def packed_strides(self) -> tuple[int, ...]:
+        """Strides of a packed tensor of this shape in this one's layout: row-major unless
+        this one is channels-last and not row-major (a tensor can be both when C or the
+        spatial size is 1). For a packed tensor they differ from ``strides`` only on size-1
+        axes, which cuDNN reads to tell layouts apart."""
+        if self.is_contiguous() or not self.is_channels_last():
+            return contiguous_strides(self.shape)
+        order = (0, *range(2, self.ndim), 1)
+        strides = [0] * self.ndim
+        for axis, stride in zip(
+            order, contiguous_strides(tuple(self.shape[i] for i in order)), strict=True
+        ):
+            strides[axis] = stride
+        return tuple(strides)
+
     def overlaps(self) -> bool:
         """Whether two different indices can address the same element.
 

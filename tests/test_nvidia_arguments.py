@@ -1,37 +1,68 @@
-"""The exact arguments the NVIDIA backend hands cuDNN, checked without a GPU.
+"""The exact arguments the NVIDIA backend hands cuDNN's batch-norm backward, checked without
+a GPU.
 
-A stub libcudnn, compiled here from C, stands in for the real one: it exports every function
-of the prototype table with cuDNN's C signatures, answers SUCCESS, keeps tensor descriptors
-well enough to be set, derived and read back, reports fixed workspace and reserve sizes, and
-records the arguments of the last ``cudnnSetStream``, workspace query and
-``cudnnBatchNormalizationBackwardEx``. The tests install it as the process's libcudnn, stand
-in for the CUDA seam (``cudnn_bn.backends.cuda``: device 0 current, one device), build
-descriptors through the operator layer and the C API, compute on fake device pointers, and
-read back what cuDNN would have been given. On the cuDNN fast path (per-channel tensors
-already in cuDNN's dtype with stride 1) nothing touches CuPy, so ``stream_scope`` fails the
-test if it is entered.
+The stub libcudnn of ``cudnn_stub.py`` stands in for the real one and records what each
+cuDNN function was given. The tests build descriptors through the operator layer and the C
+API, compute on fake device pointers, and read back what cuDNN would have been given: plain
+and fused (BN+ReLU, BN+Add+ReLU) backward, output masks, the reserve space, the engine
+choice. ``test_nvidia_forward_arguments.py`` does the same for the forward passes.
 """
 
 import ctypes
 import gc
-import shutil
-import subprocess
+import itertools
+import math
 import threading
-from ctypes import c_double, c_int, c_int64, c_size_t, c_ssize_t, c_uint64, c_void_p
-from pathlib import Path
+from ctypes import c_size_t, c_ssize_t, c_void_p
 
 import pytest
 from c_headers import cudnn_functions, parse_functions
+from cudnn_stub import (
+    ACTIVATION_RELU,
+    BF16,
+    CUDNN_FLOAT,
+    CUDNN_HALF,
+    CUDNN_TYPE,
+    F16,
+    F32,
+    F64,
+    FAST_DTYPES,
+    FUSED_ENGINES,
+    FUSED_SHAPES,
+    FUSIONS,
+    OPS_BN,
+    PERSISTENT_CASES,
+    POINTERS,
+    PROPAGATE_NAN,
+    SPATIAL_PERSISTENT,
+    STREAM,
+    STUB_DECLARATIONS,
+    STUB_RESERVE,
+    STUB_VERSION,
+    STUB_WORKSPACE,
+    WORKSPACE,
+    assert_derived_bn_desc,
+    build,
+    channels_last,
+    cudnn_strides,
+    expected_bn_mode,
+    fast_cases,
+    fields,
+    in_workspace,
+    install,
+    layout_strides,
+    nothing_recorded,
+    only,
+    padded,
+    pointers,
+)
 
 import cudnn_bn
-from cudnn_bn import BatchNormBackwardDescriptor, DataType, Device, Mode, Status, TensorDesc, capi
-from cudnn_bn import runtime as runtime_module
-from cudnn_bn._cudnn import handle as handle_module
+from cudnn_bn import BatchNormBackwardDescriptor, Device, Mode, Status, TensorDesc, capi
 from cudnn_bn._cudnn import library as library_module
 from cudnn_bn._cudnn.library import CudnnLibrary
 from cudnn_bn._cudnn.loader import CudnnInfo
 from cudnn_bn._cudnn.prototypes import PROTOTYPES
-from cudnn_bn.backends import cuda
 from cudnn_bn.errors import (
     BadParamError,
     BadTensorDtypeError,
@@ -42,529 +73,30 @@ from cudnn_bn.errors import (
 )
 from cudnn_bn.tensor import contiguous_strides
 
-F16, BF16, F32, F64 = DataType.F16, DataType.BF16, DataType.F32, DataType.F64
-# cudnnDataType_t and cudnnBatchNormMode_t values, written out as cuDNN's headers have them.
-CUDNN_FLOAT, CUDNN_DOUBLE, CUDNN_HALF = 0, 1, 2
-CUDNN_TYPE = {F16: CUDNN_HALF, F32: CUDNN_FLOAT, F64: CUDNN_DOUBLE}
-PER_ACTIVATION, SPATIAL, OPS_BN = 0, 1, 0
-
-STUB_VERSION = 92800
-STUB_WORKSPACE = 4096
-STUB_RESERVE = 512
-
-# --- the stub library ----------------------------------------------------------------------
-
-# Every record field is 8 bytes wide, so the C struct and its ctypes mirror cannot disagree
-# on padding; the C structs are generated from the ctypes ones below.
-DOUBLE_FIELDS = {"alpha_data", "beta_data", "alpha_param", "beta_param", "epsilon"}
-
-
-def _fields(names: str) -> list[tuple[str, type]]:
-    return [(name, c_double if name in DOUBLE_FIELDS else c_uint64) for name in names.split()]
-
-
-class StreamCall(ctypes.Structure):
-    _fields_ = _fields("calls handle stream")
-
-
-class WorkspaceQuery(ctypes.Structure):
-    _fields_ = _fields(
-        "calls handle mode bn_ops x_desc y_desc dy_desc dz_desc dx_desc bn_desc activation_desc"
-    )
-
-
-class BackwardCall(ctypes.Structure):
-    """``cudnnBatchNormalizationBackwardEx``'s arguments in order; alpha/beta are the values
-    behind the pointers, read as double for DOUBLE data and as float otherwise."""
-
-    _fields_ = _fields(
-        "calls handle mode bn_ops alpha_data beta_data alpha_param beta_param"
-        " x_desc x y_desc y dy_desc dy dz_desc dz dx_desc dx"
-        " bn_desc scale bias dscale dbias epsilon saved_mean saved_inv_variance"
-        " activation_desc workspace workspace_size reserve reserve_size"
-    )
-
-
-class TensorRecord(ctypes.Structure):
-    """The stub's ``struct cudnnTensorStruct``, all 8-byte fields."""
-
-    _fields_ = [  # set: 0 never set, 1 set, -1 destroyed
-        ("set", c_int64), ("dtype", c_int64), ("nb_dims", c_int64), ("derive_mode", c_int64),
-        ("derived_from", c_uint64), ("dims", c_int64 * 8), ("strides", c_int64 * 8),
-    ]  # fmt: skip
-
-
-def _c_struct(record: type[ctypes.Structure]) -> str:
-    members = " ".join(
-        f"{'double' if ctype is c_double else 'uint64_t'} {name};"
-        for name, ctype in record._fields_
-    )
-    return f"typedef struct {{ {members} }} {record.__name__};\n"
-
-
-STUB_PRELUDE = r"""
-#include <stdint.h>
-#include <stdio.h>
-#include <stdlib.h>
-
-typedef int cudnnStatus_t;
-typedef int cudnnDataType_t;
-typedef int cudnnBatchNormMode_t;
-typedef int cudnnBatchNormOps_t;
-typedef int cudnnActivationMode_t;
-typedef int cudnnNanPropagation_t;
-typedef void *cudaStream_t;
-typedef struct cudnnContext *cudnnHandle_t;
-typedef struct cudnnTensorStruct *cudnnTensorDescriptor_t;
-typedef struct cudnnActivationStruct *cudnnActivationDescriptor_t;
-"""
-
-# The stub's declarations, as cuDNN's headers spell them (a test compares the two); the C
-# compiler holds the definitions below to them.
-STUB_DECLARATIONS = r"""
-size_t cudnnGetVersion(void);
-size_t cudnnGetCudartVersion(void);
-const char *cudnnGetErrorString(cudnnStatus_t status);
-void cudnnGetLastErrorString(char *message, size_t max_size);
-cudnnStatus_t cudnnCreate(cudnnHandle_t *handle);
-cudnnStatus_t cudnnDestroy(cudnnHandle_t handle);
-cudnnStatus_t cudnnSetStream(cudnnHandle_t handle, cudaStream_t streamId);
-cudnnStatus_t cudnnGetStream(cudnnHandle_t handle, cudaStream_t *streamId);
-cudnnStatus_t cudnnCreateTensorDescriptor(cudnnTensorDescriptor_t *tensorDesc);
-cudnnStatus_t cudnnDestroyTensorDescriptor(cudnnTensorDescriptor_t tensorDesc);
-cudnnStatus_t cudnnSetTensorNdDescriptor(cudnnTensorDescriptor_t tensorDesc,
-    cudnnDataType_t dataType, int nbDims, const int dimA[], const int strideA[]);
-cudnnStatus_t cudnnGetTensorNdDescriptor(const cudnnTensorDescriptor_t tensorDesc,
-    int nbDimsRequested, cudnnDataType_t *dataType, int *nbDims, int dimA[], int strideA[]);
-cudnnStatus_t cudnnCreateActivationDescriptor(cudnnActivationDescriptor_t *activationDesc);
-cudnnStatus_t cudnnSetActivationDescriptor(cudnnActivationDescriptor_t activationDesc,
-    cudnnActivationMode_t mode, cudnnNanPropagation_t reluNanOpt, double coef);
-cudnnStatus_t cudnnDestroyActivationDescriptor(cudnnActivationDescriptor_t activationDesc);
-cudnnStatus_t cudnnDeriveBNTensorDescriptor(cudnnTensorDescriptor_t derivedBnDesc,
-    const cudnnTensorDescriptor_t xDesc, cudnnBatchNormMode_t mode);
-cudnnStatus_t cudnnBatchNormalizationForwardInference(cudnnHandle_t handle,
-    cudnnBatchNormMode_t mode, const void *alpha, const void *beta,
-    const cudnnTensorDescriptor_t xDesc, const void *x, const cudnnTensorDescriptor_t yDesc,
-    void *y, const cudnnTensorDescriptor_t bnScaleBiasMeanVarDesc, const void *bnScale,
-    const void *bnBias, const void *estimatedMean, const void *estimatedVariance,
-    double epsilon);
-cudnnStatus_t cudnnBatchNormalizationForwardTraining(cudnnHandle_t handle,
-    cudnnBatchNormMode_t mode, const void *alpha, const void *beta,
-    const cudnnTensorDescriptor_t xDesc, const void *x, const cudnnTensorDescriptor_t yDesc,
-    void *y, const cudnnTensorDescriptor_t bnScaleBiasMeanVarDesc, const void *bnScale,
-    const void *bnBias, double exponentialAverageFactor, void *resultRunningMean,
-    void *resultRunningVariance, double epsilon, void *resultSaveMean,
-    void *resultSaveInvVariance);
-cudnnStatus_t cudnnGetBatchNormalizationForwardTrainingExWorkspaceSize(cudnnHandle_t handle,
-    cudnnBatchNormMode_t mode, cudnnBatchNormOps_t bnOps, const cudnnTensorDescriptor_t xDesc,
-    const cudnnTensorDescriptor_t zDesc, const cudnnTensorDescriptor_t yDesc,
-    const cudnnTensorDescriptor_t bnScaleBiasMeanVarDesc,
-    const cudnnActivationDescriptor_t activationDesc, size_t *sizeInBytes);
-cudnnStatus_t cudnnGetBatchNormalizationBackwardExWorkspaceSize(cudnnHandle_t handle,
-    cudnnBatchNormMode_t mode, cudnnBatchNormOps_t bnOps, const cudnnTensorDescriptor_t xDesc,
-    const cudnnTensorDescriptor_t yDesc, const cudnnTensorDescriptor_t dyDesc,
-    const cudnnTensorDescriptor_t dzDesc, const cudnnTensorDescriptor_t dxDesc,
-    const cudnnTensorDescriptor_t dBnScaleBiasDesc,
-    const cudnnActivationDescriptor_t activationDesc, size_t *sizeInBytes);
-cudnnStatus_t cudnnGetBatchNormalizationTrainingExReserveSpaceSize(cudnnHandle_t handle,
-    cudnnBatchNormMode_t mode, cudnnBatchNormOps_t bnOps,
-    const cudnnActivationDescriptor_t activationDesc, const cudnnTensorDescriptor_t xDesc,
-    size_t *sizeInBytes);
-cudnnStatus_t cudnnBatchNormalizationForwardTrainingEx(cudnnHandle_t handle,
-    cudnnBatchNormMode_t mode, cudnnBatchNormOps_t bnOps, const void *alpha, const void *beta,
-    const cudnnTensorDescriptor_t xDesc, const void *xData,
-    const cudnnTensorDescriptor_t zDesc, const void *zData,
-    const cudnnTensorDescriptor_t yDesc, void *yData,
-    const cudnnTensorDescriptor_t bnScaleBiasMeanVarDesc, const void *bnScale,
-    const void *bnBias, double exponentialAverageFactor, void *resultRunningMean,
-    void *resultRunningVariance, double epsilon, void *resultSaveMean,
-    void *resultSaveInvVariance, cudnnActivationDescriptor_t activationDesc, void *workspace,
-    size_t workSpaceSizeInBytes, void *reserveSpace, size_t reserveSpaceSizeInBytes);
-cudnnStatus_t cudnnBatchNormalizationBackward(cudnnHandle_t handle, cudnnBatchNormMode_t mode,
-    const void *alphaDataDiff, const void *betaDataDiff, const void *alphaParamDiff,
-    const void *betaParamDiff, const cudnnTensorDescriptor_t xDesc, const void *x,
-    const cudnnTensorDescriptor_t dyDesc, const void *dy, const cudnnTensorDescriptor_t dxDesc,
-    void *dx, const cudnnTensorDescriptor_t dBnScaleBiasDesc, const void *bnScale,
-    void *dBnScaleResult, void *dBnBiasResult, double epsilon, const void *savedMean,
-    const void *savedInvVariance);
-cudnnStatus_t cudnnBatchNormalizationBackwardEx(cudnnHandle_t handle,
-    cudnnBatchNormMode_t mode, cudnnBatchNormOps_t bnOps, const void *alphaDataDiff,
-    const void *betaDataDiff, const void *alphaParamDiff, const void *betaParamDiff,
-    const cudnnTensorDescriptor_t xDesc, const void *xData,
-    const cudnnTensorDescriptor_t yDesc, const void *yData,
-    const cudnnTensorDescriptor_t dyDesc, const void *dyData,
-    const cudnnTensorDescriptor_t dzDesc, void *dzData,
-    const cudnnTensorDescriptor_t dxDesc, void *dxData,
-    const cudnnTensorDescriptor_t dBnScaleBiasDesc, const void *bnScaleData,
-    const void *bnBiasData, void *dBnScaleData, void *dBnBiasData, double epsilon,
-    const void *savedMean, const void *savedInvVariance,
-    cudnnActivationDescriptor_t activationDesc, void *workSpace, size_t workSpaceSizeInBytes,
-    void *reserveSpace, size_t reserveSpaceSizeInBytes);
-"""
-
-STUB_DEFINITIONS = r"""
-#define MAX_DIMS 8
-#define BAD_PARAM 2000
-#define NULL_POINTER 2002
-#define U(p) ((uint64_t)(uintptr_t)(p))
-
-struct cudnnContext { cudaStream_t stream; };
-struct cudnnTensorStruct {
-    int64_t set, dtype, nb_dims, derive_mode;
-    uint64_t derived_from;
-    int64_t dims[MAX_DIMS], strides[MAX_DIMS];
-};
-struct cudnnActivationStruct { int mode; };
-
-StreamCall stub_set_stream;
-WorkspaceQuery stub_workspace_query;
-BackwardCall stub_backward;
-int stub_backward_status;          /* what cudnnBatchNormalizationBackwardEx returns */
-uint64_t stub_workspace_bytes = 4096;
-uint64_t stub_reserve_bytes = 512;
-int64_t stub_live_tensors;         /* created minus destroyed tensor descriptors */
-static int last_status;
-
-static cudnnStatus_t fail(cudnnStatus_t status) { last_status = status; return status; }
-
-/* An alpha/beta scaling factor: double for DOUBLE data, float otherwise, as cuDNN reads it. */
-static double scaling(const void *p, cudnnTensorDescriptor_t x) {
-    if (p == NULL) return -1e300;
-    return x != NULL && x->dtype == 1 ? *(const double *)p : (double)*(const float *)p;
-}
-
-size_t cudnnGetVersion(void) { return 92800; }
-size_t cudnnGetCudartVersion(void) { return 12080; }
-
-const char *cudnnGetErrorString(cudnnStatus_t status) {
-    static char text[64];
-    snprintf(text, sizeof text, "STUB_STATUS_%d", status);
-    return text;
-}
-
-void cudnnGetLastErrorString(char *message, size_t max_size) {
-    if (message == NULL || max_size == 0) return;
-    if (last_status != 0) snprintf(message, max_size, "stub detail for %d", last_status);
-    else message[0] = 0;
-}
-
-cudnnStatus_t cudnnCreate(cudnnHandle_t *handle) {
-    if (handle == NULL) return fail(NULL_POINTER);
-    *handle = calloc(1, sizeof **handle);
-    return 0;
-}
-
-cudnnStatus_t cudnnDestroy(cudnnHandle_t handle) {
-    if (handle == NULL) return fail(NULL_POINTER);
-    free(handle);
-    return 0;
-}
-
-cudnnStatus_t cudnnSetStream(cudnnHandle_t handle, cudaStream_t streamId) {
-    if (handle == NULL) return fail(NULL_POINTER);
-    stub_set_stream.calls++;
-    stub_set_stream.handle = U(handle);
-    stub_set_stream.stream = U(streamId);
-    handle->stream = streamId;
-    return 0;
-}
-
-cudnnStatus_t cudnnGetStream(cudnnHandle_t handle, cudaStream_t *streamId) {
-    if (handle == NULL || streamId == NULL) return fail(NULL_POINTER);
-    *streamId = handle->stream;
-    return 0;
-}
-
-cudnnStatus_t cudnnCreateTensorDescriptor(cudnnTensorDescriptor_t *tensorDesc) {
-    if (tensorDesc == NULL) return fail(NULL_POINTER);
-    *tensorDesc = calloc(1, sizeof **tensorDesc);
-    stub_live_tensors++;
-    return 0;
-}
-
-/* Kept, not freed, and marked destroyed: a test that reads it late fails clearly. */
-cudnnStatus_t cudnnDestroyTensorDescriptor(cudnnTensorDescriptor_t tensorDesc) {
-    if (tensorDesc != NULL) {
-        tensorDesc->set = -1;
-        stub_live_tensors--;
-    }
-    return 0;
-}
-
-cudnnStatus_t cudnnSetTensorNdDescriptor(cudnnTensorDescriptor_t tensorDesc,
-        cudnnDataType_t dataType, int nbDims, const int dimA[], const int strideA[]) {
-    if (tensorDesc == NULL || dimA == NULL || strideA == NULL) return fail(NULL_POINTER);
-    if (nbDims < 1 || nbDims > MAX_DIMS) return fail(BAD_PARAM);
-    for (int i = 0; i < nbDims; i++)
-        if (dimA[i] < 1 || strideA[i] < 0) return fail(BAD_PARAM);
-    tensorDesc->set = 1;
-    tensorDesc->dtype = dataType;
-    tensorDesc->nb_dims = nbDims;
-    tensorDesc->derive_mode = -1;
-    tensorDesc->derived_from = 0;
-    for (int i = 0; i < nbDims; i++) {
-        tensorDesc->dims[i] = dimA[i];
-        tensorDesc->strides[i] = strideA[i];
-    }
-    return 0;
-}
-
-cudnnStatus_t cudnnGetTensorNdDescriptor(const cudnnTensorDescriptor_t tensorDesc,
-        int nbDimsRequested, cudnnDataType_t *dataType, int *nbDims, int dimA[], int strideA[]) {
-    if (tensorDesc == NULL || dataType == NULL || nbDims == NULL) return fail(NULL_POINTER);
-    if (tensorDesc->set != 1) return fail(BAD_PARAM);
-    *dataType = (cudnnDataType_t)tensorDesc->dtype;
-    *nbDims = (int)tensorDesc->nb_dims;
-    for (int i = 0; i < tensorDesc->nb_dims && i < nbDimsRequested; i++) {
-        dimA[i] = (int)tensorDesc->dims[i];
-        strideA[i] = (int)tensorDesc->strides[i];
-    }
-    return 0;
-}
-
-cudnnStatus_t cudnnCreateActivationDescriptor(cudnnActivationDescriptor_t *activationDesc) {
-    if (activationDesc == NULL) return fail(NULL_POINTER);
-    *activationDesc = calloc(1, sizeof **activationDesc);
-    return 0;
-}
-
-cudnnStatus_t cudnnSetActivationDescriptor(cudnnActivationDescriptor_t activationDesc,
-        cudnnActivationMode_t mode, cudnnNanPropagation_t reluNanOpt, double coef) {
-    if (activationDesc == NULL) return fail(NULL_POINTER);
-    activationDesc->mode = mode;
-    return 0;
-}
-
-cudnnStatus_t cudnnDestroyActivationDescriptor(cudnnActivationDescriptor_t activationDesc) {
-    free(activationDesc);
-    return 0;
-}
-
-/* (1, C, 1, ...) for SPATIAL, (1, C, H, W, ...) for PER_ACTIVATION, packed; FLOAT
-   statistics for HALF and BFLOAT16 data, the data type otherwise. */
-cudnnStatus_t cudnnDeriveBNTensorDescriptor(cudnnTensorDescriptor_t derivedBnDesc,
-        const cudnnTensorDescriptor_t xDesc, cudnnBatchNormMode_t mode) {
-    if (derivedBnDesc == NULL || xDesc == NULL) return fail(NULL_POINTER);
-    if (xDesc->set != 1 || xDesc->nb_dims < 4 || mode < 0 || mode > 2) return fail(BAD_PARAM);
-    int n = (int)xDesc->nb_dims;
-    derivedBnDesc->dims[0] = 1;
-    for (int i = 1; i < n; i++)
-        derivedBnDesc->dims[i] = (i == 1 || mode == 0) ? xDesc->dims[i] : 1;
-    derivedBnDesc->strides[n - 1] = 1;
-    for (int i = n - 2; i >= 0; i--)
-        derivedBnDesc->strides[i] = derivedBnDesc->strides[i + 1] * derivedBnDesc->dims[i + 1];
-    derivedBnDesc->dtype = (xDesc->dtype == 2 || xDesc->dtype == 9) ? 0 : xDesc->dtype;
-    derivedBnDesc->nb_dims = n;
-    derivedBnDesc->set = 1;
-    derivedBnDesc->derived_from = U(xDesc);
-    derivedBnDesc->derive_mode = mode;
-    return 0;
-}
-
-cudnnStatus_t cudnnBatchNormalizationForwardInference(cudnnHandle_t handle,
-        cudnnBatchNormMode_t mode, const void *alpha, const void *beta,
-        const cudnnTensorDescriptor_t xDesc, const void *x, const cudnnTensorDescriptor_t yDesc,
-        void *y, const cudnnTensorDescriptor_t bnScaleBiasMeanVarDesc, const void *bnScale,
-        const void *bnBias, const void *estimatedMean, const void *estimatedVariance,
-        double epsilon) {
-    return handle == NULL ? fail(NULL_POINTER) : 0;
-}
-
-cudnnStatus_t cudnnBatchNormalizationForwardTraining(cudnnHandle_t handle,
-        cudnnBatchNormMode_t mode, const void *alpha, const void *beta,
-        const cudnnTensorDescriptor_t xDesc, const void *x, const cudnnTensorDescriptor_t yDesc,
-        void *y, const cudnnTensorDescriptor_t bnScaleBiasMeanVarDesc, const void *bnScale,
-        const void *bnBias, double exponentialAverageFactor, void *resultRunningMean,
-        void *resultRunningVariance, double epsilon, void *resultSaveMean,
-        void *resultSaveInvVariance) {
-    return handle == NULL ? fail(NULL_POINTER) : 0;
-}
-
-cudnnStatus_t cudnnGetBatchNormalizationForwardTrainingExWorkspaceSize(cudnnHandle_t handle,
-        cudnnBatchNormMode_t mode, cudnnBatchNormOps_t bnOps, const cudnnTensorDescriptor_t xDesc,
-        const cudnnTensorDescriptor_t zDesc, const cudnnTensorDescriptor_t yDesc,
-        const cudnnTensorDescriptor_t bnScaleBiasMeanVarDesc,
-        const cudnnActivationDescriptor_t activationDesc, size_t *sizeInBytes) {
-    if (handle == NULL || sizeInBytes == NULL) return fail(NULL_POINTER);
-    *sizeInBytes = stub_workspace_bytes;
-    return 0;
-}
-
-cudnnStatus_t cudnnGetBatchNormalizationBackwardExWorkspaceSize(cudnnHandle_t handle,
-        cudnnBatchNormMode_t mode, cudnnBatchNormOps_t bnOps, const cudnnTensorDescriptor_t xDesc,
-        const cudnnTensorDescriptor_t yDesc, const cudnnTensorDescriptor_t dyDesc,
-        const cudnnTensorDescriptor_t dzDesc, const cudnnTensorDescriptor_t dxDesc,
-        const cudnnTensorDescriptor_t dBnScaleBiasDesc,
-        const cudnnActivationDescriptor_t activationDesc, size_t *sizeInBytes) {
-    if (handle == NULL || sizeInBytes == NULL) return fail(NULL_POINTER);
-    WorkspaceQuery *q = &stub_workspace_query;
-    q->calls++;
-    q->handle = U(handle); q->mode = mode; q->bn_ops = bnOps;
-    q->x_desc = U(xDesc); q->y_desc = U(yDesc); q->dy_desc = U(dyDesc); q->dz_desc = U(dzDesc);
-    q->dx_desc = U(dxDesc); q->bn_desc = U(dBnScaleBiasDesc);
-    q->activation_desc = U(activationDesc);
-    *sizeInBytes = stub_workspace_bytes;
-    return 0;
-}
-
-cudnnStatus_t cudnnGetBatchNormalizationTrainingExReserveSpaceSize(cudnnHandle_t handle,
-        cudnnBatchNormMode_t mode, cudnnBatchNormOps_t bnOps,
-        const cudnnActivationDescriptor_t activationDesc, const cudnnTensorDescriptor_t xDesc,
-        size_t *sizeInBytes) {
-    if (handle == NULL || sizeInBytes == NULL) return fail(NULL_POINTER);
-    *sizeInBytes = stub_reserve_bytes;
-    return 0;
-}
-
-cudnnStatus_t cudnnBatchNormalizationForwardTrainingEx(cudnnHandle_t handle,
-        cudnnBatchNormMode_t mode, cudnnBatchNormOps_t bnOps, const void *alpha,
-        const void *beta, const cudnnTensorDescriptor_t xDesc, const void *xData,
-        const cudnnTensorDescriptor_t zDesc, const void *zData,
-        const cudnnTensorDescriptor_t yDesc, void *yData,
-        const cudnnTensorDescriptor_t bnScaleBiasMeanVarDesc, const void *bnScale,
-        const void *bnBias, double exponentialAverageFactor, void *resultRunningMean,
-        void *resultRunningVariance, double epsilon, void *resultSaveMean,
-        void *resultSaveInvVariance, cudnnActivationDescriptor_t activationDesc,
-        void *workspace, size_t workSpaceSizeInBytes, void *reserveSpace,
-        size_t reserveSpaceSizeInBytes) {
-    return handle == NULL ? fail(NULL_POINTER) : 0;
-}
-
-cudnnStatus_t cudnnBatchNormalizationBackward(cudnnHandle_t handle, cudnnBatchNormMode_t mode,
-        const void *alphaDataDiff, const void *betaDataDiff, const void *alphaParamDiff,
-        const void *betaParamDiff, const cudnnTensorDescriptor_t xDesc, const void *x,
-        const cudnnTensorDescriptor_t dyDesc, const void *dy,
-        const cudnnTensorDescriptor_t dxDesc, void *dx,
-        const cudnnTensorDescriptor_t dBnScaleBiasDesc, const void *bnScale,
-        void *dBnScaleResult, void *dBnBiasResult, double epsilon, const void *savedMean,
-        const void *savedInvVariance) {
-    return handle == NULL ? fail(NULL_POINTER) : 0;
-}
-
-cudnnStatus_t cudnnBatchNormalizationBackwardEx(cudnnHandle_t handle,
-        cudnnBatchNormMode_t mode, cudnnBatchNormOps_t bnOps, const void *alphaDataDiff,
-        const void *betaDataDiff, const void *alphaParamDiff, const void *betaParamDiff,
-        const cudnnTensorDescriptor_t xDesc, const void *xData,
-        const cudnnTensorDescriptor_t yDesc, const void *yData,
-        const cudnnTensorDescriptor_t dyDesc, const void *dyData,
-        const cudnnTensorDescriptor_t dzDesc, void *dzData,
-        const cudnnTensorDescriptor_t dxDesc, void *dxData,
-        const cudnnTensorDescriptor_t dBnScaleBiasDesc, const void *bnScaleData,
-        const void *bnBiasData, void *dBnScaleData, void *dBnBiasData, double epsilon,
-        const void *savedMean, const void *savedInvVariance,
-        cudnnActivationDescriptor_t activationDesc, void *workSpace,
-        size_t workSpaceSizeInBytes, void *reserveSpace, size_t reserveSpaceSizeInBytes) {
-    if (handle == NULL) return fail(NULL_POINTER);
-    BackwardCall *c = &stub_backward;
-    c->calls++;
-    c->handle = U(handle); c->mode = mode; c->bn_ops = bnOps;
-    c->alpha_data = scaling(alphaDataDiff, xDesc);
-    c->beta_data = scaling(betaDataDiff, xDesc);
-    c->alpha_param = scaling(alphaParamDiff, xDesc);
-    c->beta_param = scaling(betaParamDiff, xDesc);
-    c->x_desc = U(xDesc); c->x = U(xData); c->y_desc = U(yDesc); c->y = U(yData);
-    c->dy_desc = U(dyDesc); c->dy = U(dyData); c->dz_desc = U(dzDesc); c->dz = U(dzData);
-    c->dx_desc = U(dxDesc); c->dx = U(dxData);
-    c->bn_desc = U(dBnScaleBiasDesc); c->scale = U(bnScaleData); c->bias = U(bnBiasData);
-    c->dscale = U(dBnScaleData); c->dbias = U(dBnBiasData);
-    c->epsilon = epsilon;
-    c->saved_mean = U(savedMean); c->saved_inv_variance = U(savedInvVariance);
-    c->activation_desc = U(activationDesc);
-    c->workspace = U(workSpace); c->workspace_size = workSpaceSizeInBytes;
-    c->reserve = U(reserveSpace); c->reserve_size = reserveSpaceSizeInBytes;
-    return stub_backward_status ? fail(stub_backward_status) : 0;
-}
-"""
-
-STUB_SOURCE = (
-    STUB_PRELUDE
-    + STUB_DECLARATIONS
-    + "".join(_c_struct(r) for r in (StreamCall, WorkspaceQuery, BackwardCall))
-    + STUB_DEFINITIONS
-)
-
-
-class Stub:
-    """The loaded stub: its records and switches, read and written through ctypes."""
-
-    def __init__(self, cdll: ctypes.CDLL) -> None:
-        self.cdll = cdll
-        self.set_stream = StreamCall.in_dll(cdll, "stub_set_stream")
-        self.workspace_query = WorkspaceQuery.in_dll(cdll, "stub_workspace_query")
-        self.backward = BackwardCall.in_dll(cdll, "stub_backward")
-        self.backward_status = c_int.in_dll(cdll, "stub_backward_status")
-        self.live_tensors = c_int64.in_dll(cdll, "stub_live_tensors")
-
-    def reset(self) -> None:
-        for record in (self.set_stream, self.workspace_query, self.backward):
-            ctypes.memset(ctypes.addressof(record), 0, ctypes.sizeof(record))
-        self.backward_status.value = 0
-
-    @staticmethod
-    def tensor(address: int) -> tuple[int, tuple[int, ...], tuple[int, ...]]:
-        """(cudnnDataType_t, dims, strides) of the live stub descriptor at ``address``."""
-        assert address, "a NULL tensor descriptor"
-        t = TensorRecord.from_address(address)
-        assert t.set != -1, "a tensor descriptor read after it was destroyed"
-        assert t.set == 1, "a tensor descriptor that was never set"
-        return t.dtype, tuple(t.dims[: t.nb_dims]), tuple(t.strides[: t.nb_dims])
-
 
 @pytest.fixture(scope="module")
-def stub_path(tmp_path_factory) -> Path:
-    if shutil.which("gcc") is None:
-        pytest.skip("gcc is not installed: the stub libcudnn these tests run on cannot be built")
-    folder = tmp_path_factory.mktemp("stub_cudnn")
-    source, library = folder / "stub_cudnn.c", folder / "libstub_cudnn.so"
-    source.write_text(STUB_SOURCE)
-    command = ["gcc", "-shared", "-fPIC", "-O1", "-Wall", "-Werror", "-o", library, source]
-    built = subprocess.run(command, capture_output=True, text=True, check=False)
-    assert built.returncode == 0, built.stderr
-    return library
-
-
-def _no_cupy(*args: object) -> None:
-    raise AssertionError("the cuDNN fast path entered a CuPy stream scope")
+def stub_path(tmp_path_factory):
+    return build(tmp_path_factory)
 
 
 @pytest.fixture
-def stub(stub_path, monkeypatch) -> Stub:
-    """The stub as this process's libcudnn, with fresh per-thread state and no CUDA."""
-    cdll = ctypes.CDLL(str(stub_path))
-    info = CudnnInfo(path=str(stub_path), found_via="test stub", version=STUB_VERSION)
-    monkeypatch.setattr(library_module, "_library", CudnnLibrary(cdll, info))
-    monkeypatch.setattr(handle_module, "_per_thread", threading.local())
-    monkeypatch.setattr(runtime_module, "_current", threading.local())
-    monkeypatch.setattr(cuda, "current_device", lambda: 0)
-    monkeypatch.setattr(cuda, "device_count", lambda: 1)
-    monkeypatch.setattr(cuda, "stream_scope", _no_cupy)
-    stub = Stub(cdll)
-    stub.reset()
-    return stub
+def stub(stub_path, monkeypatch):
+    return install(stub_path, monkeypatch)
 
 
 # --- problems on fake device pointers ------------------------------------------------------
 
 # The data pointers of compute() and infiniopBatchNormBackward, in the spec's order.
 ARGUMENTS = (
-    "grad_input", "grad_weight", "grad_bias", "input", "grad_output", "weight",
-    "running_mean", "running_var",
-)  # fmt: skip
-# Distinct, above 2^32 (a truncated pointer would show), never dereferenced.
-POINTERS = {
-    name: 0x7F00_0000_0000 + (index + 1) * 0x10_0000 for index, name in enumerate(ARGUMENTS)
-}
-WORKSPACE = 0x7E00_0000_0000
-STREAM = 0x5EA_0000_0000
-
-
-def channels_last(shape: tuple[int, ...]) -> tuple[int, ...]:
-    order = (0, *range(2, len(shape)), 1)
-    packed = contiguous_strides(tuple(shape[i] for i in order))
-    strides = [0] * len(shape)
-    for axis, stride in zip(order, packed, strict=True):
-        strides[axis] = stride
-    return tuple(strides)
+    "grad_input",
+    "grad_weight",
+    "grad_bias",
+    "input",
+    "grad_output",
+    "weight",
+    "running_mean",
+    "running_var",
+)
 
 
 def tensors(shape, dtype=F32, channel_dtype=None, *, strides=None, dy_strides=None):
@@ -578,38 +110,33 @@ def tensors(shape, dtype=F32, channel_dtype=None, *, strides=None, dy_strides=No
     return [dx, channel, channel, x, dy, channel, channel, channel]
 
 
-def descriptor(shape, dtype=F32, channel_dtype=None, *, eps=1e-5, mode="train", **layout):
-    handle = cudnn_bn.Handle(Device.NVIDIA, 0)
-    return BatchNormBackwardDescriptor(
-        handle, *tensors(shape, dtype, channel_dtype, **layout), eps=eps, mode=mode
-    )
+def descriptor(
+    shape, dtype=F32, channel_dtype=None, *, strides=None, dy_strides=None, fusion=None, **attrs
+):
+    """A backward descriptor; a fused one also gets output and bias (and grad_z for the add)
+    descriptors like the input's and the weight's. ``attrs``: eps, mode, output_mask,
+    persistent."""
+    descs = tensors(shape, dtype, channel_dtype, strides=strides, dy_strides=dy_strides)
+    if fusion is not None:
+        attrs |= {"fusion": fusion, "output_desc": descs[3], "bias_desc": descs[5]}
+        if fusion == "add_relu":
+            attrs["grad_z_desc"] = descs[0]
+    return BatchNormBackwardDescriptor(cudnn_bn.Handle(Device.NVIDIA, 0), *descs, **attrs)
 
 
-def compute(desc, workspace_size=None, *, workspace=WORKSPACE, stream=STREAM, **pointers):
-    ptrs = {**POINTERS, **pointers}
+def compute(desc, workspace_size=None, *, workspace=WORKSPACE, stream=STREAM, **overrides):
+    """``desc.compute`` on the fake pointers; ``overrides`` replace some, or add the fused
+    operands (``output``, ``bias``, ``grad_z``, ``reserve``) and ``reserve_size``."""
+    ptrs = {**POINTERS, **overrides}
     size = desc.workspace_size if workspace_size is None else workspace_size
-    desc.compute(workspace, size, *(ptrs[name] for name in ARGUMENTS), stream=stream)
+    extra = {name: value for name, value in overrides.items() if name not in ARGUMENTS}
+    desc.compute(workspace, size, *(ptrs[name] for name in ARGUMENTS), stream=stream, **extra)
 
 
-def pointers(names: str) -> tuple[int, ...]:
-    return tuple(POINTERS[name] for name in names.split())
-
-
-def fields(record: ctypes.Structure, names: str) -> tuple:
-    return tuple(getattr(record, name) for name in names.split())
-
-
-def padded(shape: tuple[int, ...]) -> tuple[int, ...]:
-    """As cuDNN is given it: ranks below 4 padded with size-1 axes (as PyTorch does)."""
-    return tuple(shape) + (1,) * (4 - len(shape))
-
-
-def cudnn_strides(shape: tuple[int, ...], layout: str) -> tuple[int, ...]:
-    """The packed strides of ``padded(shape)`` in ``layout``: what cuDNN must be told, size-1
-    axes included (PyTorch's fixSizeOneDimStride): (N, C, L) channels-last is (N, C, L, 1)
-    with strides (C*L, 1, C, C)."""
-    shape = padded(shape)
-    return channels_last(shape) if layout == "channels_last" else contiguous_strides(shape)
+def fused_pointers(fusion):
+    """The operands a ``fusion`` backward adds, and the reserve's size, for ``compute``."""
+    names = ("output", "bias", "reserve") + (("grad_z",) if fusion == "add_relu" else ())
+    return {name: POINTERS[name] for name in names} | {"reserve_size": STUB_RESERVE}
 
 
 # --- the stub itself -----------------------------------------------------------------------
@@ -659,37 +186,25 @@ def test_stub_descriptors_agree_with_real_cudnn(stub_path, monkeypatch, shape, s
 
 # --- the cuDNN fast path: every argument ---------------------------------------------------
 
-SHAPES = [(6, 3), (2, 3, 5), (2, 3, 4, 5), (2, 3, 2, 3, 4)]
-# (input dtype, per-channel dtype) that need no staging: cuDNN's own statistics dtype.
-FAST_DTYPES = [(F16, F32), (F32, F32), (F64, F64)]
-
-
-def fast_cases():
-    for shape in SHAPES:
-        for dtype, channel_dtype in FAST_DTYPES:
-            for layout in ("contiguous", "channels_last") if len(shape) > 2 else ("contiguous",):
-                yield pytest.param(
-                    shape, dtype, channel_dtype, layout, id=f"{shape}-{dtype.name}-{layout}"
-                )
-
 
 @pytest.mark.parametrize(("shape", "dtype", "channel_dtype", "layout"), list(fast_cases()))
 def test_fast_path_arguments(stub, shape, dtype, channel_dtype, layout):
-    strides = channels_last(shape) if layout == "channels_last" else contiguous_strides(shape)
+    strides = layout_strides(shape, layout)
     with descriptor(shape, dtype, channel_dtype, eps=1e-3, strides=strides) as desc:
         assert desc.engine == "cudnn"
         assert desc.workspace_size == STUB_WORKSPACE
         assert desc.reserve_size == STUB_RESERVE
         compute(desc)
-        call, query = stub.backward, stub.workspace_query
-        assert call.calls == 1
+        call, query = stub.backward, stub.backward_query
+        assert stub.calls() == only("set_stream", "backward_query", "reserve_query", "backward")
 
         # The handle, on the caller's stream.
         assert call.handle != 0
-        assert (stub.set_stream.calls, stub.set_stream.handle) == (1, call.handle)
+        assert stub.set_stream.handle == call.handle
         assert stub.set_stream.stream == STREAM
 
-        bn_mode = PER_ACTIVATION if len(shape) == 2 else SPATIAL
+        # PyTorch's choice: PERSISTENT for channels-last (4-D, 5-D) training, NLC is SPATIAL.
+        bn_mode = expected_bn_mode(shape, layout)
         assert (call.mode, call.bn_ops) == (bn_mode, OPS_BN)
         assert (call.alpha_data, call.beta_data, call.alpha_param, call.beta_param) == (1, 0, 1, 0)
 
@@ -698,11 +213,7 @@ def test_fast_path_arguments(stub, shape, dtype, channel_dtype, layout):
         for name in ("x_desc", "dy_desc", "dx_desc"):
             assert stub.tensor(getattr(call, name)) == expected, name
         # The per-channel descriptor is the one derived from x's for this mode.
-        bn = TensorRecord.from_address(call.bn_desc)
-        assert (bn.derived_from, bn.derive_mode) == (call.x_desc, bn_mode)
-        channel_dims = (1, shape[1]) + (1,) * (max(len(shape), 4) - 2)
-        bn_type = CUDNN_DOUBLE if dtype == F64 else CUDNN_FLOAT
-        assert stub.tensor(call.bn_desc)[:2] == (bn_type, channel_dims)
+        assert_derived_bn_desc(call.bn_desc, call.x_desc, bn_mode, shape, dtype)
 
         # No fused add or activation.
         assert (call.y_desc, call.y, call.dz_desc, call.dz, call.bias) == (0, 0, 0, 0, 0)
@@ -713,14 +224,22 @@ def test_fast_path_arguments(stub, shape, dtype, channel_dtype, layout):
         assert call.epsilon == 1e-3
         assert (call.saved_mean, call.saved_inv_variance) == (0, 0)  # train: recomputed
         assert (call.workspace, call.workspace_size) == (WORKSPACE, STUB_WORKSPACE)
-        assert (call.reserve, call.reserve_size) == (0, 0)
+        assert (call.reserve, call.reserve_size) == (0, 0)  # none given
 
-        # The workspace was asked for the very descriptors the call got.
-        assert query.calls == 1
+        # The workspace was asked for the very descriptors the call got, the reserve for
+        # the same mode and ops.
         assert (query.handle, query.mode, query.bn_ops) == (call.handle, bn_mode, OPS_BN)
         descs = "x_desc dy_desc dx_desc bn_desc"
         assert fields(query, descs) == fields(call, descs)
         assert (query.y_desc, query.dz_desc, query.activation_desc) == (0, 0, 0)
+        reserve = stub.reserve_query
+        assert fields(reserve, "handle mode bn_ops activation_desc x_desc") == (
+            call.handle,
+            bn_mode,
+            OPS_BN,
+            0,
+            call.x_desc,
+        )
 
 
 @pytest.mark.parametrize("how", ["Mode.SAVED_INVSTD", "set_attributes"])
@@ -775,8 +294,9 @@ SIZE_ONE_STRIDES = {  # (shape, strides of x; dy and dx packed), layout: a size-
 }
 
 
-@pytest.mark.parametrize(("shape", "strides", "layout"), SIZE_ONE_STRIDES.values(),
-                         ids=list(SIZE_ONE_STRIDES))  # fmt: skip
+@pytest.mark.parametrize(
+    ("shape", "strides", "layout"), SIZE_ONE_STRIDES.values(), ids=list(SIZE_ONE_STRIDES)
+)
 def test_size_one_axes_get_packed_strides(stub, shape, strides, layout):
     packed = channels_last(shape) if layout == "channels_last" else contiguous_strides(shape)
     desc_tensors = tensors(shape, strides=packed)
@@ -830,9 +350,17 @@ def test_small_workspace_is_refused_before_cudnn(stub):
 
 @pytest.mark.parametrize(
     "name",
-    ["grad_input", "grad_weight", "grad_bias", "input", "grad_output", "weight",
-     "running_mean", "running_var"],
-)  # fmt: skip
+    [
+        "grad_input",
+        "grad_weight",
+        "grad_bias",
+        "input",
+        "grad_output",
+        "weight",
+        "running_mean",
+        "running_var",
+    ],
+)
 def test_null_data_pointer_is_refused_before_cudnn(stub, name):
     with (
         descriptor((2, 3, 4, 5), mode="saved_invstd") as desc,
@@ -860,15 +388,16 @@ ENGINES = {
 }
 
 
-@pytest.mark.parametrize(("engine", "shape", "dtype", "layout", "attributes"), ENGINES.values(),
-                         ids=list(ENGINES))  # fmt: skip
+@pytest.mark.parametrize(
+    ("engine", "shape", "dtype", "layout", "attributes"), ENGINES.values(), ids=list(ENGINES)
+)
 def test_engine_choice(stub, engine, shape, dtype, layout, attributes):
     before = stub.live_tensors.value
     with descriptor(shape, dtype, **layout, **attributes) as desc:
         assert desc.engine == engine
         if engine == "cupy":  # no cuDNN object and no size query behind a CuPy engine
             assert desc.reserve_size == 0
-            assert (stub.live_tensors.value, stub.workspace_query.calls) == (before, 0)
+            assert (stub.live_tensors.value, stub.backward_query.calls) == (before, 0)
 
 
 def test_eps_below_cudnn8_floor_goes_to_cupy(stub, monkeypatch):
@@ -887,7 +416,7 @@ def test_eps_below_cudnn8_floor_goes_to_cupy(stub, monkeypatch):
     ("code", "error"), [(3003, BadTensorDtypeError), (3002, BadTensorShapeError)]
 )
 def test_cudnn_failure_raises_with_its_strings_and_a_repro(stub, code, error):
-    stub.backward_status.value = code
+    stub.backward.status = code
     with descriptor((2, 3, 4, 5), F16, F32, eps=1e-3) as desc, pytest.raises(error) as caught:
         compute(desc)
     message = str(caught.value)
@@ -917,6 +446,203 @@ def test_cudnn_descriptors_are_destroyed_with_the_operator(stub):
     with pytest.raises(BadParamError):
         compute(desc, STUB_WORKSPACE)
     assert stub.backward.calls == 0
+
+
+# --- the persistent attribute ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("shape", "layout", "persistent", "mode"), PERSISTENT_CASES.values(), ids=list(PERSISTENT_CASES)
+)
+def test_persistent_attribute_picks_the_mode(stub, shape, layout, persistent, mode):
+    strides = layout_strides(shape, layout)
+    with descriptor(shape, F16, F32, strides=strides, persistent=persistent) as desc:
+        assert desc.engine == "cudnn"
+        compute(desc)
+        call = stub.backward
+        assert (call.mode, stub.backward_query.mode, stub.reserve_query.mode) == (mode,) * 3
+        assert_derived_bn_desc(call.bn_desc, call.x_desc, mode, shape, F16)
+
+
+# --- the output mask ------------------------------------------------------------------------
+
+OUTPUTS = ("grad_input", "grad_weight", "grad_bias")
+
+
+@pytest.mark.parametrize("masked", ["NULL", "given"])
+@pytest.mark.parametrize(("dtype", "channel_dtype"), FAST_DTYPES, ids=lambda d: d.name)
+@pytest.mark.parametrize(
+    "mask",
+    list(itertools.product((True, False), repeat=3)),
+    ids=lambda m: "".join("xwb"[i] if wanted else "-" for i, wanted in enumerate(m)),
+)
+def test_unwanted_gradients_go_to_the_workspace(stub, mask, dtype, channel_dtype, masked):
+    """cuDNN always writes dx, dscale and dbias: those nobody asked for land in workspace
+    slices after cuDNN's own scratch, never at the caller's pointer (NULL or not)."""
+    shape = (2, 3, 4, 5)
+    wanted = dict(zip(OUTPUTS, mask, strict=True))
+    param_bytes = 8 if channel_dtype == F64 else 4
+    nbytes = {
+        "grad_input": math.prod(shape) * (2 if dtype == F16 else param_bytes),
+        "grad_weight": shape[1] * param_bytes,
+        "grad_bias": shape[1] * param_bytes,
+    }
+    with descriptor(shape, dtype, channel_dtype, output_mask=mask) as desc:
+        assert desc.engine == "cudnn"
+        unwanted = [name for name in OUTPUTS if not wanted[name]]
+        assert desc.workspace_size >= STUB_WORKSPACE + sum(nbytes[name] for name in unwanted)
+        if not unwanted:
+            assert desc.workspace_size == STUB_WORKSPACE
+        caller = {name: 0 if masked == "NULL" else POINTERS[name] for name in unwanted}
+        compute(desc, **caller)
+        call = stub.backward
+        assert call.calls == 1
+        assert call.workspace_size == STUB_WORKSPACE  # cuDNN's own part of the workspace
+        given = dict(zip(OUTPUTS, fields(call, "dx dscale dbias"), strict=True))
+        for name in OUTPUTS:
+            if wanted[name]:
+                assert given[name] == POINTERS[name], name
+            else:
+                assert in_workspace(given[name], nbytes[name], desc.workspace_size), name
+        spans = sorted((given[name], given[name] + nbytes[name]) for name in unwanted)
+        assert all(end <= start for (_, end), (start, _) in itertools.pairwise(spans))
+
+
+def test_output_mask_must_be_three_booleans(stub):
+    for mask in [(True, False), (1, 0, 1), "xwb"]:
+        with pytest.raises(BadParamError, match="output_mask"):
+            descriptor((2, 3, 4, 5), output_mask=mask)
+
+
+# --- the reserve space ----------------------------------------------------------------------
+
+
+def test_plain_backward_passes_a_given_reserve(stub):
+    shape = (2, 3, 4, 5)
+    with descriptor(shape, F16, F32, strides=channels_last(shape)) as desc:
+        compute(desc, reserve=POINTERS["reserve"], reserve_size=desc.reserve_size + 64)
+        reserve = POINTERS["reserve"], STUB_RESERVE  # the descriptor's size, not the caller's
+        assert fields(stub.backward, "reserve reserve_size") == reserve
+        compute(desc)  # none given: none passed
+        assert fields(stub.backward, "calls reserve reserve_size") == (2, 0, 0)
+        with pytest.raises(InsufficientWorkspaceError, match="reserve_size"):
+            compute(desc, reserve=POINTERS["reserve"], reserve_size=STUB_RESERVE - 1)
+    assert stub.backward.calls == 2
+
+
+def test_sizes_are_what_cudnn_answers(stub):
+    stub.workspace_bytes.value, stub.reserve_bytes.value = 5000, 777
+    with descriptor((2, 3, 4, 5)) as desc:
+        assert (desc.workspace_size, desc.reserve_size) == (5000, 777)
+        compute(desc, reserve=POINTERS["reserve"], reserve_size=777)
+    assert fields(stub.backward, "workspace_size reserve_size") == (5000, 777)
+
+
+# --- fused backward: BN + ReLU, BN + Add + ReLU ---------------------------------------------
+
+
+@pytest.mark.parametrize("fusion", FUSIONS)
+@pytest.mark.parametrize("shape", FUSED_SHAPES, ids=str)
+def test_fused_backward_arguments(stub, shape, fusion):
+    add = fusion == "add_relu"
+    gc.collect()
+    before = stub.live_activations.value
+    strides = channels_last(shape)
+    with descriptor(
+        shape, F16, F32, strides=strides, fusion=fusion, eps=1e-4, mode="saved_invstd"
+    ) as desc:
+        assert desc.engine == "cudnn"
+        assert (desc.workspace_size, desc.reserve_size) == (STUB_WORKSPACE, STUB_RESERVE)
+        assert stub.live_activations.value == before + 1
+        compute(desc, **fused_pointers(fusion))
+        call, query, reserve = stub.backward, stub.backward_query, stub.reserve_query
+        assert call.calls == 1
+        assert (call.mode, call.bn_ops) == (SPATIAL_PERSISTENT, FUSIONS[fusion])
+        assert (call.alpha_data, call.beta_data, call.alpha_param, call.beta_param) == (1, 0, 1, 0)
+        assert stub.activation(call.activation_desc) == (ACTIVATION_RELU, PROPAGATE_NAN, 0.0)
+
+        # x, y (the forward's output), dy, dx and, with the add, dz: one layout.
+        names = ["x_desc", "y_desc", "dy_desc", "dx_desc"] + (["dz_desc"] if add else [])
+        for name in names:
+            assert stub.tensor(getattr(call, name)) == (CUDNN_HALF, shape, strides), name
+        assert fields(call, "x y dy dx") == pointers("input output grad_output grad_input")
+        assert call.dz == (POINTERS["grad_z"] if add else 0)
+        assert add or call.dz_desc == 0
+        assert_derived_bn_desc(call.bn_desc, call.x_desc, SPATIAL_PERSISTENT, shape, F16)
+        assert fields(call, "scale bias") == pointers("weight bias")
+        assert fields(call, "dscale dbias") == pointers("grad_weight grad_bias")
+        assert call.epsilon == 1e-4
+        saved = fields(call, "saved_mean saved_inv_variance")
+        assert saved == pointers("running_mean running_var")
+        assert (call.workspace, call.workspace_size) == (WORKSPACE, STUB_WORKSPACE)
+        assert (call.reserve, call.reserve_size) == (POINTERS["reserve"], STUB_RESERVE)
+
+        # The size queries got the same mode, ops, activation and descriptors.
+        same = "handle mode bn_ops activation_desc x_desc y_desc dy_desc dz_desc dx_desc bn_desc"
+        assert fields(query, same) == fields(call, same)
+        same = "handle mode bn_ops activation_desc x_desc"
+        assert fields(reserve, same) == fields(call, same)
+    assert stub.live_activations.value == before  # destroyed with the operator descriptor
+
+
+@pytest.mark.parametrize("fusion", FUSIONS)
+def test_fused_backward_refuses_a_missing_or_small_reserve(stub, fusion):
+    shape = FUSED_SHAPES[0]
+    strides = channels_last(shape)
+    with descriptor(shape, F16, F32, strides=strides, fusion=fusion, mode="saved_invstd") as desc:
+        ptrs = fused_pointers(fusion)
+        with pytest.raises(NullPointerError, match="reserve"):
+            compute(desc, **ptrs | {"reserve": 0})
+        with pytest.raises(InsufficientWorkspaceError, match="reserve_size"):
+            compute(desc, **ptrs | {"reserve_size": STUB_RESERVE - 1})
+        for name in ("output", "bias") + (("grad_z",) if fusion == "add_relu" else ()):
+            with pytest.raises(NullPointerError, match=name):
+                compute(desc, **ptrs | {name: 0})
+    assert stub.backward.calls == 0
+
+
+def test_rebuilding_a_fused_descriptor_destroys_its_activation(stub):
+    shape = FUSED_SHAPES[0]
+    gc.collect()
+    before = stub.live_activations.value
+    desc = descriptor(shape, F16, F32, strides=channels_last(shape), fusion="relu")
+    desc.set_attributes(1e-3, "saved_invstd")
+    assert stub.live_activations.value == before + 1
+    desc.destroy()
+    assert stub.live_activations.value == before
+
+
+@pytest.mark.parametrize("fusion", FUSIONS)
+@pytest.mark.parametrize("case", FUSED_ENGINES.values(), ids=list(FUSED_ENGINES))
+def test_fused_backward_engine(stub, fusion, case):
+    engine, shape, dtype, channel_dtype, layout, persistent = case
+    gc.collect()
+    live = (stub.live_tensors.value, stub.live_activations.value)
+    strides = layout_strides(shape, layout)
+    with descriptor(
+        shape,
+        dtype,
+        channel_dtype,
+        strides=strides,
+        fusion=fusion,
+        persistent=persistent,
+        mode="saved_invstd",
+    ) as desc:
+        assert desc.engine == engine
+        if engine == "cupy":  # no cuDNN object, no size query, and compute runs CuPy only
+            assert (stub.live_tensors.value, stub.live_activations.value) == live
+            with pytest.raises(AssertionError, match="CuPy stream scope"):
+                compute(desc, **fused_pointers(fusion))
+            assert nothing_recorded(stub)
+
+
+@pytest.mark.parametrize("fusion", FUSIONS)
+def test_fused_backward_in_train_mode_runs_on_cupy(stub, fusion):
+    """cuDNN's fused backward reads the forward's saved statistics; train mode has none."""
+    shape = FUSED_SHAPES[0]
+    strides = channels_last(shape)
+    with descriptor(shape, F16, F32, strides=strides, fusion=fusion, mode="train") as desc:
+        assert desc.engine == "cupy"
 
 
 # --- the C API ------------------------------------------------------------------------------
@@ -949,7 +675,7 @@ def test_capi_hands_cudnn_the_same_arguments(stub):
     call = stub.backward
     assert call.calls == 1
     assert stub.set_stream.stream == STREAM
-    assert (call.mode, call.epsilon) == (SPATIAL, 1e-3)
+    assert (call.mode, call.epsilon) == (SPATIAL_PERSISTENT, 1e-3)  # channels-last training
     assert stub.tensor(call.x_desc) == (CUDNN_HALF, shape, channels_last(shape))
     assert fields(call, "x dy dx") == pointers("input grad_output grad_input")
     assert fields(call, "scale dscale dbias") == pointers("weight grad_weight grad_bias")
@@ -965,7 +691,7 @@ def test_capi_hands_cudnn_the_same_arguments(stub):
     assert call.calls == 1
 
     # A cuDNN failure: its status, strings and the repro, through last_error().
-    stub.backward_status.value = 3003
+    stub.backward.status = 3003
     assert capi.infiniopBatchNormBackward(*args) == Status.BAD_TENSOR_DTYPE
     assert "STUB_STATUS_3003" in capi.last_error() and "To reproduce" in capi.last_error()
 

@@ -29,10 +29,13 @@ class Owned:
         return not self._finalizer.alive
 
     @property
-    def _as_parameter_(self) -> Any:
+    def ref(self) -> Any:
+        """The raw ctypes pointer, for argument lists built once; BAD_PARAM once closed."""
         if not self._finalizer.alive:
             raise InfiniError(Status.BAD_PARAM, f"{type(self).__name__} used after close()")
         return self._ref
+
+    _as_parameter_ = ref
 
     def close(self) -> None:
         """Destroy the native object now; later uses raise ``BadParamError``."""

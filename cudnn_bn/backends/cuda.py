@@ -40,19 +40,23 @@ def current_device() -> int:
     return _runtime_call("cudaGetDevice", _cupy().cuda.runtime.getDevice)
 
 
-@contextmanager
-def on_device(device_id: int) -> Iterator[None]:
-    """Make ``device_id`` current for the block, switching only when it is not already."""
-    previous = current_device()
-    if previous == device_id:
-        yield
-        return
-    runtime = _cupy().cuda.runtime
-    _runtime_call("cudaSetDevice", runtime.setDevice, device_id)
-    try:
-        yield
-    finally:
-        runtime.setDevice(previous)
+class on_device:
+    """Make ``device_id`` current for the block, switching only when it is not already
+    (a class, not a generator: it runs on every compute)."""
+
+    __slots__ = ("device_id", "previous")
+
+    def __init__(self, device_id: int) -> None:
+        self.device_id = device_id
+
+    def __enter__(self) -> None:
+        self.previous = current_device()
+        if self.previous != self.device_id:
+            _runtime_call("cudaSetDevice", _cupy().cuda.runtime.setDevice, self.device_id)
+
+    def __exit__(self, *exc_info: object) -> None:
+        if self.previous != self.device_id:
+            _cupy().cuda.runtime.setDevice(self.previous)
 
 
 def current_stream() -> int:

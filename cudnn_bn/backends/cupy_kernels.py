@@ -3,13 +3,15 @@
 Every kernel reads its operands in their own dtype and strides, computes in ``A`` (float,
 or double for F64 data) and writes in the destination's dtype; BF16 travels as ``uint16``
 bits, converted in the kernel (round to nearest even), so no header beyond CUDA's is needed.
-Kernels are built once per dtype combination and cached.
+Fused passes read ``dy`` through the ReLU mask ``y > 0``. Kernels are built once per dtype
+combination and cached.
 """
 
 import functools
 from typing import Any
 
 from ..enums import DataType
+from ..problems import Fusion
 
 PREAMBLE = r"""
 __device__ __forceinline__ float bf16_load(unsigned short b) {
@@ -39,17 +41,23 @@ def store(expr: str, dtype: DataType) -> str:
     return f"bf16_store((float)({expr}))" if dtype == DataType.BF16 else f"({expr})"
 
 
-@functools.cache
-def _convert_kernel(src: DataType, dst: DataType) -> Any:
+def load_dy(x_dtype: DataType, acc: str, fused: bool) -> str:
+    """``dy`` as the batch norm sees it: through the ReLU mask of ``y`` when fused."""
+    dy = load("dy", x_dtype, acc)
+    return f"({load('y', x_dtype, acc)} > ({acc})0 ? {dy} : ({acc})0)" if fused else dy
+
+
+def _elementwise(params: str, outputs: str, body: str, name: str) -> Any:
     import cupy
 
+    return cupy.ElementwiseKernel(params, outputs, body, f"cudnn_bn_{name}", preamble=PREAMBLE)
+
+
+@functools.cache
+def _convert_kernel(src: DataType, dst: DataType) -> Any:
     acc = acc_type(DataType.F64 if DataType.F64 in (src, dst) else DataType.F32)
-    return cupy.ElementwiseKernel(
-        "S x",
-        "D y",
-        f"y = {store(load('x', src, acc), dst)}",
-        f"cudnn_bn_convert_{src.name}_{dst.name}",
-        preamble=PREAMBLE,
+    return _elementwise(
+        "S x", "D y", f"y = {store(load('x', src, acc), dst)}", f"convert_{src.name}_{dst.name}"
     )
 
 
@@ -59,21 +67,14 @@ def convert(src: Any, src_dtype: DataType, dst: Any, dst_dtype: DataType) -> Non
 
 
 @functools.cache
-def _rsqrt_kernel(src: DataType, acc: str) -> Any:
-    import cupy
-
-    return cupy.ElementwiseKernel(
-        "S var, float64 eps",
-        "A invstd",
-        f"invstd = ({acc})(1.0 / sqrt((double){load('var', src, acc)} + eps))",
-        f"cudnn_bn_invstd_{src.name}_{acc}",
-        preamble=PREAMBLE,
-    )
+def _invstd_kernel(src: DataType, acc: str) -> Any:
+    body = f"invstd = ({acc})(1.0 / sqrt((double){load('var', src, acc)} + eps))"
+    return _elementwise("S var, float64 eps", "A invstd", body, f"invstd_{src.name}_{acc}")
 
 
 def invstd_from_var(var: Any, var_dtype: DataType, eps: float, out: Any, acc: str) -> None:
     """``out = 1 / sqrt(var + eps)``, computed in double, stored as ``acc``."""
-    _rsqrt_kernel(var_dtype, acc)(var, eps, out)
+    _invstd_kernel(var_dtype, acc)(var, eps, out)
 
 
 # Per-channel sums: X and DY are the data read as the compute type, m the channel's mean.
@@ -86,86 +87,168 @@ SUMS = {
 
 
 @functools.cache
-def _channel_sum_kernel(name: str, x_dtype: DataType, acc: str) -> Any:
+def _channel_sum_kernel(name: str, x_dtype: DataType, acc: str, fused: bool) -> Any:
     import cupy
 
-    body = SUMS[name].replace("DY", load("dy", x_dtype, acc)).replace("X", load("x", x_dtype, acc))
+    body = (
+        SUMS[name].replace("DY", load_dy(x_dtype, acc, fused)).replace("X", load("x", x_dtype, acc))
+    )
     return cupy.ReductionKernel(
-        "S x, S dy, A m",
+        "S x, S dy, S y, A m",
         "A out",
         body,
         "a + b",
         "out = a",
         "0",
-        f"cudnn_bn_sum_{name}_{x_dtype.name}_{acc}",
+        f"cudnn_bn_sum_{name}_{x_dtype.name}_{acc}_{int(fused)}",
         reduce_type=acc,
         preamble=PREAMBLE,
     )
 
 
 def channel_sum(
-    name: str, x: Any, dy: Any, m: Any, x_dtype: DataType, axes: tuple[int, ...], out: Any
+    name: str, data: tuple[Any, Any, Any], m: Any, x_dtype: DataType, fused: bool, out: Any
 ) -> None:
-    """``out[c]`` = the sum of ``SUMS[name]`` over ``axes``; ``m`` is shaped ``(1, C, 1, ...)``."""
-    _channel_sum_kernel(name, x_dtype, acc_type(x_dtype))(x, dy, m, axis=axes, out=out)
+    """``out[c]`` = the sum of ``SUMS[name]`` over every axis but 1.
+
+    ``data`` is ``(x, dy, y)`` (``dy`` and ``y`` unused by some sums, ``y`` only when
+    ``fused``); ``m`` is the per-channel mean shaped ``(1, C, 1, ...)``.
+    """
+    x = data[0]
+    axes = (0, *range(2, x.ndim))
+    _channel_sum_kernel(name, x_dtype, acc_type(x_dtype), fused)(*data, m, axis=axes, out=out)
 
 
 @functools.cache
 def _finish_kernel(w_dtype: DataType, gw_dtype: DataType, gb_dtype: DataType, acc: str) -> Any:
-    import cupy
-
-    return cupy.ElementwiseKernel(
-        "W w, A invstd, A sum_dy, A sum_dy_dev, float64 inv_m, bool centred",
-        "A k, A a, A b, G gw, H gb",
-        f"""
+    body = f"""
         k = {load("w", w_dtype, acc)} * invstd;
         a = centred ? ({acc})(sum_dy * inv_m) : ({acc})0;
         b = centred ? ({acc})(sum_dy_dev * invstd * invstd * inv_m) : ({acc})0;
         gw = {store("sum_dy_dev * invstd", gw_dtype)};
         gb = {store("sum_dy", gb_dtype)};
-        """,
-        f"cudnn_bn_finish_{w_dtype.name}_{gw_dtype.name}_{gb_dtype.name}_{acc}",
-        preamble=PREAMBLE,
+    """
+    return _elementwise(
+        "W w, A invstd, A sum_dy, A sum_dy_dev, float64 inv_m, bool centred",
+        "A k, A a, A b, G gw, H gb",
+        body,
+        f"finish_{w_dtype.name}_{gw_dtype.name}_{gb_dtype.name}_{acc}",
     )
 
 
 def finish_channels(
     w: Any,
-    invstd: Any,
-    sum_dy: Any,
-    sum_dy_dev: Any,
+    sums: tuple[Any, Any, Any],
     inv_m: float,
     centred: bool,
     dtypes: tuple[DataType, DataType, DataType],
-    k: Any,
-    a: Any,
-    b: Any,
-    gw: Any,
-    gb: Any,
+    outputs: tuple[Any, Any, Any, Any, Any],
 ) -> None:
     """Per-channel ``grad_weight``, ``grad_bias`` and the coefficients of ``grad_input``.
 
-    ``dtypes`` are those of ``w``, ``gw`` and ``gb``; without ``centred`` (eval mode) the
+    ``sums`` is ``(invstd, sum_dy, sum_dy_dev)``; ``outputs`` is ``(k, a, b, gw, gb)``;
+    ``dtypes`` are those of ``w``, ``gw`` and ``gb``. Without ``centred`` (eval mode) the
     mean-of-dy terms ``a`` and ``b`` are zero.
     """
     acc = "double" if DataType.F64 in dtypes else "float"
-    _finish_kernel(*dtypes, acc)(w, invstd, sum_dy, sum_dy_dev, inv_m, centred, k, a, b, gw, gb)
+    _finish_kernel(*dtypes, acc)(w, *sums, inv_m, centred, *outputs)
 
 
 @functools.cache
-def _grad_input_kernel(x_dtype: DataType, acc: str) -> Any:
-    import cupy
-
-    value = f"k * ({load('dy', x_dtype, acc)} - a - ({load('x', x_dtype, acc)} - m) * b)"
-    return cupy.ElementwiseKernel(
-        "S x, S dy, A m, A k, A a, A b",
+def _grad_input_kernel(x_dtype: DataType, acc: str, fused: bool) -> Any:
+    value = f"k * ({load_dy(x_dtype, acc, fused)} - a - ({load('x', x_dtype, acc)} - m) * b)"
+    return _elementwise(
+        "S x, S dy, S y, A m, A k, A a, A b",
         "S dx",
         f"dx = {store(value, x_dtype)}",
-        f"cudnn_bn_grad_input_{x_dtype.name}_{acc}",
-        preamble=PREAMBLE,
+        f"grad_input_{x_dtype.name}_{acc}_{int(fused)}",
     )
 
 
-def grad_input(x: Any, dy: Any, m: Any, k: Any, a: Any, b: Any, x_dtype: DataType, dx: Any) -> None:
-    """``dx = k * (dy - a - (x - m) * b)`` with per-channel ``m, k, a, b`` broadcast."""
-    _grad_input_kernel(x_dtype, acc_type(x_dtype))(x, dy, m, k, a, b, dx)
+def grad_input(
+    data: tuple[Any, Any, Any],
+    coefficients: tuple[Any, Any, Any, Any],
+    x_dtype: DataType,
+    fused: bool,
+    dx: Any,
+) -> None:
+    """``dx = k * (dy - a - (x - m) * b)``; ``data`` is ``(x, dy, y)``, ``coefficients``
+    ``(m, k, a, b)`` per channel shaped to broadcast."""
+    _grad_input_kernel(x_dtype, acc_type(x_dtype), fused)(*data, *coefficients, dx)
+
+
+@functools.cache
+def _masked_grad_kernel(x_dtype: DataType, acc: str) -> Any:
+    body = f"dz = {store(load_dy(x_dtype, acc, True), x_dtype)}"
+    return _elementwise("S dy, S y", "S dz", body, f"masked_grad_{x_dtype.name}_{acc}")
+
+
+def masked_grad(dy: Any, y: Any, x_dtype: DataType, dz: Any) -> None:
+    """``dz = dy where y > 0, else 0``: the gradient through the fused ReLU (the residual's)."""
+    _masked_grad_kernel(x_dtype, acc_type(x_dtype))(dy, y, dz)
+
+
+@functools.cache
+def _scale_kernel(w_dtype: DataType, acc: str) -> Any:
+    return _elementwise(
+        "W w, A invstd",
+        "A k",
+        f"k = {load('w', w_dtype, acc)} * invstd",
+        f"scale_{w_dtype.name}_{acc}",
+    )
+
+
+def channel_scale(w: Any, w_dtype: DataType, invstd: Any, k: Any, acc: str) -> None:
+    """``k = w * invstd`` per channel."""
+    _scale_kernel(w_dtype, acc)(w, invstd, k)
+
+
+@functools.cache
+def _normalize_kernel(x_dtype: DataType, b_dtype: DataType, acc: str, add: bool, relu: bool) -> Any:
+    value = f"k * ({load('x', x_dtype, acc)} - m) + {load('b', b_dtype, acc)}"
+    if add:
+        value = f"({value} + {load('z', x_dtype, acc)})"
+    if relu:
+        value = f"max({value}, ({acc})0)"
+    return _elementwise(
+        "S x, S z, A m, A k, B b",
+        "S y",
+        f"y = {store(value, x_dtype)}",
+        f"normalize_{x_dtype.name}_{b_dtype.name}_{acc}_{int(add)}{int(relu)}",
+    )
+
+
+def normalize(
+    x: Any,
+    z: Any,
+    m: Any,
+    k: Any,
+    b: Any,
+    dtypes: tuple[DataType, DataType],
+    fusion: Fusion,
+    y: Any,
+) -> None:
+    """``y = act(k * (x - m) + b [+ z])``; ``dtypes`` are those of ``x`` and ``b``; ``z`` is
+    unused unless ``fusion`` adds it."""
+    add, relu = fusion == Fusion.BN_ADD_RELU, fusion != Fusion.BN
+    _normalize_kernel(*dtypes, acc_type(dtypes[0]), add, relu)(x, z, m, k, b, y)
+
+
+@functools.cache
+def _running_update_kernel(r_dtype: DataType, acc: str) -> Any:
+    value = f"(1.0 - momentum) * {load('running', r_dtype, acc)} + momentum * correction * batch"
+    return _elementwise(
+        "A batch, float64 momentum, float64 correction",
+        "R running",
+        f"running = {store(value, r_dtype)}",
+        f"running_update_{r_dtype.name}_{acc}",
+    )
+
+
+def running_update(
+    running: Any, r_dtype: DataType, batch: Any, momentum: float, correction: float
+) -> None:
+    """``running = (1 - momentum) * running + momentum * correction * batch``, in place."""
+    _running_update_kernel(r_dtype, "double" if r_dtype == DataType.F64 else "float")(
+        batch, momentum, correction, running
+    )

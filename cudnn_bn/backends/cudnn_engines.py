@@ -1,0 +1,394 @@
+"""The cuDNN engines: batch-norm backward, training forward and inference forward.
+
+Each builds its cuDNN descriptors, queries its workspace and reserve sizes, plans which
+per-channel operands go through the workspace (``staging.py``), and fills a template of its
+cuDNN call's arguments once, when the operator descriptor is built. ``run`` copies the
+template, writes the data pointers into their positions (a staged operand's position points
+into the workspace), sets the stream, and makes one cuDNN call.
+"""
+
+import ctypes
+from typing import Any, NamedTuple
+
+from .._cudnn.activation import ActivationDescriptor
+from .._cudnn.enums import BatchNormMode, BatchNormOps, CudnnDataType
+from .._cudnn.handle import thread_handle
+from .._cudnn.library import cudnn
+from .._cudnn.tensor import TensorDescriptor, pad_to_4d
+from ..dtypes import FLOAT_TYPES
+from ..enums import DataType
+from ..problems import (
+    BackwardAttributes,
+    BackwardPointers,
+    BackwardTensors,
+    ForwardInferenceAttributes,
+    ForwardInferenceTensors,
+    ForwardTrainingAttributes,
+    ForwardTrainingPointers,
+    ForwardTrainingTensors,
+    Fusion,
+    Mode,
+)
+from ..tensor import TensorDesc
+from . import cuda
+from .staging import ParameterStaging
+
+_ONE_F, _ZERO_F = ctypes.c_float(1.0), ctypes.c_float(0.0)
+_ONE_D, _ZERO_D = ctypes.c_double(1.0), ctypes.c_double(0.0)
+
+
+def bn_mode(x: TensorDesc, training: bool, persistent: bool | None) -> BatchNormMode:
+    """PyTorch's choice (``getCudnnBatchNormMode``): PER_ACTIVATION for 2-D input,
+    SPATIAL_PERSISTENT for channels-last training (4-D and 5-D), else SPATIAL.
+    ``persistent`` True asks for PERSISTENT in training, False forbids it."""
+    if x.ndim == 2:
+        return BatchNormMode.PER_ACTIVATION
+    channels_last = x.ndim >= 4 and x.is_channels_last() and not x.is_contiguous()
+    wanted = channels_last if persistent is None else persistent
+    return BatchNormMode.SPATIAL_PERSISTENT if training and wanted else BatchNormMode.SPATIAL
+
+
+class _CudnnKernel:
+    """One cuDNN batch-norm call: its descriptors, its staging, its argument template."""
+
+    engine = "cudnn"
+    function: str
+    reserve_size = 0
+
+    def __init__(
+        self, x: TensorDesc, training: bool, persistent: bool | None, fusion: Fusion, device_id: int
+    ) -> None:
+        self.device_id = device_id
+        self.bn_mode = bn_mode(x, training, persistent)
+        self.ops = BatchNormOps(fusion)
+        self.ctype = FLOAT_TYPES[x.dtype].cudnn
+        self.channels = x.shape[1]
+        self._owned: list[Any] = []
+        try:
+            self.activation = self._own(ActivationDescriptor()).ref if fusion != Fusion.BN else None
+            self.x_desc = self.data_descriptor(x)
+            bn_desc = self._own(TensorDescriptor.derive_bn(self.x_desc, self.bn_mode))
+            derived = bn_desc.read()[0]
+        except BaseException:
+            self.close()
+            raise
+        self.bn_desc = bn_desc.ref
+        self.param_dtype = DataType.F64 if derived == CudnnDataType.DOUBLE else DataType.F32
+        one, zero = (_ONE_D, _ZERO_D) if self.param_dtype == DataType.F64 else (_ONE_F, _ZERO_F)
+        self.one, self.zero = ctypes.addressof(one), ctypes.addressof(zero)
+
+    def _own(self, desc: Any) -> Any:
+        self._owned.append(desc)
+        return desc
+
+    def data_descriptor(self, desc: TensorDesc) -> Any:
+        """A cuDNN descriptor of ``desc`` padded to 4-D, with the packed strides of its layout:
+        cuDNN reads strides literally to recognise NCHW/NHWC (PyTorch's fixSizeOneDimStride),
+        so a size-1 axis must carry its packed stride, not a stray or broadcast one."""
+        shape, strides = pad_to_4d(desc.shape, desc.strides)
+        packed = TensorDesc(desc.dtype, shape, strides).packed_strides()
+        return self._own(TensorDescriptor.nd(self.ctype, shape, packed)).ref
+
+    def query(self, function: str, *args: Any) -> int:
+        """A size from one of cuDNN's ``cudnnGet...Size`` calls on this thread's handle."""
+        size = ctypes.c_size_t()
+        getattr(cudnn(), function)(thread_handle(self.device_id), *args, ctypes.byref(size))
+        return size.value
+
+    def reserve_query(self) -> int:
+        return self.query(
+            "cudnnGetBatchNormalizationTrainingExReserveSpaceSize",
+            self.bn_mode,
+            self.ops,
+            self.activation,
+            self.x_desc,
+        )
+
+    def bind(self, template: list[Any], slots: dict[int, str]) -> None:
+        """The call's arguments with data pointers left out, and which operand (a pointer
+        field, or ``"workspace"``) fills each left-out position."""
+        offsets = {field: offset for field, (offset, _) in self.staging.layout.slices.items()}
+        self._template = template
+        self._slots = tuple((index, field, offsets.get(field)) for index, field in slots.items())
+
+    def bind_reserve(self, args: list[Any], ptrs: NamedTuple) -> None:
+        """Fill the reserve-space positions (engines that take one override this)."""
+
+    def run(self, ptrs: NamedTuple, workspace: int, stream: int) -> None:
+        args = list(self._template)
+        for index, field, offset in self._slots:
+            if offset is not None:
+                args[index] = workspace + offset
+            elif field == "workspace":
+                args[index] = workspace or None
+            else:
+                args[index] = getattr(ptrs, field) or None
+        self.bind_reserve(args, ptrs)
+        with cuda.on_device(self.device_id):
+            handle = thread_handle(self.device_id).ref
+            lib = cudnn()
+            lib.cudnnSetStream(handle, stream)
+            self.staging.read(ptrs, workspace, stream)
+            args[0] = handle
+            getattr(lib, self.function)(*args)
+            self.staging.write(ptrs, workspace, stream)
+
+    def close(self) -> None:
+        for desc in self._owned:
+            desc.close()
+
+    staging: ParameterStaging
+
+
+class CudnnBatchNormBackward(_CudnnKernel):
+    """``cudnnBatchNormalizationBackwardEx``, fused or not, with any output mask."""
+
+    function = "cudnnBatchNormalizationBackwardEx"
+
+    def __init__(
+        self, tensors: BackwardTensors, attributes: BackwardAttributes, device_id: int
+    ) -> None:
+        a, t = attributes, tensors
+        super().__init__(t.input, True, a.persistent, a.fusion, device_id)
+        self.tensors, self.attributes = t, a
+        fused, add = a.fusion != Fusion.BN, a.fusion == Fusion.BN_ADD_RELU
+        try:
+            dy_desc, dx_desc = (
+                self.data_descriptor(t.grad_output),
+                self.data_descriptor(t.grad_input),
+            )
+            y_desc = self.data_descriptor(t.output) if fused else None
+            dz_desc = self.data_descriptor(t.grad_z) if add else None
+            cudnn_workspace = self.query(
+                "cudnnGetBatchNormalizationBackwardExWorkspaceSize",
+                self.bn_mode,
+                self.ops,
+                self.x_desc,
+                y_desc,
+                dy_desc,
+                dz_desc,
+                dx_desc,
+                self.bn_desc,
+                self.activation,
+            )
+            self.reserve_size = self.reserve_query()
+        except BaseException:
+            self.close()
+            raise
+        self.staging = ParameterStaging(self.param_dtype, cudnn_workspace, device_id)
+        self._plan_staging()
+        self.workspace_size = self.staging.size
+        slots = {
+            8: "input",
+            12: "grad_output",
+            16: "grad_input",
+            18: "weight",
+            20: "grad_weight",
+            21: "grad_bias",
+            26: "workspace",
+        }
+        if fused:
+            slots |= {10: "output", 19: "bias"}
+        if add:
+            slots[14] = "grad_z"
+        if a.mode != Mode.TRAIN:
+            slots |= {23: "running_mean", 24: "running_var"}
+        self.bind(
+            [
+                None,
+                self.bn_mode,
+                self.ops,
+                self.one,
+                self.zero,
+                self.one,
+                self.zero,
+                self.x_desc,
+                None,
+                y_desc,
+                None,
+                dy_desc,
+                None,
+                dz_desc,
+                None,
+                dx_desc,
+                None,
+                self.bn_desc,
+                None,
+                None,
+                None,
+                None,
+                a.eps,
+                None,
+                None,
+                self.activation,
+                None,
+                cudnn_workspace,
+                None,
+                0,
+            ],
+            slots,
+        )
+
+    def _plan_staging(self) -> None:
+        a, t, s = self.attributes, self.tensors, self.staging
+        s.plan("weight", t.weight, read=True)
+        if a.fusion != Fusion.BN:
+            s.plan("bias", t.bias, read=True)
+        if a.mode != Mode.TRAIN:
+            s.plan("running_mean", t.running_mean, read=True)
+            eps = a.eps if a.mode == Mode.SAVED else None
+            s.plan("running_var", t.running_var, read=True, invstd_eps=eps)
+        wanted_dx, wanted_dw, wanted_db = a.output_mask
+        if not wanted_dx:
+            s.scratch("grad_input", t.input.dtype, t.input.numel)
+        for field, wanted in (("grad_weight", wanted_dw), ("grad_bias", wanted_db)):
+            if wanted:
+                s.plan(field, getattr(t, field), write=True)
+            else:
+                s.scratch(field, self.param_dtype, self.channels)
+
+    def bind_reserve(self, args: list[Any], ptrs: BackwardPointers) -> None:
+        """A plain backward uses a reserve when given one; a fused one always has one."""
+        if ptrs.reserve:
+            args[28], args[29] = ptrs.reserve, self.reserve_size
+
+
+class CudnnBatchNormForwardTraining(_CudnnKernel):
+    """``cudnnBatchNormalizationForwardTrainingEx``, fused or not."""
+
+    function = "cudnnBatchNormalizationForwardTrainingEx"
+
+    def __init__(
+        self, tensors: ForwardTrainingTensors, attributes: ForwardTrainingAttributes, device_id: int
+    ) -> None:
+        a, t = attributes, tensors
+        super().__init__(t.input, True, a.persistent, a.fusion, device_id)
+        self.tensors, self.attributes = t, a
+        add = a.fusion == Fusion.BN_ADD_RELU
+        try:
+            y_desc = self.data_descriptor(t.output)
+            z_desc = self.data_descriptor(t.z) if add else None
+            cudnn_workspace = self.query(
+                "cudnnGetBatchNormalizationForwardTrainingExWorkspaceSize",
+                self.bn_mode,
+                self.ops,
+                self.x_desc,
+                z_desc,
+                y_desc,
+                self.bn_desc,
+                self.activation,
+            )
+            self.reserve_size = self.reserve_query()
+        except BaseException:
+            self.close()
+            raise
+        s = self.staging = ParameterStaging(self.param_dtype, cudnn_workspace, device_id)
+        for field in ("weight", "bias"):
+            s.plan(field, getattr(t, field), read=True)
+        # cuDNN updates both running statistics or neither (one NULL pointer is BAD_PARAM):
+        # a missing one of the two gets a scratch slice; with neither, cuDNN gets NULLs.
+        running = t.running_mean is not None or t.running_var is not None
+        for field in ("running_mean", "running_var"):
+            if getattr(t, field) is not None:
+                s.plan(field, getattr(t, field), read=True, write=True)
+            elif running:
+                s.scratch(field, self.param_dtype, self.channels)
+        for field in ("saved_mean", "saved_invstd"):
+            s.plan(field, getattr(t, field), write=True)
+        self.workspace_size = s.size
+        slots = {
+            6: "input",
+            10: "output",
+            12: "weight",
+            13: "bias",
+            18: "saved_mean",
+            19: "saved_invstd",
+            21: "workspace",
+        }
+        if add:
+            slots[8] = "z"
+        if running:
+            slots |= {15: "running_mean", 16: "running_var"}
+        self.bind(
+            [
+                None,
+                self.bn_mode,
+                self.ops,
+                self.one,
+                self.zero,
+                self.x_desc,
+                None,
+                z_desc,
+                None,
+                y_desc,
+                None,
+                self.bn_desc,
+                None,
+                None,
+                a.momentum,
+                None,
+                None,
+                a.eps,
+                None,
+                None,
+                self.activation,
+                None,
+                cudnn_workspace,
+                None,
+                self.reserve_size,
+            ],
+            slots,
+        )
+
+    def bind_reserve(self, args: list[Any], ptrs: ForwardTrainingPointers) -> None:
+        args[23] = ptrs.reserve or None
+
+
+class CudnnBatchNormForwardInference(_CudnnKernel):
+    """``cudnnBatchNormalizationForwardInference``."""
+
+    function = "cudnnBatchNormalizationForwardInference"
+
+    def __init__(
+        self,
+        tensors: ForwardInferenceTensors,
+        attributes: ForwardInferenceAttributes,
+        device_id: int,
+    ) -> None:
+        super().__init__(tensors.input, False, False, Fusion.BN, device_id)
+        self.tensors = tensors
+        try:
+            y_desc = self.data_descriptor(tensors.output)
+        except BaseException:
+            self.close()
+            raise
+        s = self.staging = ParameterStaging(self.param_dtype, 0, device_id)
+        for field in ("weight", "bias", "running_mean", "running_var"):
+            s.plan(field, getattr(tensors, field), read=True)
+        self.workspace_size = s.size
+        self.bind(
+            [
+                None,
+                self.bn_mode,
+                self.one,
+                self.zero,
+                self.x_desc,
+                None,
+                y_desc,
+                None,
+                self.bn_desc,
+                None,
+                None,
+                None,
+                None,
+                attributes.eps,
+            ],
+            {
+                5: "input",
+                7: "output",
+                9: "weight",
+                10: "bias",
+                11: "running_mean",
+                12: "running_var",
+            },
+        )

@@ -1,0 +1,814 @@
+"""A stub libcudnn for checking, without a GPU, the exact arguments the NVIDIA backend hands
+cuDNN; shared by ``test_nvidia_arguments.py`` (backward) and
+``test_nvidia_forward_arguments.py`` (forward).
+
+The stub, compiled from the C below, exports every function of the prototype table with
+cuDNN's C signatures and answers SUCCESS. It keeps tensor and activation descriptors well
+enough to be set, derived and read back (and counts the live ones), reports workspace and
+reserve sizes the tests may change, and records the arguments of the last
+``cudnnSetStream``, size query and batch-norm call, one record struct per function
+(generated from the ctypes mirrors here, so the two cannot disagree). ``install`` makes it
+the process's libcudnn and stands in for the CUDA seam (``cudnn_bn.backends.cuda``: device 0
+current, one device). On the cuDNN fast path (per-channel tensors already in cuDNN's dtype
+with stride 1) nothing touches CuPy, so ``stream_scope`` fails the test if it is entered.
+
+Below the stub: fake device pointers and the layouts cuDNN must be told.
+"""
+
+import ctypes
+import functools
+import shutil
+import subprocess
+import threading
+from ctypes import c_double, c_int64, c_uint64
+from pathlib import Path
+
+import pytest
+
+from cudnn_bn import DataType
+from cudnn_bn import runtime as runtime_module
+from cudnn_bn._cudnn import handle as handle_module
+from cudnn_bn._cudnn import library as library_module
+from cudnn_bn._cudnn.library import CudnnLibrary
+from cudnn_bn._cudnn.loader import CudnnInfo
+from cudnn_bn.backends import cuda
+from cudnn_bn.tensor import contiguous_strides
+
+F16, BF16, F32, F64 = DataType.F16, DataType.BF16, DataType.F32, DataType.F64
+# cuDNN's enum values, written out as its headers have them.
+CUDNN_FLOAT, CUDNN_DOUBLE, CUDNN_HALF = 0, 1, 2  # cudnnDataType_t
+CUDNN_TYPE = {F16: CUDNN_HALF, F32: CUDNN_FLOAT, F64: CUDNN_DOUBLE}
+PER_ACTIVATION, SPATIAL, SPATIAL_PERSISTENT = 0, 1, 2  # cudnnBatchNormMode_t
+OPS_BN, OPS_BN_ACTIVATION, OPS_BN_ADD_ACTIVATION = 0, 1, 2  # cudnnBatchNormOps_t
+ACTIVATION_RELU, PROPAGATE_NAN = 1, 1  # cudnnActivationMode_t, cudnnNanPropagation_t
+
+STUB_VERSION = 92800
+STUB_WORKSPACE = 4096  # bytes the stub's workspace queries report unless a test changes it
+STUB_RESERVE = 512  # bytes its reserve query reports unless a test changes it
+
+# --- records of the calls -------------------------------------------------------------------
+
+# Every record field is 8 bytes wide, so the C struct and its ctypes mirror cannot disagree
+# on padding; the C structs are generated from the ctypes ones below. A call record's
+# ``status`` is an input: what the stub's function returns (0 after ``reset``).
+DOUBLE_FIELDS = {
+    "alpha", "beta", "alpha_data", "beta_data", "alpha_param", "beta_param", "epsilon",
+    "exponential_average_factor",
+}  # fmt: skip
+
+
+def _fields(names: str) -> list[tuple[str, type]]:
+    return [(name, c_double if name in DOUBLE_FIELDS else c_uint64) for name in names.split()]
+
+
+class StreamCall(ctypes.Structure):
+    _fields_ = _fields("calls handle stream")
+
+
+class BackwardWorkspaceQuery(ctypes.Structure):
+    """``cudnnGetBatchNormalizationBackwardExWorkspaceSize``'s arguments."""
+
+    _fields_ = _fields(
+        "calls handle mode bn_ops x_desc y_desc dy_desc dz_desc dx_desc bn_desc activation_desc"
+    )
+
+
+class ForwardWorkspaceQuery(ctypes.Structure):
+    """``cudnnGetBatchNormalizationForwardTrainingExWorkspaceSize``'s arguments."""
+
+    _fields_ = _fields("calls handle mode bn_ops x_desc z_desc y_desc bn_desc activation_desc")
+
+
+class ReserveQuery(ctypes.Structure):
+    """``cudnnGetBatchNormalizationTrainingExReserveSpaceSize``'s arguments."""
+
+    _fields_ = _fields("calls handle mode bn_ops activation_desc x_desc")
+
+
+class BackwardCall(ctypes.Structure):
+    """``cudnnBatchNormalizationBackwardEx``'s arguments in order; alpha/beta are the values
+    behind the pointers, read as double for DOUBLE data and as float otherwise."""
+
+    _fields_ = _fields(
+        "calls status handle mode bn_ops alpha_data beta_data alpha_param beta_param"
+        " x_desc x y_desc y dy_desc dy dz_desc dz dx_desc dx"
+        " bn_desc scale bias dscale dbias epsilon saved_mean saved_inv_variance"
+        " activation_desc workspace workspace_size reserve reserve_size"
+    )
+
+
+class ForwardTrainingCall(ctypes.Structure):
+    """``cudnnBatchNormalizationForwardTrainingEx``'s arguments in order (alpha/beta as in
+    ``BackwardCall``)."""
+
+    _fields_ = _fields(
+        "calls status handle mode bn_ops alpha beta x_desc x z_desc z y_desc y"
+        " bn_desc scale bias exponential_average_factor running_mean running_var epsilon"
+        " save_mean save_inv_variance activation_desc workspace workspace_size"
+        " reserve reserve_size"
+    )
+
+
+class ForwardInferenceCall(ctypes.Structure):
+    """``cudnnBatchNormalizationForwardInference``'s arguments in order."""
+
+    _fields_ = _fields(
+        "calls status handle mode alpha beta x_desc x y_desc y"
+        " bn_desc scale bias estimated_mean estimated_variance epsilon"
+    )
+
+
+# What the stub records, by the name of its C global (``stub_<name>``) and ``Stub`` attribute.
+RECORDS = {
+    "set_stream": StreamCall,
+    "backward_query": BackwardWorkspaceQuery,
+    "forward_query": ForwardWorkspaceQuery,
+    "reserve_query": ReserveQuery,
+    "backward": BackwardCall,
+    "forward_training": ForwardTrainingCall,
+    "forward_inference": ForwardInferenceCall,
+}
+
+
+class TensorRecord(ctypes.Structure):
+    """The stub's ``struct cudnnTensorStruct``, all 8-byte fields."""
+
+    _fields_ = [  # set: 0 never set, 1 set, -1 destroyed
+        ("set", c_int64), ("dtype", c_int64), ("nb_dims", c_int64), ("derive_mode", c_int64),
+        ("derived_from", c_uint64), ("dims", c_int64 * 8), ("strides", c_int64 * 8),
+    ]  # fmt: skip
+
+
+class ActivationRecord(ctypes.Structure):
+    """The stub's ``struct cudnnActivationStruct``: what ``cudnnSetActivationDescriptor`` set."""
+
+    _fields_ = [  # set: 0 never set, 1 set, -1 destroyed
+        ("set", c_int64), ("mode", c_int64), ("nan_opt", c_int64), ("coef", c_double),
+    ]  # fmt: skip
+
+
+def _c_struct(record: type[ctypes.Structure]) -> str:
+    members = " ".join(
+        f"{'double' if ctype is c_double else 'uint64_t'} {name};"
+        for name, ctype in record._fields_
+    )
+    return f"typedef struct {{ {members} }} {record.__name__};\n"
+
+
+STUB_PRELUDE = r"""
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+
+typedef int cudnnStatus_t;
+typedef int cudnnDataType_t;
+typedef int cudnnBatchNormMode_t;
+typedef int cudnnBatchNormOps_t;
+typedef int cudnnActivationMode_t;
+typedef int cudnnNanPropagation_t;
+typedef void *cudaStream_t;
+typedef struct cudnnContext *cudnnHandle_t;
+typedef struct cudnnTensorStruct *cudnnTensorDescriptor_t;
+typedef struct cudnnActivationStruct *cudnnActivationDescriptor_t;
+"""
+
+# The stub's declarations, as cuDNN's headers spell them (a test compares the two); the C
+# compiler holds the definitions below to them.
+STUB_DECLARATIONS = r"""
+size_t cudnnGetVersion(void);
+size_t cudnnGetCudartVersion(void);
+const char *cudnnGetErrorString(cudnnStatus_t status);
+void cudnnGetLastErrorString(char *message, size_t max_size);
+cudnnStatus_t cudnnCreate(cudnnHandle_t *handle);
+cudnnStatus_t cudnnDestroy(cudnnHandle_t handle);
+cudnnStatus_t cudnnSetStream(cudnnHandle_t handle, cudaStream_t streamId);
+cudnnStatus_t cudnnGetStream(cudnnHandle_t handle, cudaStream_t *streamId);
+cudnnStatus_t cudnnCreateTensorDescriptor(cudnnTensorDescriptor_t *tensorDesc);
+cudnnStatus_t cudnnDestroyTensorDescriptor(cudnnTensorDescriptor_t tensorDesc);
+cudnnStatus_t cudnnSetTensorNdDescriptor(cudnnTensorDescriptor_t tensorDesc,
+    cudnnDataType_t dataType, int nbDims, const int dimA[], const int strideA[]);
+cudnnStatus_t cudnnGetTensorNdDescriptor(const cudnnTensorDescriptor_t tensorDesc,
+    int nbDimsRequested, cudnnDataType_t *dataType, int *nbDims, int dimA[], int strideA[]);
+cudnnStatus_t cudnnCreateActivationDescriptor(cudnnActivationDescriptor_t *activationDesc);
+cudnnStatus_t cudnnSetActivationDescriptor(cudnnActivationDescriptor_t activationDesc,
+    cudnnActivationMode_t mode, cudnnNanPropagation_t reluNanOpt, double coef);
+cudnnStatus_t cudnnDestroyActivationDescriptor(cudnnActivationDescriptor_t activationDesc);
+cudnnStatus_t cudnnDeriveBNTensorDescriptor(cudnnTensorDescriptor_t derivedBnDesc,
+    const cudnnTensorDescriptor_t xDesc, cudnnBatchNormMode_t mode);
+cudnnStatus_t cudnnBatchNormalizationForwardInference(cudnnHandle_t handle,
+    cudnnBatchNormMode_t mode, const void *alpha, const void *beta,
+    const cudnnTensorDescriptor_t xDesc, const void *x, const cudnnTensorDescriptor_t yDesc,
+    void *y, const cudnnTensorDescriptor_t bnScaleBiasMeanVarDesc, const void *bnScale,
+    const void *bnBias, const void *estimatedMean, const void *estimatedVariance,
+    double epsilon);
+cudnnStatus_t cudnnBatchNormalizationForwardTraining(cudnnHandle_t handle,
+    cudnnBatchNormMode_t mode, const void *alpha, const void *beta,
+    const cudnnTensorDescriptor_t xDesc, const void *x, const cudnnTensorDescriptor_t yDesc,
+    void *y, const cudnnTensorDescriptor_t bnScaleBiasMeanVarDesc, const void *bnScale,
+    const void *bnBias, double exponentialAverageFactor, void *resultRunningMean,
+    void *resultRunningVariance, double epsilon, void *resultSaveMean,
+    void *resultSaveInvVariance);
+cudnnStatus_t cudnnGetBatchNormalizationForwardTrainingExWorkspaceSize(cudnnHandle_t handle,
+    cudnnBatchNormMode_t mode, cudnnBatchNormOps_t bnOps, const cudnnTensorDescriptor_t xDesc,
+    const cudnnTensorDescriptor_t zDesc, const cudnnTensorDescriptor_t yDesc,
+    const cudnnTensorDescriptor_t bnScaleBiasMeanVarDesc,
+    const cudnnActivationDescriptor_t activationDesc, size_t *sizeInBytes);
+cudnnStatus_t cudnnGetBatchNormalizationBackwardExWorkspaceSize(cudnnHandle_t handle,
+    cudnnBatchNormMode_t mode, cudnnBatchNormOps_t bnOps, const cudnnTensorDescriptor_t xDesc,
+    const cudnnTensorDescriptor_t yDesc, const cudnnTensorDescriptor_t dyDesc,
+    const cudnnTensorDescriptor_t dzDesc, const cudnnTensorDescriptor_t dxDesc,
+    const cudnnTensorDescriptor_t dBnScaleBiasDesc,
+    const cudnnActivationDescriptor_t activationDesc, size_t *sizeInBytes);
+cudnnStatus_t cudnnGetBatchNormalizationTrainingExReserveSpaceSize(cudnnHandle_t handle,
+    cudnnBatchNormMode_t mode, cudnnBatchNormOps_t bnOps,
+    const cudnnActivationDescriptor_t activationDesc, const cudnnTensorDescriptor_t xDesc,
+    size_t *sizeInBytes);
+cudnnStatus_t cudnnBatchNormalizationForwardTrainingEx(cudnnHandle_t handle,
+    cudnnBatchNormMode_t mode, cudnnBatchNormOps_t bnOps, const void *alpha, const void *beta,
+    const cudnnTensorDescriptor_t xDesc, const void *xData,
+    const cudnnTensorDescriptor_t zDesc, const void *zData,
+    const cudnnTensorDescriptor_t yDesc, void *yData,
+    const cudnnTensorDescriptor_t bnScaleBiasMeanVarDesc, const void *bnScale,
+    const void *bnBias, double exponentialAverageFactor, void *resultRunningMean,
+    void *resultRunningVariance, double epsilon, void *resultSaveMean,
+    void *resultSaveInvVariance, cudnnActivationDescriptor_t activationDesc, void *workspace,
+    size_t workSpaceSizeInBytes, void *reserveSpace, size_t reserveSpaceSizeInBytes);
+cudnnStatus_t cudnnBatchNormalizationBackward(cudnnHandle_t handle, cudnnBatchNormMode_t mode,
+    const void *alphaDataDiff, const void *betaDataDiff, const void *alphaParamDiff,
+    const void *betaParamDiff, const cudnnTensorDescriptor_t xDesc, const void *x,
+    const cudnnTensorDescriptor_t dyDesc, const void *dy, const cudnnTensorDescriptor_t dxDesc,
+    void *dx, const cudnnTensorDescriptor_t dBnScaleBiasDesc, const void *bnScale,
+    void *dBnScaleResult, void *dBnBiasResult, double epsilon, const void *savedMean,
+    const void *savedInvVariance);
+cudnnStatus_t cudnnBatchNormalizationBackwardEx(cudnnHandle_t handle,
+    cudnnBatchNormMode_t mode, cudnnBatchNormOps_t bnOps, const void *alphaDataDiff,
+    const void *betaDataDiff, const void *alphaParamDiff, const void *betaParamDiff,
+    const cudnnTensorDescriptor_t xDesc, const void *xData,
+    const cudnnTensorDescriptor_t yDesc, const void *yData,
+    const cudnnTensorDescriptor_t dyDesc, const void *dyData,
+    const cudnnTensorDescriptor_t dzDesc, void *dzData,
+    const cudnnTensorDescriptor_t dxDesc, void *dxData,
+    const cudnnTensorDescriptor_t dBnScaleBiasDesc, const void *bnScaleData,
+    const void *bnBiasData, void *dBnScaleData, void *dBnBiasData, double epsilon,
+    const void *savedMean, const void *savedInvVariance,
+    cudnnActivationDescriptor_t activationDesc, void *workSpace, size_t workSpaceSizeInBytes,
+    void *reserveSpace, size_t reserveSpaceSizeInBytes);
+"""
+
+
+STUB_DEFINITIONS = r"""
+#define MAX_DIMS 8
+#define BAD_PARAM 2000
+#define NULL_POINTER 2002
+#define U(p) ((uint64_t)(uintptr_t)(p))
+
+struct cudnnContext { cudaStream_t stream; };
+struct cudnnTensorStruct {
+    int64_t set, dtype, nb_dims, derive_mode;
+    uint64_t derived_from;
+    int64_t dims[MAX_DIMS], strides[MAX_DIMS];
+};
+struct cudnnActivationStruct { int64_t set, mode, nan_opt; double coef; };
+
+StreamCall stub_set_stream;
+BackwardWorkspaceQuery stub_backward_query;
+ForwardWorkspaceQuery stub_forward_query;
+ReserveQuery stub_reserve_query;
+BackwardCall stub_backward;
+ForwardTrainingCall stub_forward_training;
+ForwardInferenceCall stub_forward_inference;
+uint64_t stub_workspace_bytes = 4096;  /* what both workspace queries report */
+uint64_t stub_reserve_bytes = 512;     /* what the reserve query reports */
+int64_t stub_live_tensors;             /* created minus destroyed tensor descriptors */
+int64_t stub_live_activations;         /* created minus destroyed activation descriptors */
+static int last_status;
+
+static cudnnStatus_t fail(cudnnStatus_t status) { last_status = status; return status; }
+
+/* What a recorded call returns: the status its record was told to, failing with it. */
+static cudnnStatus_t answer(uint64_t status) { return status ? fail((int)status) : 0; }
+
+/* An alpha/beta scaling factor: double for DOUBLE data, float otherwise, as cuDNN reads it. */
+static double scaling(const void *p, cudnnTensorDescriptor_t x) {
+    if (p == NULL) return -1e300;
+    return x != NULL && x->dtype == 1 ? *(const double *)p : (double)*(const float *)p;
+}
+
+size_t cudnnGetVersion(void) { return 92800; }
+size_t cudnnGetCudartVersion(void) { return 12080; }
+
+const char *cudnnGetErrorString(cudnnStatus_t status) {
+    static char text[64];
+    snprintf(text, sizeof text, "STUB_STATUS_%d", status);
+    return text;
+}
+
+void cudnnGetLastErrorString(char *message, size_t max_size) {
+    if (message == NULL || max_size == 0) return;
+    if (last_status != 0) snprintf(message, max_size, "stub detail for %d", last_status);
+    else message[0] = 0;
+}
+
+cudnnStatus_t cudnnCreate(cudnnHandle_t *handle) {
+    if (handle == NULL) return fail(NULL_POINTER);
+    *handle = calloc(1, sizeof **handle);
+    return 0;
+}
+
+cudnnStatus_t cudnnDestroy(cudnnHandle_t handle) {
+    if (handle == NULL) return fail(NULL_POINTER);
+    free(handle);
+    return 0;
+}
+
+cudnnStatus_t cudnnSetStream(cudnnHandle_t handle, cudaStream_t streamId) {
+    if (handle == NULL) return fail(NULL_POINTER);
+    stub_set_stream.calls++;
+    stub_set_stream.handle = U(handle);
+    stub_set_stream.stream = U(streamId);
+    handle->stream = streamId;
+    return 0;
+}
+
+cudnnStatus_t cudnnGetStream(cudnnHandle_t handle, cudaStream_t *streamId) {
+    if (handle == NULL || streamId == NULL) return fail(NULL_POINTER);
+    *streamId = handle->stream;
+    return 0;
+}
+
+cudnnStatus_t cudnnCreateTensorDescriptor(cudnnTensorDescriptor_t *tensorDesc) {
+    if (tensorDesc == NULL) return fail(NULL_POINTER);
+    *tensorDesc = calloc(1, sizeof **tensorDesc);
+    stub_live_tensors++;
+    return 0;
+}
+
+/* Kept, not freed, and marked destroyed: a test that reads it late fails clearly. */
+cudnnStatus_t cudnnDestroyTensorDescriptor(cudnnTensorDescriptor_t tensorDesc) {
+    if (tensorDesc != NULL) {
+        tensorDesc->set = -1;
+        stub_live_tensors--;
+    }
+    return 0;
+}
+
+cudnnStatus_t cudnnSetTensorNdDescriptor(cudnnTensorDescriptor_t tensorDesc,
+        cudnnDataType_t dataType, int nbDims, const int dimA[], const int strideA[]) {
+    if (tensorDesc == NULL || dimA == NULL || strideA == NULL) return fail(NULL_POINTER);
+    if (nbDims < 1 || nbDims > MAX_DIMS) return fail(BAD_PARAM);
+    for (int i = 0; i < nbDims; i++)
+        if (dimA[i] < 1 || strideA[i] < 0) return fail(BAD_PARAM);
+    tensorDesc->set = 1;
+    tensorDesc->dtype = dataType;
+    tensorDesc->nb_dims = nbDims;
+    tensorDesc->derive_mode = -1;
+    tensorDesc->derived_from = 0;
+    for (int i = 0; i < nbDims; i++) {
+        tensorDesc->dims[i] = dimA[i];
+        tensorDesc->strides[i] = strideA[i];
+    }
+    return 0;
+}
+
+cudnnStatus_t cudnnGetTensorNdDescriptor(const cudnnTensorDescriptor_t tensorDesc,
+        int nbDimsRequested, cudnnDataType_t *dataType, int *nbDims, int dimA[], int strideA[]) {
+    if (tensorDesc == NULL || dataType == NULL || nbDims == NULL) return fail(NULL_POINTER);
+    if (tensorDesc->set != 1) return fail(BAD_PARAM);
+    *dataType = (cudnnDataType_t)tensorDesc->dtype;
+    *nbDims = (int)tensorDesc->nb_dims;
+    for (int i = 0; i < tensorDesc->nb_dims && i < nbDimsRequested; i++) {
+        dimA[i] = (int)tensorDesc->dims[i];
+        strideA[i] = (int)tensorDesc->strides[i];
+    }
+    return 0;
+}
+
+cudnnStatus_t cudnnCreateActivationDescriptor(cudnnActivationDescriptor_t *activationDesc) {
+    if (activationDesc == NULL) return fail(NULL_POINTER);
+    *activationDesc = calloc(1, sizeof **activationDesc);
+    stub_live_activations++;
+    return 0;
+}
+
+cudnnStatus_t cudnnSetActivationDescriptor(cudnnActivationDescriptor_t activationDesc,
+        cudnnActivationMode_t mode, cudnnNanPropagation_t reluNanOpt, double coef) {
+    if (activationDesc == NULL) return fail(NULL_POINTER);
+    if (activationDesc->set == -1) return fail(BAD_PARAM);
+    activationDesc->set = 1;
+    activationDesc->mode = mode;
+    activationDesc->nan_opt = reluNanOpt;
+    activationDesc->coef = coef;
+    return 0;
+}
+
+/* Kept and marked destroyed, as tensor descriptors are. */
+cudnnStatus_t cudnnDestroyActivationDescriptor(cudnnActivationDescriptor_t activationDesc) {
+    if (activationDesc != NULL) {
+        activationDesc->set = -1;
+        stub_live_activations--;
+    }
+    return 0;
+}
+
+/* (1, C, 1, ...) for SPATIAL, (1, C, H, W, ...) for PER_ACTIVATION, packed; FLOAT
+   statistics for HALF and BFLOAT16 data, the data type otherwise. */
+cudnnStatus_t cudnnDeriveBNTensorDescriptor(cudnnTensorDescriptor_t derivedBnDesc,
+        const cudnnTensorDescriptor_t xDesc, cudnnBatchNormMode_t mode) {
+    if (derivedBnDesc == NULL || xDesc == NULL) return fail(NULL_POINTER);
+    if (xDesc->set != 1 || xDesc->nb_dims < 4 || mode < 0 || mode > 2) return fail(BAD_PARAM);
+    int n = (int)xDesc->nb_dims;
+    derivedBnDesc->dims[0] = 1;
+    for (int i = 1; i < n; i++)
+        derivedBnDesc->dims[i] = (i == 1 || mode == 0) ? xDesc->dims[i] : 1;
+    derivedBnDesc->strides[n - 1] = 1;
+    for (int i = n - 2; i >= 0; i--)
+        derivedBnDesc->strides[i] = derivedBnDesc->strides[i + 1] * derivedBnDesc->dims[i + 1];
+    derivedBnDesc->dtype = (xDesc->dtype == 2 || xDesc->dtype == 9) ? 0 : xDesc->dtype;
+    derivedBnDesc->nb_dims = n;
+    derivedBnDesc->set = 1;
+    derivedBnDesc->derived_from = U(xDesc);
+    derivedBnDesc->derive_mode = mode;
+    return 0;
+}
+
+cudnnStatus_t cudnnBatchNormalizationForwardInference(cudnnHandle_t handle,
+        cudnnBatchNormMode_t mode, const void *alpha, const void *beta,
+        const cudnnTensorDescriptor_t xDesc, const void *x, const cudnnTensorDescriptor_t yDesc,
+        void *y, const cudnnTensorDescriptor_t bnScaleBiasMeanVarDesc, const void *bnScale,
+        const void *bnBias, const void *estimatedMean, const void *estimatedVariance,
+        double epsilon) {
+    if (handle == NULL) return fail(NULL_POINTER);
+    ForwardInferenceCall *c = &stub_forward_inference;
+    c->calls++;
+    c->handle = U(handle); c->mode = mode;
+    c->alpha = scaling(alpha, xDesc); c->beta = scaling(beta, xDesc);
+    c->x_desc = U(xDesc); c->x = U(x); c->y_desc = U(yDesc); c->y = U(y);
+    c->bn_desc = U(bnScaleBiasMeanVarDesc); c->scale = U(bnScale); c->bias = U(bnBias);
+    c->estimated_mean = U(estimatedMean); c->estimated_variance = U(estimatedVariance);
+    c->epsilon = epsilon;
+    return answer(c->status);
+}
+
+cudnnStatus_t cudnnBatchNormalizationForwardTraining(cudnnHandle_t handle,
+        cudnnBatchNormMode_t mode, const void *alpha, const void *beta,
+        const cudnnTensorDescriptor_t xDesc, const void *x, const cudnnTensorDescriptor_t yDesc,
+        void *y, const cudnnTensorDescriptor_t bnScaleBiasMeanVarDesc, const void *bnScale,
+        const void *bnBias, double exponentialAverageFactor, void *resultRunningMean,
+        void *resultRunningVariance, double epsilon, void *resultSaveMean,
+        void *resultSaveInvVariance) {
+    return handle == NULL ? fail(NULL_POINTER) : 0;
+}
+
+cudnnStatus_t cudnnGetBatchNormalizationForwardTrainingExWorkspaceSize(cudnnHandle_t handle,
+        cudnnBatchNormMode_t mode, cudnnBatchNormOps_t bnOps, const cudnnTensorDescriptor_t xDesc,
+        const cudnnTensorDescriptor_t zDesc, const cudnnTensorDescriptor_t yDesc,
+        const cudnnTensorDescriptor_t bnScaleBiasMeanVarDesc,
+        const cudnnActivationDescriptor_t activationDesc, size_t *sizeInBytes) {
+    if (handle == NULL || sizeInBytes == NULL) return fail(NULL_POINTER);
+    ForwardWorkspaceQuery *q = &stub_forward_query;
+    q->calls++;
+    q->handle = U(handle); q->mode = mode; q->bn_ops = bnOps;
+    q->x_desc = U(xDesc); q->z_desc = U(zDesc); q->y_desc = U(yDesc);
+    q->bn_desc = U(bnScaleBiasMeanVarDesc); q->activation_desc = U(activationDesc);
+    *sizeInBytes = stub_workspace_bytes;
+    return 0;
+}
+
+cudnnStatus_t cudnnGetBatchNormalizationBackwardExWorkspaceSize(cudnnHandle_t handle,
+        cudnnBatchNormMode_t mode, cudnnBatchNormOps_t bnOps, const cudnnTensorDescriptor_t xDesc,
+        const cudnnTensorDescriptor_t yDesc, const cudnnTensorDescriptor_t dyDesc,
+        const cudnnTensorDescriptor_t dzDesc, const cudnnTensorDescriptor_t dxDesc,
+        const cudnnTensorDescriptor_t dBnScaleBiasDesc,
+        const cudnnActivationDescriptor_t activationDesc, size_t *sizeInBytes) {
+    if (handle == NULL || sizeInBytes == NULL) return fail(NULL_POINTER);
+    BackwardWorkspaceQuery *q = &stub_backward_query;
+    q->calls++;
+    q->handle = U(handle); q->mode = mode; q->bn_ops = bnOps;
+    q->x_desc = U(xDesc); q->y_desc = U(yDesc); q->dy_desc = U(dyDesc); q->dz_desc = U(dzDesc);
+    q->dx_desc = U(dxDesc); q->bn_desc = U(dBnScaleBiasDesc);
+    q->activation_desc = U(activationDesc);
+    *sizeInBytes = stub_workspace_bytes;
+    return 0;
+}
+
+cudnnStatus_t cudnnGetBatchNormalizationTrainingExReserveSpaceSize(cudnnHandle_t handle,
+        cudnnBatchNormMode_t mode, cudnnBatchNormOps_t bnOps,
+        const cudnnActivationDescriptor_t activationDesc, const cudnnTensorDescriptor_t xDesc,
+        size_t *sizeInBytes) {
+    if (handle == NULL || sizeInBytes == NULL) return fail(NULL_POINTER);
+    ReserveQuery *q = &stub_reserve_query;
+    q->calls++;
+    q->handle = U(handle); q->mode = mode; q->bn_ops = bnOps;
+    q->activation_desc = U(activationDesc); q->x_desc = U(xDesc);
+    *sizeInBytes = stub_reserve_bytes;
+    return 0;
+}
+
+cudnnStatus_t cudnnBatchNormalizationForwardTrainingEx(cudnnHandle_t handle,
+        cudnnBatchNormMode_t mode, cudnnBatchNormOps_t bnOps, const void *alpha,
+        const void *beta, const cudnnTensorDescriptor_t xDesc, const void *xData,
+        const cudnnTensorDescriptor_t zDesc, const void *zData,
+        const cudnnTensorDescriptor_t yDesc, void *yData,
+        const cudnnTensorDescriptor_t bnScaleBiasMeanVarDesc, const void *bnScale,
+        const void *bnBias, double exponentialAverageFactor, void *resultRunningMean,
+        void *resultRunningVariance, double epsilon, void *resultSaveMean,
+        void *resultSaveInvVariance, cudnnActivationDescriptor_t activationDesc,
+        void *workspace, size_t workSpaceSizeInBytes, void *reserveSpace,
+        size_t reserveSpaceSizeInBytes) {
+    if (handle == NULL) return fail(NULL_POINTER);
+    ForwardTrainingCall *c = &stub_forward_training;
+    c->calls++;
+    c->handle = U(handle); c->mode = mode; c->bn_ops = bnOps;
+    c->alpha = scaling(alpha, xDesc); c->beta = scaling(beta, xDesc);
+    c->x_desc = U(xDesc); c->x = U(xData); c->z_desc = U(zDesc); c->z = U(zData);
+    c->y_desc = U(yDesc); c->y = U(yData);
+    c->bn_desc = U(bnScaleBiasMeanVarDesc); c->scale = U(bnScale); c->bias = U(bnBias);
+    c->exponential_average_factor = exponentialAverageFactor;
+    c->running_mean = U(resultRunningMean); c->running_var = U(resultRunningVariance);
+    c->epsilon = epsilon;
+    c->save_mean = U(resultSaveMean); c->save_inv_variance = U(resultSaveInvVariance);
+    c->activation_desc = U(activationDesc);
+    c->workspace = U(workspace); c->workspace_size = workSpaceSizeInBytes;
+    c->reserve = U(reserveSpace); c->reserve_size = reserveSpaceSizeInBytes;
+    return answer(c->status);
+}
+
+cudnnStatus_t cudnnBatchNormalizationBackward(cudnnHandle_t handle, cudnnBatchNormMode_t mode,
+        const void *alphaDataDiff, const void *betaDataDiff, const void *alphaParamDiff,
+        const void *betaParamDiff, const cudnnTensorDescriptor_t xDesc, const void *x,
+        const cudnnTensorDescriptor_t dyDesc, const void *dy,
+        const cudnnTensorDescriptor_t dxDesc, void *dx,
+        const cudnnTensorDescriptor_t dBnScaleBiasDesc, const void *bnScale,
+        void *dBnScaleResult, void *dBnBiasResult, double epsilon, const void *savedMean,
+        const void *savedInvVariance) {
+    return handle == NULL ? fail(NULL_POINTER) : 0;
+}
+
+cudnnStatus_t cudnnBatchNormalizationBackwardEx(cudnnHandle_t handle,
+        cudnnBatchNormMode_t mode, cudnnBatchNormOps_t bnOps, const void *alphaDataDiff,
+        const void *betaDataDiff, const void *alphaParamDiff, const void *betaParamDiff,
+        const cudnnTensorDescriptor_t xDesc, const void *xData,
+        const cudnnTensorDescriptor_t yDesc, const void *yData,
+        const cudnnTensorDescriptor_t dyDesc, const void *dyData,
+        const cudnnTensorDescriptor_t dzDesc, void *dzData,
+        const cudnnTensorDescriptor_t dxDesc, void *dxData,
+        const cudnnTensorDescriptor_t dBnScaleBiasDesc, const void *bnScaleData,
+        const void *bnBiasData, void *dBnScaleData, void *dBnBiasData, double epsilon,
+        const void *savedMean, const void *savedInvVariance,
+        cudnnActivationDescriptor_t activationDesc, void *workSpace,
+        size_t workSpaceSizeInBytes, void *reserveSpace, size_t reserveSpaceSizeInBytes) {
+    if (handle == NULL) return fail(NULL_POINTER);
+    BackwardCall *c = &stub_backward;
+    c->calls++;
+    c->handle = U(handle); c->mode = mode; c->bn_ops = bnOps;
+    c->alpha_data = scaling(alphaDataDiff, xDesc);
+    c->beta_data = scaling(betaDataDiff, xDesc);
+    c->alpha_param = scaling(alphaParamDiff, xDesc);
+    c->beta_param = scaling(betaParamDiff, xDesc);
+    c->x_desc = U(xDesc); c->x = U(xData); c->y_desc = U(yDesc); c->y = U(yData);
+    c->dy_desc = U(dyDesc); c->dy = U(dyData); c->dz_desc = U(dzDesc); c->dz = U(dzData);
+    c->dx_desc = U(dxDesc); c->dx = U(dxData);
+    c->bn_desc = U(dBnScaleBiasDesc); c->scale = U(bnScaleData); c->bias = U(bnBiasData);
+    c->dscale = U(dBnScaleData); c->dbias = U(dBnBiasData);
+    c->epsilon = epsilon;
+    c->saved_mean = U(savedMean); c->saved_inv_variance = U(savedInvVariance);
+    c->activation_desc = U(activationDesc);
+    c->workspace = U(workSpace); c->workspace_size = workSpaceSizeInBytes;
+    c->reserve = U(reserveSpace); c->reserve_size = reserveSpaceSizeInBytes;
+    return answer(c->status);
+}
+"""
+
+STUB_SOURCE = (
+    STUB_PRELUDE
+    + STUB_DECLARATIONS
+    + "".join(_c_struct(record) for record in RECORDS.values())
+    + STUB_DEFINITIONS
+)
+
+
+class Stub:
+    """The loaded stub, read and written through ctypes: a record per entry of ``RECORDS``,
+    what the size queries answer (``workspace_bytes``, ``reserve_bytes``) and the descriptors
+    created and not yet destroyed (``live_tensors``, ``live_activations``)."""
+
+    set_stream: StreamCall
+    backward_query: BackwardWorkspaceQuery
+    forward_query: ForwardWorkspaceQuery
+    reserve_query: ReserveQuery
+    backward: BackwardCall
+    forward_training: ForwardTrainingCall
+    forward_inference: ForwardInferenceCall
+
+    def __init__(self, cdll: ctypes.CDLL) -> None:
+        self.cdll = cdll
+        for name, record in RECORDS.items():
+            setattr(self, name, record.in_dll(cdll, f"stub_{name}"))
+        self.workspace_bytes = c_uint64.in_dll(cdll, "stub_workspace_bytes")
+        self.reserve_bytes = c_uint64.in_dll(cdll, "stub_reserve_bytes")
+        self.live_tensors = c_int64.in_dll(cdll, "stub_live_tensors")
+        self.live_activations = c_int64.in_dll(cdll, "stub_live_activations")
+
+    def reset(self) -> None:
+        for name in RECORDS:
+            record = getattr(self, name)
+            ctypes.memset(ctypes.addressof(record), 0, ctypes.sizeof(record))
+        self.workspace_bytes.value, self.reserve_bytes.value = STUB_WORKSPACE, STUB_RESERVE
+
+    def calls(self) -> dict[str, int]:
+        """How many times each recorded function ran since ``reset``."""
+        return {name: getattr(self, name).calls for name in RECORDS}
+
+    @staticmethod
+    def tensor(address: int) -> tuple[int, tuple[int, ...], tuple[int, ...]]:
+        """(cudnnDataType_t, dims, strides) of the live stub descriptor at ``address``."""
+        assert address, "a NULL tensor descriptor"
+        t = TensorRecord.from_address(address)
+        assert t.set != -1, "a tensor descriptor read after it was destroyed"
+        assert t.set == 1, "a tensor descriptor that was never set"
+        return t.dtype, tuple(t.dims[: t.nb_dims]), tuple(t.strides[: t.nb_dims])
+
+    @staticmethod
+    def activation(address: int) -> tuple[int, int, float]:
+        """(mode, NaN propagation, coef) of the live stub activation descriptor at ``address``."""
+        assert address, "a NULL activation descriptor"
+        a = ActivationRecord.from_address(address)
+        assert a.set != -1, "an activation descriptor read after it was destroyed"
+        assert a.set == 1, "an activation descriptor that was never set"
+        return a.mode, a.nan_opt, a.coef
+
+
+def build(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The stub, compiled once per test session (skips the test where there is no gcc)."""
+    if shutil.which("gcc") is None:
+        pytest.skip("gcc is not installed: the stub libcudnn these tests run on cannot be built")
+    return _compile(tmp_path_factory.getbasetemp())
+
+
+@functools.cache
+def _compile(base: Path) -> Path:
+    folder = base / "stub_cudnn"
+    folder.mkdir(exist_ok=True)
+    source, library = folder / "stub_cudnn.c", folder / "libstub_cudnn.so"
+    source.write_text(STUB_SOURCE)
+    command = ["gcc", "-shared", "-fPIC", "-O1", "-Wall", "-Werror", "-o", library, source]
+    built = subprocess.run(command, capture_output=True, text=True, check=False)
+    assert built.returncode == 0, built.stderr
+    return library
+
+
+def _no_cupy(*args: object) -> None:
+    raise AssertionError("the cuDNN fast path entered a CuPy stream scope")
+
+
+def install(path: Path, monkeypatch: pytest.MonkeyPatch) -> Stub:
+    """The stub as this process's libcudnn, with fresh per-thread state and no CUDA."""
+    cdll = ctypes.CDLL(str(path))
+    info = CudnnInfo(path=str(path), found_via="test stub", version=STUB_VERSION)
+    monkeypatch.setattr(library_module, "_library", CudnnLibrary(cdll, info))
+    monkeypatch.setattr(handle_module, "_per_thread", threading.local())
+    monkeypatch.setattr(runtime_module, "_current", threading.local())
+    monkeypatch.setattr(cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(cuda, "stream_scope", _no_cupy)
+    stub = Stub(cdll)
+    stub.reset()
+    return stub
+
+
+# --- fake device pointers and layouts ------------------------------------------------------
+
+# Every operand of every operator, by name; distinct, above 2^32 (a truncated pointer would
+# show), never dereferenced.
+OPERANDS = (
+    "grad_input", "grad_weight", "grad_bias", "input", "grad_output", "weight",
+    "running_mean", "running_var", "output", "bias", "grad_z", "z", "saved_mean",
+    "saved_invstd", "reserve",
+)  # fmt: skip
+POINTERS = {name: 0x7F00_0000_0000 + (index + 1) * 0x10_0000 for index, name in enumerate(OPERANDS)}
+WORKSPACE = 0x7E00_0000_0000
+STREAM = 0x5EA_0000_0000
+
+
+def pointers(names: str) -> tuple[int, ...]:
+    return tuple(POINTERS[name] for name in names.split())
+
+
+def fields(record: ctypes.Structure, names: str) -> tuple:
+    return tuple(getattr(record, name) for name in names.split())
+
+
+def channels_last(shape: tuple[int, ...]) -> tuple[int, ...]:
+    order = (0, *range(2, len(shape)), 1)
+    packed = contiguous_strides(tuple(shape[i] for i in order))
+    strides = [0] * len(shape)
+    for axis, stride in zip(order, packed, strict=True):
+        strides[axis] = stride
+    return tuple(strides)
+
+
+def layout_strides(shape: tuple[int, ...], layout: str) -> tuple[int, ...]:
+    """Packed strides of ``shape`` in ``layout`` ("contiguous" or "channels_last")."""
+    return channels_last(shape) if layout == "channels_last" else contiguous_strides(shape)
+
+
+def padded(shape: tuple[int, ...]) -> tuple[int, ...]:
+    """As cuDNN is given it: ranks below 4 padded with size-1 axes (as PyTorch does)."""
+    return tuple(shape) + (1,) * (4 - len(shape))
+
+
+def cudnn_strides(shape: tuple[int, ...], layout: str) -> tuple[int, ...]:
+    """The packed strides of ``padded(shape)`` in ``layout``: what cuDNN must be told, size-1
+    axes included (PyTorch's fixSizeOneDimStride): (N, C, L) channels-last is (N, C, L, 1)
+    with strides (C*L, 1, C, C)."""
+    return layout_strides(padded(shape), layout)
+
+
+def expected_bn_mode(shape: tuple[int, ...], layout: str, training: bool = True) -> int:
+    """PyTorch's choice: PER_ACTIVATION for 2-D input, SPATIAL_PERSISTENT for channels-last
+    (4-D, 5-D) training, else SPATIAL (NLC included)."""
+    if len(shape) == 2:
+        return PER_ACTIVATION
+    if training and layout == "channels_last" and len(shape) >= 4:
+        return SPATIAL_PERSISTENT
+    return SPATIAL
+
+
+def bn_dtype(dtype: DataType) -> int:
+    """The dtype of the per-channel descriptor cuDNN derives for ``dtype`` data."""
+    return CUDNN_DOUBLE if dtype == F64 else CUDNN_FLOAT
+
+
+def assert_derived_bn_desc(bn_desc: int, x_desc: int, mode: int, shape, dtype) -> None:
+    """``bn_desc`` is the descriptor cuDNN derived from ``x_desc`` for ``mode``."""
+    bn = TensorRecord.from_address(bn_desc)
+    assert (bn.derived_from, bn.derive_mode) == (x_desc, mode)
+    rest = padded(shape)[2:] if mode == PER_ACTIVATION else (1,) * (len(padded(shape)) - 2)
+    assert Stub.tensor(bn_desc)[:2] == (bn_dtype(dtype), (1, shape[1], *rest))
+
+
+def in_workspace(address: int, nbytes: int, workspace_size: int) -> bool:
+    """Whether ``nbytes`` at ``address`` lie in the workspace after cuDNN's own scratch."""
+    start, end = WORKSPACE + STUB_WORKSPACE, WORKSPACE + workspace_size
+    return start <= address and address + nbytes <= end
+
+
+# --- problem tables shared by the backward and forward tests --------------------------------
+
+SHAPES = [(6, 3), (2, 3, 5), (2, 3, 4, 5), (2, 3, 2, 3, 4)]
+# (input dtype, per-channel dtype) that need no staging: cuDNN's own statistics dtype.
+FAST_DTYPES = [(F16, F32), (F32, F32), (F64, F64)]
+
+
+def fast_cases():
+    """(shape, dtype, channel dtype, layout) of every cuDNN fast-path problem."""
+    for shape in SHAPES:
+        for dtype, channel_dtype in FAST_DTYPES:
+            for layout in ("contiguous", "channels_last") if len(shape) > 2 else ("contiguous",):
+                yield pytest.param(
+                    shape, dtype, channel_dtype, layout, id=f"{shape}-{dtype.name}-{layout}"
+                )
+
+
+# The ``persistent`` attribute of training (forward and backward): None lets the backend
+# choose (PERSISTENT for channels-last 4-D/5-D), True asks for it, False forbids it; 2-D
+# input is always PER_ACTIVATION.
+PERSISTENT_CASES = {  # (shape, layout, persistent, mode)
+    "NHWC auto": ((2, 3, 4, 5), "channels_last", None, SPATIAL_PERSISTENT),
+    "NHWC forbidden": ((2, 3, 4, 5), "channels_last", False, SPATIAL),
+    "NDHWC forbidden": ((2, 3, 2, 3, 4), "channels_last", False, SPATIAL),
+    "NCHW auto": ((2, 3, 4, 5), "contiguous", None, SPATIAL),
+    "NCHW asked": ((2, 3, 4, 5), "contiguous", True, SPATIAL_PERSISTENT),
+    "NLC asked": ((2, 3, 5), "channels_last", True, SPATIAL_PERSISTENT),
+    "NC asked": ((6, 3), "contiguous", True, PER_ACTIVATION),
+}
+
+# Shapes cuDNN's fused kernels take as F16 channels-last data: C % 4 == 0, 4-D.
+FUSED_SHAPES = [(2, 8, 3, 5)]
+FUSIONS = {"relu": OPS_BN_ACTIVATION, "add_relu": OPS_BN_ADD_ACTIVATION}
+# Which engine serves a fused pass: cuDNN only in SPATIAL_PERSISTENT mode on F16 NHWC data
+# with C % 4 == 0 (a backward also from saved statistics), the CuPy engine for the rest.
+FUSED_ENGINES = {  # (engine, shape, dtype, channel dtype, layout, persistent)
+    "F16 NHWC": ("cudnn", (2, 8, 3, 5), F16, F32, "channels_last", None),
+    "F16 NHWC persistent": ("cudnn", (2, 8, 3, 5), F16, F32, "channels_last", True),
+    "F16 NDHWC": ("cupy", (2, 4, 2, 3, 2), F16, F32, "channels_last", None),
+    "F16 NHWC not persistent": ("cupy", (2, 8, 3, 5), F16, F32, "channels_last", False),
+    "F32 NHWC": ("cupy", (2, 8, 3, 5), F32, F32, "channels_last", None),
+    "F64 NHWC": ("cupy", (2, 8, 3, 5), F64, F64, "channels_last", None),
+    "BF16 NHWC": ("cupy", (2, 8, 3, 5), BF16, F32, "channels_last", None),
+    "F16 NCHW": ("cupy", (2, 8, 3, 5), F16, F32, "contiguous", None),
+    "F16 NCHW persistent": ("cupy", (2, 8, 3, 5), F16, F32, "contiguous", True),
+    "F16 NHWC C=6": ("cupy", (2, 6, 3, 5), F16, F32, "channels_last", None),
+    "F16 NLC": ("cupy", (2, 8, 5), F16, F32, "channels_last", None),
+    "F16 NC": ("cupy", (6, 8), F16, F32, "contiguous", True),
+}
+
+
+def nothing_recorded(stub: Stub) -> bool:
+    """Whether no recorded cuDNN function ran since ``reset``."""
+    return not any(stub.calls().values())
+
+
+def only(*names: str) -> dict[str, int]:
+    """What ``Stub.calls()`` is when exactly the recorded functions ``names`` ran, once each."""
+    return {name: int(name in names) for name in RECORDS}
