@@ -5,50 +5,88 @@ descriptor for that exact problem, allocates outputs and workspace with the inpu
 library, and computes on the caller's stream (or the library's current one).
 """
 
+from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
-from .arrays import Operand, empty_like, operand, workspace_like
+from .arrays import Operand, buffer_address, empty_like, operand, workspace_like
 from .descriptor_cache import DescriptorCache
-from .enums import Device, Status
+from .enums import DataType, Device, Status
 from .errors import InfiniError
-from .ops.batch_norm_backward import BatchNormBackwardDescriptor, parse_mode
-from .ops.validation import check_eps
-from .problems import BackwardTensors, Mode
+from .ops.batch_norm_backward import BatchNormBackwardDescriptor, parse_fusion, parse_mode
+from .ops.batch_norm_forward_inference import BatchNormForwardInferenceDescriptor
+from .ops.batch_norm_forward_training import BatchNormForwardTrainingDescriptor
+from .ops.validation import (
+    HALF_DTYPES,
+    check_eps,
+    check_flag,
+    check_fraction,
+    check_output_mask,
+)
+from .problems import BackwardTensors, ForwardInferenceTensors, ForwardTrainingTensors, Fusion, Mode
 from .runtime import Handle
-from .tensor import TensorDesc, contiguous_strides
+from .tensor import TensorDesc
 
 descriptor_cache = DescriptorCache()
 
 
-def _same_device(operands: dict[str, Operand]) -> tuple[Device, int]:
-    places = {(op.device, op.device_id) for op in operands.values()}
-    if len(places) > 1:
-        where = ", ".join(
-            f"{name} on {op.device.name}:{op.device_id}" for name, op in operands.items()
-        )
-        raise InfiniError(Status.BAD_PARAM, f"arrays must share one device; got {where}")
-    return places.pop()
+class TrainingOutputs(tuple):
+    """``(output, saved_mean, saved_invstd)`` of a training forward; ``.reserve`` is the
+    reserve space (a byte array, or None when empty) its backward takes as ``reserve=``."""
+
+    reserve: Any
+
+    def __new__(
+        cls, output: Any, saved_mean: Any, saved_invstd: Any, reserve: Any
+    ) -> "TrainingOutputs":
+        outputs = super().__new__(cls, (output, saved_mean, saved_invstd))
+        outputs.reserve = reserve
+        return outputs
 
 
-def _output_strides(desc: TensorDesc) -> tuple[int, ...]:
-    """Strides for a gradient of ``desc``: its own layout if packed, else row-major."""
-    if desc.is_channels_last():
-        order = (0, *range(2, desc.ndim), 1)
-        packed = contiguous_strides(tuple(desc.shape[i] for i in order))
-        strides = [0] * desc.ndim
-        for axis, stride in zip(order, packed, strict=True):
-            strides[axis] = stride
-        return tuple(strides)
-    return contiguous_strides(desc.shape)
+class _Call:
+    """One array-API call: its operands (all on one device), its stream, its allocations."""
 
+    def __init__(self, arrays: dict[str, Any], stream: Any) -> None:
+        self.like = arrays["input"]
+        self.ops: dict[str, Operand] = {
+            n: operand(n, a) for n, a in arrays.items() if a is not None
+        }
+        places = {(op.device, op.device_id) for op in self.ops.values()}
+        if len(places) > 1:
+            where = ", ".join(
+                f"{n} on {op.device.name}:{op.device_id}" for n, op in self.ops.items()
+            )
+            raise InfiniError(Status.BAD_PARAM, f"arrays must share one device; got {where}")
+        self.device, self.device_id = places.pop()
+        self.stream = _stream(stream, self.like, self.device)
 
-def _on_device(device: Device, device_id: int) -> AbstractContextManager:
-    if device == Device.CPU:
-        return nullcontext()
-    from .backends.cuda import on_device
+    def desc(self, name: str) -> TensorDesc | None:
+        return self.ops[name].desc if name in self.ops else None
 
-    return on_device(device_id)
+    def ptr(self, name: str) -> int:
+        return self.ops[name].ptr if name in self.ops else 0
+
+    def descriptor(self, key: tuple, build: Callable[[Handle], Any]) -> Any:
+        """The cached descriptor for ``key`` on this call's device, built on a miss."""
+        handle = Handle(self.device, self.device_id)
+        return descriptor_cache.get((self.device, self.device_id, *key), lambda: build(handle))
+
+    def on_device(self) -> AbstractContextManager:
+        if self.device == Device.CPU:
+            return nullcontext()
+        from .backends.cuda import on_device
+
+        return on_device(self.device_id)
+
+    def empty(self, desc: TensorDesc) -> tuple[Any, int]:
+        """A new array of the input's kind for ``desc``, and its data pointer."""
+        array = empty_like(self.like, desc.shape, desc.strides, desc.dtype)
+        return array, operand("output", array).ptr
+
+    def scratch(self, nbytes: int) -> tuple[Any, int]:
+        """``nbytes`` of scratch tied to this call's stream (kept alive by the caller)."""
+        return workspace_like(self.like, nbytes, self.stream)
 
 
 def _stream(stream: Any, like: Any, device: Device) -> int:
@@ -73,6 +111,16 @@ def _stream(stream: Any, like: Any, device: Device) -> int:
     )
 
 
+def _like(desc: TensorDesc, dtype: DataType | None = None) -> TensorDesc:
+    """A packed tensor of ``desc``'s shape and layout (and ``dtype``, default its own)."""
+    return TensorDesc(dtype or desc.dtype, desc.shape, desc.packed_strides())
+
+
+def _statistics_dtype(x: TensorDesc) -> DataType:
+    """What saved statistics are stored as: F32 for F16/BF16 input (as cuDNN computes them)."""
+    return DataType.F32 if x.dtype in HALF_DTYPES else x.dtype
+
+
 def batch_norm_backward(
     input: Any,
     grad_output: Any,
@@ -85,7 +133,13 @@ def batch_norm_backward(
     saved_mean: Any = None,
     saved_invstd: Any = None,
     stream: Any = None,
-) -> tuple[Any, Any, Any]:
+    output_mask: tuple[bool, bool, bool] = (True, True, True),
+    fusion: str | None = None,
+    output: Any = None,
+    bias: Any = None,
+    reserve: Any = None,
+    persistent: bool | None = None,
+) -> tuple[Any, ...]:
     """``(grad_input, grad_weight, grad_bias)`` of batch norm, as arrays of ``input``'s kind.
 
     ``mode`` picks the statistics (DESIGN.md): ``"train"`` recomputes the batch mean and biased
@@ -93,15 +147,56 @@ def batch_norm_backward(
     ``"saved"`` reads ``running_mean``/``running_var`` as the batch mean and biased variance,
     or takes ``saved_mean``/``saved_invstd`` exactly as a forward pass saved them;
     ``"eval"`` treats ``running_*`` as fixed statistics.
+
+    ``output_mask`` asks only for some gradients: the others come back as None and are never
+    written. ``fusion`` (``"relu"``, ``"add_relu"``) is the backward of a fused forward: it
+    needs that forward's ``output``, ``bias`` and ``reserve``, and with ``"add_relu"`` also
+    returns ``grad_z``, the residual's gradient, as a fourth result. ``persistent=False``
+    forces cuDNN's SPATIAL mode where SPATIAL_PERSISTENT would be used (channels-last).
     """
-    parsed = parse_mode(mode)
-    stats = {"running_mean": running_mean, "running_var": running_var}
+    return _backward(
+        dict(
+            input=input,
+            grad_output=grad_output,
+            weight=weight,
+            running_mean=running_mean,
+            running_var=running_var,
+            saved_mean=saved_mean,
+            saved_invstd=saved_invstd,
+            output=output,
+            bias=bias,
+        ),
+        None,
+        eps,
+        mode,
+        stream,
+        output_mask,
+        fusion,
+        reserve,
+        persistent,
+    )
+
+
+def _backward(
+    arrays: dict[str, Any],
+    out: dict[str, Any] | None,
+    eps: float,
+    mode: str,
+    stream: Any,
+    output_mask: tuple[bool, bool, bool],
+    fusion_name: str | None,
+    reserve: Any,
+    persistent: bool | None,
+) -> tuple[Any, ...]:
+    """Batch-norm backward writing into ``out`` (arrays by name) or into new arrays."""
+    parsed, fusion = parse_mode(mode), parse_fusion(fusion_name)
+    saved_mean, saved_invstd = arrays.pop("saved_mean"), arrays.pop("saved_invstd")
     if saved_mean is not None or saved_invstd is not None:
         if parsed != Mode.SAVED:
             raise InfiniError(
                 Status.BAD_PARAM, f"saved_mean/saved_invstd need mode='saved', got mode={mode!r}"
             )
-        if running_mean is not None or running_var is not None:
+        if arrays["running_mean"] is not None or arrays["running_var"] is not None:
             raise InfiniError(
                 Status.BAD_PARAM,
                 "give running_mean/running_var or saved_mean/saved_invstd, not both",
@@ -111,42 +206,293 @@ def batch_norm_backward(
             raise InfiniError(
                 Status.NULL_POINTER, f"{missing} is None but the other saved statistic is given"
             )
-        parsed, stats = Mode.SAVED_INVSTD, {"running_mean": saved_mean, "running_var": saved_invstd}
-    arrays = {"input": input, "grad_output": grad_output, "weight": weight, **stats}
-    ops = {name: operand(name, array) for name, array in arrays.items() if array is not None}
+        parsed = Mode.SAVED_INVSTD
+        arrays.update(running_mean=saved_mean, running_var=saved_invstd)
     for name in ("input", "grad_output", "weight"):
-        if name not in ops:
+        if arrays[name] is None:
             raise InfiniError(Status.NULL_POINTER, f"{name} is None")
-    device, device_id = _same_device(ops)
-
-    x, w = ops["input"].desc, ops["weight"].desc
+    call = _Call(arrays, stream)
+    x, w = call.desc("input"), call.desc("weight")
     per_channel = TensorDesc.contiguous(w.dtype, w.shape)
+    wants_z = fusion == Fusion.BN_ADD_RELU
     tensors = BackwardTensors(
-        TensorDesc(x.dtype, x.shape, _output_strides(x)),
+        _like(x),
         per_channel,
         per_channel,
         x,
-        ops["grad_output"].desc,
+        call.desc("grad_output"),
         w,
-        ops["running_mean"].desc if "running_mean" in ops else None,
-        ops["running_var"].desc if "running_var" in ops else None,
+        call.desc("running_mean"),
+        call.desc("running_var"),
+        call.desc("output"),
+        call.desc("bias"),
+        _like(x) if wants_z else None,
     )
-    key = (device, device_id, tensors, parsed, check_eps(eps))
-    desc = descriptor_cache.get(
+    # Validated values in the key: (1, 1, 1) == (True, True, True) must not hit the cache.
+    output_mask = check_output_mask(output_mask)
+    persistent = check_flag("persistent", persistent)
+    key = ("backward", tensors, parsed, check_eps(eps), fusion, output_mask, persistent)
+    descriptor = call.descriptor(
         key,
-        lambda: BatchNormBackwardDescriptor(
-            Handle(device, device_id), *tensors, eps=eps, mode=parsed
+        lambda handle: BatchNormBackwardDescriptor(
+            handle,
+            *tensors[:8],
+            output_desc=tensors.output,
+            bias_desc=tensors.bias,
+            grad_z_desc=tensors.grad_z,
+            eps=eps,
+            mode=parsed,
+            fusion=fusion,
+            output_mask=output_mask,
+            persistent=persistent,
         ),
     )
+    names = ("grad_input", "grad_weight", "grad_bias") + (("grad_z",) if wants_z else ())
+    wanted = (*descriptor.attributes.output_mask, wants_z)
+    reserve_ptr, reserve_size = buffer_address("reserve", reserve)
+    with call.on_device():
+        results, pointers = {}, {}
+        for name, needed in zip(names, wanted, strict=False):
+            if needed and out is not None:
+                results[name], pointers[name] = out[name], operand(name, out[name]).ptr
+            elif needed:
+                results[name], pointers[name] = call.empty(getattr(tensors, name))
+        _workspace, workspace_ptr = call.scratch(descriptor.workspace_size)
+        descriptor.compute(
+            workspace_ptr,
+            descriptor.workspace_size,
+            *(pointers.get(n, 0) for n in ("grad_input", "grad_weight", "grad_bias")),
+            *(
+                call.ptr(n)
+                for n in ("input", "grad_output", "weight", "running_mean", "running_var")
+            ),
+            call.stream,
+            output=call.ptr("output"),
+            bias=call.ptr("bias"),
+            grad_z=pointers.get("grad_z", 0),
+            reserve=reserve_ptr,
+            reserve_size=reserve_size,
+        )
+    return tuple(results.get(name) for name in names)
 
-    stream_ptr = _stream(stream, input, device)
-    with _on_device(device, device_id):
-        grad_input = empty_like(input, x.shape, tensors.grad_input.strides)
-        grad_weight = empty_like(weight, w.shape, per_channel.strides)
-        grad_bias = empty_like(weight, w.shape, per_channel.strides)
-        # Held until return: the allocator may reuse it only after the queued work.
-        _workspace, workspace_ptr = workspace_like(input, desc.workspace_size, stream_ptr)
-        outputs = [operand("output", a).ptr for a in (grad_input, grad_weight, grad_bias)]
-        inputs = [ops[name].ptr if name in ops else 0 for name in BackwardTensors._fields[3:]]
-        desc.compute(workspace_ptr, desc.workspace_size, *outputs, *inputs, stream=stream_ptr)
-    return grad_input, grad_weight, grad_bias
+
+def batch_norm_backward_batched(
+    input: Any,
+    grad_output: Any,
+    weight: Any,
+    running_mean: Any,
+    running_var: Any,
+    *,
+    saved_mean: Any = None,
+    saved_invstd: Any = None,
+    output: Any = None,
+    bias: Any = None,
+    eps: float = 1e-5,
+    mode: str = "train",
+    stream: Any = None,
+    output_mask: tuple[bool, bool, bool] = (True, True, True),
+    fusion: str | None = None,
+    persistent: bool | None = None,
+) -> tuple[Any, ...]:
+    """Batch-norm backward of ``B`` independent problems in one call (functorch's vmap rule).
+
+    ``input``, ``grad_output`` (and a fused ``output``) are ``(B, N, C, ...)``; ``weight``,
+    ``bias`` and the statistics are ``(C,)``, shared, or ``(B, C)``, one row per problem.
+    Returns ``grad_input`` shaped like ``input`` and ``grad_weight``/``grad_bias`` shaped
+    ``(B, C)``, written in place problem by problem through one cached descriptor; the other
+    options are ``batch_norm_backward``'s (a fused one takes no reserve: each problem's
+    reserve would differ).
+    """
+    x = operand("input", input).desc
+    if x.ndim < 3:
+        raise InfiniError(
+            Status.BAD_TENSOR_SHAPE, f"input has shape {x.shape}; expected (B, N, C, ...)"
+        )
+    w = operand("weight", weight).desc
+    batch, channels = x.shape[0], x.shape[2]
+    inner = TensorDesc(x.dtype, x.shape[1:], x.strides[1:])
+    data = TensorDesc(x.dtype, x.shape, (inner.numel, *_like(inner).strides))
+    per_channel = TensorDesc.contiguous(w.dtype, (batch, channels))
+    wants_z = parse_fusion(fusion) == Fusion.BN_ADD_RELU
+    output_mask = check_output_mask(output_mask)
+    shapes = {
+        "grad_input": data,
+        "grad_weight": per_channel,
+        "grad_bias": per_channel,
+        "grad_z": data,
+    }
+    wanted = dict(
+        zip(("grad_input", "grad_weight", "grad_bias"), output_mask, strict=True), grad_z=wants_z
+    )
+    out = {
+        n: empty_like(input, d.shape, d.strides, d.dtype) for n, d in shapes.items() if wanted[n]
+    }
+    batched = {"input": input, "grad_output": grad_output, "output": output}
+    shared = dict(
+        weight=weight,
+        running_mean=running_mean,
+        running_var=running_var,
+        saved_mean=saved_mean,
+        saved_invstd=saved_invstd,
+        bias=bias,
+    )
+    for b in range(batch):
+        arrays = {n: (a[b] if a is not None else None) for n, a in batched.items()}
+        arrays.update(
+            {n: (a[b] if a is not None and a.ndim == 2 else a) for n, a in shared.items()}
+        )
+        _backward(
+            arrays,
+            {n: a[b] for n, a in out.items()},
+            eps,
+            mode,
+            stream,
+            output_mask,
+            fusion,
+            None,
+            persistent,
+        )
+    names = ("grad_input", "grad_weight", "grad_bias") + (("grad_z",) if wants_z else ())
+    return tuple(out.get(n) for n in names)
+
+
+def batch_norm_forward_training(
+    input: Any,
+    weight: Any,
+    bias: Any,
+    running_mean: Any,
+    running_var: Any,
+    *,
+    momentum: float = 0.1,
+    eps: float = 1e-5,
+    stream: Any = None,
+    fusion: str | None = None,
+    z: Any = None,
+    persistent: bool | None = None,
+) -> TrainingOutputs:
+    """Training-mode batch norm: ``(output, saved_mean, saved_invstd)`` with ``.reserve``.
+
+    Statistics are per channel (axis 1) over every other axis; ``running_mean`` and
+    ``running_var`` (either may be None) are updated in place with PyTorch's semantics:
+    ``running = (1 - momentum) * running + momentum * batch``, the batch variance unbiased.
+    ``saved_invstd`` is ``1/sqrt(biased var + eps)``; both saved statistics are F32 for
+    F16/BF16 input and go straight into ``batch_norm_backward(..., mode="saved",
+    saved_mean=..., saved_invstd=..., reserve=outputs.reserve)``. ``fusion`` ``"relu"`` or
+    ``"add_relu"`` (with the residual ``z``) gives ``relu(bn(x) [+ z])``.
+    """
+    fused = parse_fusion(fusion)
+    call = _Call(
+        dict(
+            input=input,
+            weight=weight,
+            bias=bias,
+            running_mean=running_mean,
+            running_var=running_var,
+            z=z,
+        ),
+        stream,
+    )
+    x, w = call.desc("input"), call.desc("weight")
+    stats = TensorDesc.contiguous(_statistics_dtype(x), (x.shape[1],)) if x.ndim > 1 else None
+    if stats is None:
+        raise InfiniError(
+            Status.BAD_TENSOR_SHAPE, f"input has shape {x.shape}; expected (N, C, ...)"
+        )
+    tensors = ForwardTrainingTensors(
+        _like(x),
+        stats,
+        stats,
+        x,
+        w,
+        call.desc("bias"),
+        call.desc("running_mean"),
+        call.desc("running_var"),
+        call.desc("z"),
+    )
+    momentum = check_fraction("momentum", momentum)
+    persistent = check_flag("persistent", persistent)
+    key = ("forward_training", tensors, check_eps(eps), momentum, fused, persistent)
+    descriptor = call.descriptor(
+        key,
+        lambda handle: BatchNormForwardTrainingDescriptor(
+            handle,
+            *tensors[:8],
+            z_desc=tensors.z,
+            eps=eps,
+            momentum=momentum,
+            fusion=fused,
+            persistent=persistent,
+        ),
+    )
+    with call.on_device():
+        (output, output_ptr), (mean, mean_ptr), (invstd, invstd_ptr) = (
+            call.empty(tensors.output),
+            call.empty(stats),
+            call.empty(stats),
+        )
+        reserve, reserve_ptr = call.scratch(descriptor.reserve_size)
+        _workspace, workspace_ptr = call.scratch(descriptor.workspace_size)
+        descriptor.compute(
+            workspace_ptr,
+            descriptor.workspace_size,
+            reserve_ptr,
+            descriptor.reserve_size,
+            output_ptr,
+            mean_ptr,
+            invstd_ptr,
+            *(call.ptr(n) for n in ("input", "weight", "bias", "running_mean", "running_var")),
+            call.stream,
+            z=call.ptr("z"),
+        )
+    return TrainingOutputs(output, mean, invstd, reserve)
+
+
+def batch_norm_forward_inference(
+    input: Any,
+    weight: Any,
+    bias: Any,
+    running_mean: Any,
+    running_var: Any,
+    *,
+    eps: float = 1e-5,
+    stream: Any = None,
+) -> Any:
+    """Inference-mode batch norm with fixed statistics, as an array of ``input``'s kind."""
+    call = _Call(
+        dict(
+            input=input,
+            weight=weight,
+            bias=bias,
+            running_mean=running_mean,
+            running_var=running_var,
+        ),
+        stream,
+    )
+    names = ("input", "weight", "bias", "running_mean", "running_var")
+    x = call.desc("input")
+    tensors = ForwardInferenceTensors(_like(x), *(call.desc(n) for n in names))
+    descriptor = call.descriptor(
+        ("forward_inference", tensors, check_eps(eps)),
+        lambda handle: BatchNormForwardInferenceDescriptor(handle, *tensors, eps=eps),
+    )
+    with call.on_device():
+        output, output_ptr = call.empty(tensors.output)
+        _workspace, workspace_ptr = call.scratch(descriptor.workspace_size)
+        descriptor.compute(
+            workspace_ptr,
+            descriptor.workspace_size,
+            output_ptr,
+            *(call.ptr(n) for n in names),
+            call.stream,
+        )
+    return output
+
+
+__all__ = [
+    "TrainingOutputs",
+    "batch_norm_backward",
+    "batch_norm_backward_batched",
+    "batch_norm_forward_inference",
+    "batch_norm_forward_training",
+    "descriptor_cache",
+]

@@ -7,6 +7,7 @@ copy; torch tensors run where they live. BF16 comes as torch.bfloat16, through D
 """
 
 import ctypes
+import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -133,16 +134,26 @@ def _is_torch(array: Any) -> bool:
     return type(array).__module__.startswith("torch")
 
 
-def _from_torch(name: str, tensor: Any) -> Operand:
-    """A torch tensor read through its own attributes: no DLPack stream handshake per call."""
+@functools.cache
+def _torch_dtypes() -> dict[DataType, Any]:
     import torch
 
-    dtypes = {
-        torch.float16: DataType.F16,
-        torch.bfloat16: DataType.BF16,
-        torch.float32: DataType.F32,
-        torch.float64: DataType.F64,
+    return {
+        DataType.F16: torch.float16,
+        DataType.BF16: torch.bfloat16,
+        DataType.F32: torch.float32,
+        DataType.F64: torch.float64,
     }
+
+
+@functools.cache
+def _from_torch_dtypes() -> dict[Any, DataType]:
+    return {torch_dtype: dtype for dtype, torch_dtype in _torch_dtypes().items()}
+
+
+def _from_torch(name: str, tensor: Any) -> Operand:
+    """A torch tensor read through its own attributes: no DLPack stream handshake per call."""
+    dtypes = _from_torch_dtypes()
     if tensor.dtype not in dtypes:
         raise InfiniError(
             Status.BAD_TENSOR_DTYPE,
@@ -181,20 +192,35 @@ def operand(name: str, array: Any) -> Operand:
     )
 
 
-def empty_like(like: Any, shape: tuple[int, ...], strides: tuple[int, ...]) -> Any:
-    """A new array of ``like``'s kind, device and dtype with ``shape`` and element ``strides``."""
+def empty_like(like: Any, shape: tuple[int, ...], strides: tuple[int, ...], dtype: DataType) -> Any:
+    """A new array of ``like``'s kind and device with ``shape``, element ``strides``, ``dtype``."""
     if _is_torch(like):
         import torch
 
-        return torch.empty_strided(shape, strides, dtype=like.dtype, device=like.device)
+        return torch.empty_strided(shape, strides, dtype=_torch_dtypes()[dtype], device=like.device)
     xp: Any = np
     if not _is_numpy(like):
         import cupy as xp
+    storage = (
+        like.dtype if dtype == DataType.BF16 and _is_numpy(like) else FLOAT_TYPES[dtype].storage
+    )
     extent = sum((n - 1) * s for n, s in zip(shape, strides, strict=True)) + 1
-    dtype = getattr(like, "dtype", None) or FLOAT_TYPES[operand("like", like).desc.dtype].storage
-    base = xp.empty(extent, dtype)
+    base = xp.empty(extent, storage)
     byte_strides = tuple(s * base.itemsize for s in strides)
     return xp.lib.stride_tricks.as_strided(base, shape, byte_strides)
+
+
+def buffer_address(name: str, buffer: Any) -> tuple[int, int]:
+    """``(address, bytes)`` of a byte buffer such as a reserve space (``(0, 0)`` for None)."""
+    if buffer is None:
+        return 0, 0
+    if _is_torch(buffer):
+        return buffer.data_ptr(), buffer.numel() * buffer.element_size()
+    if _is_numpy(buffer):
+        return buffer.__array_interface__["data"][0], buffer.nbytes
+    if hasattr(buffer, "__cuda_array_interface__"):
+        return buffer.__cuda_array_interface__["data"][0], buffer.nbytes
+    raise InfiniError(Status.BAD_PARAM, f"{name} must be an array, got {type(buffer).__name__}")
 
 
 def workspace_like(like: Any, nbytes: int, stream: int) -> tuple[Any, int]:
