@@ -16,7 +16,8 @@ from typing import Any
 from .enums import DataType, Status
 from .errors import InfiniError
 from .ops.batch_norm_backward import BatchNormBackwardDescriptor
-from .ops.validation import check_eps
+from .ops.batch_norm_forward_inference import BatchNormForwardInferenceDescriptor
+from .ops.batch_norm_forward_training import BatchNormForwardTrainingDescriptor
 from .runtime import Handle, current_handle, set_device
 from .tensor import TensorDesc, contiguous_strides
 
@@ -150,6 +151,36 @@ def _tensor(value: Any, name: str) -> TensorDesc | None:
     return None if _address(value) == 0 else _lookup(value, TensorDesc, name)
 
 
+def _create(kind: type, handle: Any, desc_ptr: Any, **tensor_descs: Any) -> None:
+    """Create a ``kind`` operator descriptor from tensor descriptors named in C order.
+
+    A NULL tensor descriptor reaches the operator as None; the operator says which it needs.
+    """
+    owner = _lookup(handle, Handle, "handle")
+    if desc_ptr is None or (_address(desc_ptr) == 0 and isinstance(desc_ptr, int)):
+        raise InfiniError(Status.NULL_POINTER, "desc_ptr is NULL")
+    tensors = [_tensor(value, name) for name, value in tensor_descs.items()]
+    _store(desc_ptr, ctypes.c_void_p, _register(kind(owner, *tensors)), "desc_ptr")
+
+
+def _store_size(desc: Any, kind: type, attribute: str, size: Any) -> None:
+    """Write a size the ``kind`` descriptor cached (``workspace_size``, ``reserve_size``)."""
+    _store(size, ctypes.c_size_t, getattr(_lookup(desc, kind, "desc"), attribute), "size")
+
+
+def _compute(
+    desc: Any, kind: type, workspace: Any, workspace_size: int, *args: Any, stream: Any
+) -> None:
+    """Run a ``kind`` descriptor: ``args`` are data pointers, or sizes given as ints."""
+    descriptor = _lookup(desc, kind, "desc")
+    descriptor.compute(
+        _address(workspace), int(workspace_size), *map(_address, args), _address(stream)
+    )
+
+
+# --- batch-norm backward -----------------------------------------------------------------------
+
+
 @_returns_status
 def infiniopCreateBatchNormBackwardDescriptor(
     handle: Any,
@@ -163,43 +194,29 @@ def infiniopCreateBatchNormBackwardDescriptor(
     running_mean_desc: Any,
     running_var_desc: Any,
 ) -> None:
-    owner = _lookup(handle, Handle, "handle")
-    if desc_ptr is None or (_address(desc_ptr) == 0 and isinstance(desc_ptr, int)):
-        raise InfiniError(Status.NULL_POINTER, "desc_ptr is NULL")
-    names = (
-        "grad_input_desc",
-        "grad_weight_desc",
-        "grad_bias_desc",
-        "input_desc",
-        "grad_output_desc",
-        "weight_desc",
-        "running_mean_desc",
-        "running_var_desc",
+    _create(
+        BatchNormBackwardDescriptor,
+        handle,
+        desc_ptr,
+        grad_input_desc=grad_input_desc,
+        grad_weight_desc=grad_weight_desc,
+        grad_bias_desc=grad_bias_desc,
+        input_desc=input_desc,
+        grad_output_desc=grad_output_desc,
+        weight_desc=weight_desc,
+        running_mean_desc=running_mean_desc,
+        running_var_desc=running_var_desc,
     )
-    values = (
-        grad_input_desc,
-        grad_weight_desc,
-        grad_bias_desc,
-        input_desc,
-        grad_output_desc,
-        weight_desc,
-        running_mean_desc,
-        running_var_desc,
-    )
-    tensors = [_tensor(value, name) for name, value in zip(names, values, strict=True)]
-    descriptor = BatchNormBackwardDescriptor(owner, *tensors)
-    _store(desc_ptr, ctypes.c_void_p, _register(descriptor), "desc_ptr")
 
 
 @_returns_status
 def infiniopSetBatchNormBackwardAttributes(desc: Any, eps: float, mode: int) -> None:
-    _lookup(desc, BatchNormBackwardDescriptor, "desc").set_attributes(check_eps(eps), mode)
+    _lookup(desc, BatchNormBackwardDescriptor, "desc").set_attributes(eps, mode)
 
 
 @_returns_status
 def infiniopGetBatchNormBackwardWorkspaceSize(desc: Any, size: Any) -> None:
-    descriptor = _lookup(desc, BatchNormBackwardDescriptor, "desc")
-    _store(size, ctypes.c_size_t, descriptor.workspace_size, "size")
+    _store_size(desc, BatchNormBackwardDescriptor, "workspace_size", size)
 
 
 @_returns_status
@@ -217,8 +234,11 @@ def infiniopBatchNormBackward(
     running_var: Any,
     stream: Any,
 ) -> None:
-    descriptor = _lookup(desc, BatchNormBackwardDescriptor, "desc")
-    pointers = (
+    _compute(
+        desc,
+        BatchNormBackwardDescriptor,
+        workspace,
+        workspace_size,
         grad_input,
         grad_weight,
         grad_bias,
@@ -227,12 +247,169 @@ def infiniopBatchNormBackward(
         weight,
         running_mean,
         running_var,
-    )
-    descriptor.compute(
-        _address(workspace), int(workspace_size), *map(_address, pointers), _address(stream)
+        stream=stream,
     )
 
 
 @_returns_status
 def infiniopDestroyBatchNormBackwardDescriptor(desc: Any) -> None:
     _release(desc, BatchNormBackwardDescriptor, "desc").destroy()
+
+
+# --- batch-norm forward, training --------------------------------------------------------------
+
+
+@_returns_status
+def infiniopCreateBatchNormForwardTrainingDescriptor(
+    handle: Any,
+    desc_ptr: Any,
+    output_desc: Any,
+    saved_mean_desc: Any,
+    saved_invstd_desc: Any,
+    input_desc: Any,
+    weight_desc: Any,
+    bias_desc: Any,
+    running_mean_desc: Any,
+    running_var_desc: Any,
+) -> None:
+    _create(
+        BatchNormForwardTrainingDescriptor,
+        handle,
+        desc_ptr,
+        output_desc=output_desc,
+        saved_mean_desc=saved_mean_desc,
+        saved_invstd_desc=saved_invstd_desc,
+        input_desc=input_desc,
+        weight_desc=weight_desc,
+        bias_desc=bias_desc,
+        running_mean_desc=running_mean_desc,
+        running_var_desc=running_var_desc,
+    )
+
+
+@_returns_status
+def infiniopSetBatchNormForwardTrainingAttributes(desc: Any, eps: float, momentum: float) -> None:
+    _lookup(desc, BatchNormForwardTrainingDescriptor, "desc").set_attributes(
+        eps=eps, momentum=momentum
+    )
+
+
+@_returns_status
+def infiniopGetBatchNormForwardTrainingWorkspaceSize(desc: Any, size: Any) -> None:
+    _store_size(desc, BatchNormForwardTrainingDescriptor, "workspace_size", size)
+
+
+@_returns_status
+def infiniopGetBatchNormForwardTrainingReserveSize(desc: Any, size: Any) -> None:
+    _store_size(desc, BatchNormForwardTrainingDescriptor, "reserve_size", size)
+
+
+@_returns_status
+def infiniopBatchNormForwardTraining(
+    desc: Any,
+    workspace: Any,
+    workspace_size: int,
+    reserve: Any,
+    reserve_size: int,
+    output: Any,
+    saved_mean: Any,
+    saved_invstd: Any,
+    input: Any,
+    weight: Any,
+    bias: Any,
+    running_mean: Any,
+    running_var: Any,
+    stream: Any,
+) -> None:
+    _compute(
+        desc,
+        BatchNormForwardTrainingDescriptor,
+        workspace,
+        workspace_size,
+        reserve,
+        int(reserve_size),
+        output,
+        saved_mean,
+        saved_invstd,
+        input,
+        weight,
+        bias,
+        running_mean,
+        running_var,
+        stream=stream,
+    )
+
+
+@_returns_status
+def infiniopDestroyBatchNormForwardTrainingDescriptor(desc: Any) -> None:
+    _release(desc, BatchNormForwardTrainingDescriptor, "desc").destroy()
+
+
+# --- batch-norm forward, inference -------------------------------------------------------------
+
+
+@_returns_status
+def infiniopCreateBatchNormForwardInferenceDescriptor(
+    handle: Any,
+    desc_ptr: Any,
+    output_desc: Any,
+    input_desc: Any,
+    weight_desc: Any,
+    bias_desc: Any,
+    running_mean_desc: Any,
+    running_var_desc: Any,
+) -> None:
+    _create(
+        BatchNormForwardInferenceDescriptor,
+        handle,
+        desc_ptr,
+        output_desc=output_desc,
+        input_desc=input_desc,
+        weight_desc=weight_desc,
+        bias_desc=bias_desc,
+        running_mean_desc=running_mean_desc,
+        running_var_desc=running_var_desc,
+    )
+
+
+@_returns_status
+def infiniopSetBatchNormForwardInferenceAttributes(desc: Any, eps: float) -> None:
+    _lookup(desc, BatchNormForwardInferenceDescriptor, "desc").set_attributes(eps=eps)
+
+
+@_returns_status
+def infiniopGetBatchNormForwardInferenceWorkspaceSize(desc: Any, size: Any) -> None:
+    _store_size(desc, BatchNormForwardInferenceDescriptor, "workspace_size", size)
+
+
+@_returns_status
+def infiniopBatchNormForwardInference(
+    desc: Any,
+    workspace: Any,
+    workspace_size: int,
+    output: Any,
+    input: Any,
+    weight: Any,
+    bias: Any,
+    running_mean: Any,
+    running_var: Any,
+    stream: Any,
+) -> None:
+    _compute(
+        desc,
+        BatchNormForwardInferenceDescriptor,
+        workspace,
+        workspace_size,
+        output,
+        input,
+        weight,
+        bias,
+        running_mean,
+        running_var,
+        stream=stream,
+    )
+
+
+@_returns_status
+def infiniopDestroyBatchNormForwardInferenceDescriptor(desc: Any) -> None:
+    _release(desc, BatchNormForwardInferenceDescriptor, "desc").destroy()

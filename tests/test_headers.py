@@ -23,7 +23,8 @@ ENUMS = [  # (C typedef, member prefix, Python enum)
     ("infiniopBatchNormBackwardMode_t", "INFINIOP_BATCH_NORM_BACKWARD_MODE_", Mode),
 ]
 
-# DESIGN.md's C API and the operator spec (seeds/004): name -> parameter names, in order.
+# DESIGN.md's C API, the operator spec (seeds/004) and the forward passes: name -> parameter
+# names, in order.
 SPEC_SIGNATURES = {
     "infinirtSetDevice": ["device", "device_id"],
     "infiniopCreateHandle": ["handle_ptr"],
@@ -59,7 +60,79 @@ SPEC_SIGNATURES = {
         "stream",
     ],
     "infiniopDestroyBatchNormBackwardDescriptor": ["desc"],
+    "infiniopCreateBatchNormForwardTrainingDescriptor": [
+        "handle",
+        "desc_ptr",
+        "output_desc",
+        "saved_mean_desc",
+        "saved_invstd_desc",
+        "input_desc",
+        "weight_desc",
+        "bias_desc",
+        "running_mean_desc",
+        "running_var_desc",
+    ],
+    "infiniopSetBatchNormForwardTrainingAttributes": ["desc", "eps", "momentum"],
+    "infiniopGetBatchNormForwardTrainingWorkspaceSize": ["desc", "size"],
+    "infiniopGetBatchNormForwardTrainingReserveSize": ["desc", "size"],
+    "infiniopBatchNormForwardTraining": [
+        "desc",
+        "workspace",
+        "workspace_size",
+        "reserve",
+        "reserve_size",
+        "output",
+        "saved_mean",
+        "saved_invstd",
+        "input",
+        "weight",
+        "bias",
+        "running_mean",
+        "running_var",
+        "stream",
+    ],
+    "infiniopDestroyBatchNormForwardTrainingDescriptor": ["desc"],
+    "infiniopCreateBatchNormForwardInferenceDescriptor": [
+        "handle",
+        "desc_ptr",
+        "output_desc",
+        "input_desc",
+        "weight_desc",
+        "bias_desc",
+        "running_mean_desc",
+        "running_var_desc",
+    ],
+    "infiniopSetBatchNormForwardInferenceAttributes": ["desc", "eps"],
+    "infiniopGetBatchNormForwardInferenceWorkspaceSize": ["desc", "size"],
+    "infiniopBatchNormForwardInference": [
+        "desc",
+        "workspace",
+        "workspace_size",
+        "output",
+        "input",
+        "weight",
+        "bias",
+        "running_mean",
+        "running_var",
+        "stream",
+    ],
+    "infiniopDestroyBatchNormForwardInferenceDescriptor": ["desc"],
 }
+
+# The headers of the C contract (DESIGN.md), relative to include/.
+HEADERS = {
+    "infinicore.h",
+    "infinirt.h",
+    "infiniop/handle.h",
+    "infiniop/tensor_descriptor.h",
+    "infiniop/ops/batch_norm_backward.h",
+    "infiniop/ops/batch_norm_forward_training.h",
+    "infiniop/ops/batch_norm_forward_inference.h",
+}
+
+
+def test_the_contract_headers_are_all_there():
+    assert {h.relative_to(INCLUDE).as_posix() for h in infini_headers()} == HEADERS
 
 
 @pytest.mark.parametrize(("typedef", "prefix", "enum"), ENUMS, ids=[e[0] for e in ENUMS])
