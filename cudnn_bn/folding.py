@@ -1,0 +1,75 @@
+"""Folding an evaluation-mode batch norm into the convolution before it (``seeds/003``).
+
+``bn(conv(x))`` with fixed statistics is one convolution with
+``weight * (bn_weight / sqrt(running_var + eps))`` per output channel and a matching bias,
+so inference can skip the batch norm entirely.
+"""
+
+from typing import Any
+
+import numpy as np
+
+from .enums import Status
+from .errors import InfiniError
+from .ops.validation import check_eps
+
+
+def _namespace(array: Any) -> Any:
+    if isinstance(array, np.ndarray):
+        return np
+    import cupy
+
+    return cupy.get_array_module(array)
+
+
+def fold_conv_bn(
+    conv_weight: Any,
+    conv_bias: Any,
+    bn_weight: Any,
+    bn_bias: Any,
+    running_mean: Any,
+    running_var: Any,
+    eps: float,
+    transpose: bool = False,
+) -> tuple[Any, Any]:
+    """``(weight, bias)`` of one convolution equal to ``conv`` followed by eval-mode BN.
+
+    Output channels are axis 0 of ``conv_weight`` (axis 1 for a transposed convolution,
+    whose weight is ``(in, out, *kernel)``; grouped transposed convolutions are not
+    foldable this way and are rejected by the shape check). ``conv_bias``, ``bn_weight``
+    and ``bn_bias`` may be None (zero, one, zero). Arrays are NumPy or CuPy; results match
+    ``conv_weight``'s dtype, computed in at least float32.
+    """
+    eps = check_eps(eps)
+    xp = _namespace(conv_weight)
+    axis = 1 if transpose else 0
+    if conv_weight.ndim < 2:
+        raise InfiniError(
+            Status.BAD_TENSOR_SHAPE,
+            f"conv_weight has shape {conv_weight.shape}; expected 2 or more axes",
+        )
+    channels = conv_weight.shape[axis]
+    compute = xp.promote_types(conv_weight.dtype, xp.float32)
+
+    def per_channel(name: str, value: Any, default: float) -> Any:
+        if value is None:
+            return xp.full(channels, default, compute)
+        if tuple(value.shape) != (channels,):
+            raise InfiniError(
+                Status.BAD_TENSOR_SHAPE,
+                f"{name} has shape {tuple(value.shape)}; expected ({channels},), one per "
+                f"output channel of conv_weight {tuple(conv_weight.shape)}"
+                + (" (axis 1, transpose=True)" if transpose else ""),
+            )
+        return xp.asarray(value, dtype=compute)
+
+    mean = per_channel("running_mean", running_mean, 0.0)
+    var = per_channel("running_var", running_var, 1.0)
+    scale = per_channel("bn_weight", bn_weight, 1.0) / xp.sqrt(var + eps)
+    shift = per_channel("bn_bias", bn_bias, 0.0)
+    bias = per_channel("conv_bias", conv_bias, 0.0)
+    shape = [1] * conv_weight.ndim
+    shape[axis] = channels
+    weight = conv_weight.astype(compute) * scale.reshape(shape)
+    out_dtype = conv_weight.dtype
+    return weight.astype(out_dtype), (shift + (bias - mean) * scale).astype(out_dtype)
