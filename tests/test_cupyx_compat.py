@@ -1,0 +1,332 @@
+"""``cudnn_bn.cupyx_compat`` (CuPy 13's ``cupyx.cudnn`` batch norm) on NumPy arrays, against torch.
+
+Each case is a CuPy 13 problem (``is_for_conv2d``, ``cudnn_mode``, ``d_layout``); the test maps
+it to torch's ``(N, C, ...)`` by hand (``Case.view``) and compares in float64 with
+``helpers.assert_close``: InfiniCore's tolerances, atol = rtol = 2e-5 for F32 and 1e-2 for F16.
+"""
+
+from dataclasses import dataclass
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from helpers import assert_close, f64
+
+from cudnn_bn import InfiniError
+from cudnn_bn import cupyx_compat as cudnn
+from cudnn_bn._cudnn.enums import BatchNormMode
+
+EPS = 1e-5
+DECAY = 0.9  # Chainer's decay: the running update's momentum is 1 - decay
+NCHW, NHWC = cudnn.CUDNN_TENSOR_NCHW, cudnn.CUDNN_TENSOR_NHWC
+PER_ACTIVATION = cudnn.CUDNN_BATCHNORM_PER_ACTIVATION
+SPATIAL = cudnn.CUDNN_BATCHNORM_SPATIAL
+PERSISTENT = cudnn.CUDNN_BATCHNORM_SPATIAL_PERSISTENT
+
+
+@dataclass(frozen=True)
+class Case:
+    shape: tuple[int, ...]
+    conv: bool
+    mode: int
+    layout: int = NCHW
+
+    def view(self, t: torch.Tensor) -> torch.Tensor:
+        """A tensor shaped like x as torch's (N, C, ...) with the statistics per axis 1."""
+        if not self.conv:
+            return t.reshape(-1, self.shape[-1])
+        if self.layout == NHWC:
+            t = t.permute(0, 3, 1, 2)
+        return t.reshape(t.shape[0], -1) if self.mode == PER_ACTIVATION else t
+
+    @property
+    def params(self) -> int:
+        """How many elements gamma and the statistics have."""
+        return self.view(torch.empty(self.shape)).shape[1]
+
+
+CASES = {
+    "2d": Case((16, 5), False, SPATIAL),
+    "3d-channel-last": Case((4, 6, 5), False, SPATIAL),
+    "2d-per-activation": Case((16, 5), False, PER_ACTIVATION),
+    "2d-persistent": Case((16, 5), False, PERSISTENT),
+    "nchw-spatial": Case((4, 3, 5, 6), True, SPATIAL),
+    "nhwc-spatial": Case((4, 5, 6, 3), True, SPATIAL, NHWC),
+    "nchw-persistent": Case((4, 3, 5, 6), True, PERSISTENT),
+    "nhwc-persistent": Case((4, 5, 6, 3), True, PERSISTENT, NHWC),
+    "nchw-per-activation": Case((8, 3, 2, 4), True, PER_ACTIVATION),
+    "nhwc-per-activation": Case((8, 2, 4, 3), True, PER_ACTIVATION, NHWC),
+    "ncdhw-spatial": Case((2, 3, 2, 3, 4), True, SPATIAL),
+}
+cases = pytest.mark.parametrize("case", CASES.values(), ids=CASES.keys())
+
+
+def make(case: Case, dtype=np.float32, param_dtype=np.float32, seed=0):
+    rng = np.random.default_rng(seed)
+    x = (rng.standard_normal(case.shape) * 2 + 0.5).astype(dtype)
+    gy = rng.standard_normal(case.shape).astype(dtype)
+    p = case.params
+    gamma = rng.uniform(0.5, 1.5, p).astype(param_dtype)
+    beta = rng.standard_normal(p).astype(param_dtype)
+    running_mean = rng.standard_normal(p).astype(param_dtype)
+    running_var = rng.uniform(0.5, 2.0, p).astype(param_dtype)
+    return x, gy, gamma, beta, running_mean, running_var
+
+
+def torch_training(case: Case, x, gamma, beta, running_mean, running_var):
+    """torch's ``(y, saved_mean, saved_invstd, running_mean, running_var)`` in float64."""
+    xv = case.view(f64(x))
+    w, b = f64(gamma).reshape(-1), f64(beta).reshape(-1)
+    rm, rv = f64(running_mean).reshape(-1), f64(running_var).reshape(-1)
+    y = F.batch_norm(xv, rm, rv, w, b, training=True, momentum=1 - DECAY, eps=EPS)
+    _, mean, invstd = torch.ops.aten.native_batch_norm(xv, w, b, None, None, True, 0.0, EPS)
+    return y, mean, invstd, rm, rv
+
+
+def torch_backward(case: Case, x, gy, gamma, mean, invstd):
+    return torch.ops.aten.native_batch_norm_backward(
+        case.view(f64(gy)),
+        case.view(f64(x)),
+        f64(gamma).reshape(-1),
+        None,
+        None,
+        f64(mean).reshape(-1),
+        f64(invstd).reshape(-1),
+        True,
+        EPS,
+        [True, True, True],
+    )
+
+
+def check_like_x(case: Case, actual, expected: torch.Tensor, dtype) -> None:
+    """``actual`` has x's shape and dtype, C-contiguous, and matches torch's (N, C, ...)."""
+    assert actual.shape == case.shape and actual.dtype == dtype and actual.flags.c_contiguous
+    assert_close(case.view(f64(actual)), expected, dtype)
+
+
+@cases
+def test_forward_training_matches_torch_and_updates_running_stats(case):
+    x, _, gamma, beta, rm, rv = make(case)
+    rm_before, rv_before = rm.copy(), rv.copy()
+    y, mean, invstd = cudnn.batch_normalization_forward_training(
+        x, gamma, beta, rm, rv, None, None, EPS, DECAY, case.conv, case.mode, False, case.layout
+    )
+    y_ref, mean_ref, invstd_ref, rm_ref, rv_ref = torch_training(
+        case, x, gamma, beta, rm_before, rv_before
+    )
+    check_like_x(case, y, y_ref, np.float32)
+    for got, ref in ((mean, mean_ref), (invstd, invstd_ref), (rm, rm_ref), (rv, rv_ref)):
+        assert got.shape == gamma.shape and got.dtype == np.float32
+        assert_close(got, ref, np.float32)
+    assert not np.allclose(rm, rm_before)
+
+
+@cases
+def test_backward_matches_torch(case):
+    x, gy, gamma, beta, rm, rv = make(case)
+    _, mean, invstd = cudnn.batch_normalization_forward_training(
+        x, gamma, beta, rm, rv, None, None, EPS, DECAY, case.conv, case.mode, False, case.layout
+    )
+    gx, ggamma, gbeta = cudnn.batch_normalization_backward(
+        x, gamma, gy, mean, invstd, EPS, case.conv, case.mode, False, case.layout
+    )
+    gx_ref, ggamma_ref, gbeta_ref = torch_backward(case, x, gy, gamma, mean, invstd)
+    check_like_x(case, gx, gx_ref, np.float32)
+    for got, ref in ((ggamma, ggamma_ref), (gbeta, gbeta_ref)):
+        assert got.shape == gamma.shape and got.dtype == gamma.dtype
+        assert_close(got, ref, np.float32)
+
+
+@cases
+def test_forward_inference_matches_torch(case):
+    x, _, gamma, beta, rm, rv = make(case)
+    y = cudnn.batch_normalization_forward_inference(
+        x, gamma, beta, rm, rv, EPS, case.conv, case.mode, case.layout
+    )
+    ref = F.batch_norm(
+        case.view(f64(x)), f64(rm), f64(rv), f64(gamma), f64(beta), training=False, eps=EPS
+    )
+    check_like_x(case, y, ref, np.float32)
+
+
+@cases
+def test_given_mean_and_inv_std_are_written_in_place(case):
+    x, _, gamma, beta, rm, rv = make(case)
+    y_new, mean_new, invstd_new = cudnn.batch_normalization_forward_training(
+        x, gamma, beta, rm.copy(), rv.copy(), None, None, EPS, DECAY, case.conv, case.mode, False,
+        case.layout,
+    )  # fmt: skip
+    mean, invstd = np.full_like(gamma, np.nan), np.full_like(gamma, np.nan)
+    y = cudnn.batch_normalization_forward_training(
+        x, gamma, beta, rm, rv, mean, invstd, EPS, DECAY, case.conv, case.mode, False, case.layout
+    )
+    np.testing.assert_array_equal(y, y_new)
+    np.testing.assert_array_equal(mean, mean_new)
+    np.testing.assert_array_equal(invstd, invstd_new)
+
+
+@cases
+def test_ex_returns_the_reserve_space_first_and_backward_takes_it(case):
+    x, gy, gamma, beta, rm, rv = make(case)
+    args = (x, gamma, beta, rm, rv)
+    tail = (EPS, DECAY, case.conv, case.mode, False, case.layout)
+    ex = cudnn.batch_normalization_forward_training_ex
+    reserve, y, mean, invstd = ex(*args, None, None, *tail)
+    assert reserve is None or (reserve.dtype == np.uint8 and reserve.ndim == 1)  # NumPy: none
+    given = np.empty_like(gamma), np.empty_like(gamma)
+    reserve_given, y_given = ex(*args, *given, *tail)
+    assert (reserve_given is None) == (reserve is None)
+    np.testing.assert_array_equal(y_given, y)
+    np.testing.assert_array_equal(given[0], mean)
+    np.testing.assert_array_equal(given[1], invstd)
+    grads = cudnn.batch_normalization_backward(
+        x, gamma, gy, mean, invstd, EPS, case.conv, case.mode, False, case.layout,
+        reserve_space=reserve,
+    )  # fmt: skip
+    gx_ref, ggamma_ref, gbeta_ref = torch_backward(case, x, gy, gamma, mean, invstd)
+    check_like_x(case, grads[0], gx_ref, np.float32)
+    assert_close(grads[1], ggamma_ref, np.float32)
+    assert_close(grads[2], gbeta_ref, np.float32)
+
+
+@pytest.mark.parametrize(
+    "function",
+    [cudnn.batch_normalization_forward_training, cudnn.batch_normalization_forward_training_ex],
+)
+@pytest.mark.parametrize("which", ["mean", "inv_std"])
+def test_one_of_mean_and_inv_std_is_a_value_error(function, which):
+    case = CASES["nchw-spatial"]
+    x, _, gamma, beta, rm, rv = make(case)
+    given = np.empty_like(gamma)
+    mean, invstd = (given, None) if which == "mean" else (None, given)
+    with pytest.raises(ValueError, match=r"^Both mean and inv_std must be None if one is\.$"):
+        function(x, gamma, beta, rm, rv, mean, invstd, EPS, DECAY, True, SPATIAL, False)
+
+
+def test_gamma_shaped_1c11_keeps_its_shape():
+    case = CASES["nchw-spatial"]
+    x, gy, gamma, beta, rm, rv = make(case)
+    c = case.shape[1]
+    g4, b4, rm4, rv4 = (a.reshape(1, c, 1, 1) for a in (gamma, beta, rm, rv))
+    rm_before, rv_before = rm4.copy(), rv4.copy()
+    y, mean, invstd = cudnn.batch_normalization_forward_training(
+        x, g4, b4, rm4, rv4, None, None, EPS, DECAY, True, SPATIAL, False
+    )
+    assert mean.shape == invstd.shape == (1, c, 1, 1)
+    y_ref, mean_ref, invstd_ref, rm_ref, rv_ref = torch_training(
+        case, x, g4, b4, rm_before, rv_before
+    )
+    check_like_x(case, y, y_ref, np.float32)
+    assert_close(mean.reshape(-1), mean_ref, np.float32)
+    assert_close(invstd.reshape(-1), invstd_ref, np.float32)
+    assert_close(rm4.reshape(-1), rm_ref, np.float32)
+    assert_close(rv4.reshape(-1), rv_ref, np.float32)
+    gx, ggamma, gbeta = cudnn.batch_normalization_backward(
+        x, g4, gy, mean, invstd, EPS, True, SPATIAL, False
+    )
+    assert ggamma.shape == gbeta.shape == (1, c, 1, 1)
+    gx_ref, ggamma_ref, gbeta_ref = torch_backward(case, x, gy, g4, mean, invstd)
+    check_like_x(case, gx, gx_ref, np.float32)
+    assert_close(ggamma.reshape(-1), ggamma_ref, np.float32)
+    assert_close(gbeta.reshape(-1), gbeta_ref, np.float32)
+
+
+@pytest.mark.parametrize("param_dtype", [np.float32, np.float16])
+@pytest.mark.parametrize("name", ["nchw-spatial", "nhwc-persistent", "2d"])
+def test_float16_x(name, param_dtype):
+    """F16 x with F32 gamma (cuDNN's own mix) or F16 gamma (computed as F32, like CuPy 13)."""
+    case = CASES[name]
+    x, gy, gamma, beta, rm, rv = make(case, np.float16, param_dtype)
+    rm_before, rv_before = rm.copy(), rv.copy()
+    y, mean, invstd = cudnn.batch_normalization_forward_training(
+        x, gamma, beta, rm, rv, None, None, EPS, DECAY, case.conv, case.mode, False, case.layout
+    )
+    y_ref, mean_ref, invstd_ref, rm_ref, rv_ref = torch_training(
+        case, x, gamma, beta, rm_before, rv_before
+    )
+    check_like_x(case, y, y_ref, np.float16)
+    assert mean.dtype == invstd.dtype == np.float32  # cuDNN's parameter dtype
+    assert rm.dtype == rv.dtype == param_dtype  # updated in place, in their own dtype
+    for got, ref in ((mean, mean_ref), (invstd, invstd_ref), (rm, rm_ref), (rv, rv_ref)):
+        assert_close(got, ref, np.float16)
+    gx, ggamma, gbeta = cudnn.batch_normalization_backward(
+        x, gamma, gy, mean, invstd, EPS, case.conv, case.mode, False, case.layout
+    )
+    assert ggamma.dtype == gbeta.dtype == param_dtype
+    gx_ref, ggamma_ref, gbeta_ref = torch_backward(case, x, gy, gamma, mean, invstd)
+    check_like_x(case, gx, gx_ref, np.float16)
+    # Sums over N*H*W F16 products: compare relative to their scale.
+    scale = float(ggamma_ref.abs().max()) + float(gbeta_ref.abs().max())
+    assert_close(ggamma / scale, ggamma_ref / scale, np.float16)
+    assert_close(gbeta / scale, gbeta_ref / scale, np.float16)
+
+
+def test_float64_x_uses_float64_parameters():
+    case = CASES["nchw-spatial"]
+    x, gy, gamma, beta, rm, rv = make(case, np.float64, np.float64)
+    y, mean, invstd = cudnn.batch_normalization_forward_training(
+        x, gamma, beta, rm, rv, None, None, EPS, DECAY, True, SPATIAL, False
+    )
+    assert y.dtype == mean.dtype == invstd.dtype == np.float64
+    gx, ggamma, _ = cudnn.batch_normalization_backward(
+        x, gamma, gy, mean, invstd, EPS, True, SPATIAL, False
+    )
+    assert gx.dtype == ggamma.dtype == np.float64
+    assert_close(gx, torch_backward(case, x, gy, gamma, mean, invstd)[0], np.float64)
+
+
+def test_running_statistics_may_be_none():
+    case = CASES["nchw-spatial"]
+    x, _, gamma, beta, _, _ = make(case)
+    y, mean, invstd = cudnn.batch_normalization_forward_training(
+        x, gamma, beta, None, None, None, None, EPS, DECAY, True, SPATIAL, False
+    )
+    y_ref, mean_ref, invstd_ref, _, _ = torch_training(case, x, gamma, beta, gamma, gamma)
+    check_like_x(case, y, y_ref, np.float32)
+    assert_close(mean, mean_ref, np.float32)
+    assert_close(invstd, invstd_ref, np.float32)
+
+
+def test_debug_is_accepted_and_changes_nothing():
+    case = CASES["nhwc-persistent"]
+    x, _, gamma, beta, rm, rv = make(case)
+    args = (x, gamma, beta, rm, rv, None, None, EPS, DECAY, True, PERSISTENT)
+    results = [
+        cudnn.batch_normalization_forward_training(*args, debug, NHWC) for debug in (False, True)
+    ]
+    for a, b in zip(*results, strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_constants_have_cudnn_values():
+    assert (cudnn.CUDNN_TENSOR_NCHW, cudnn.CUDNN_TENSOR_NHWC) == (0, 1)
+    assert PER_ACTIVATION == BatchNormMode.PER_ACTIVATION == 0
+    assert SPATIAL == BatchNormMode.SPATIAL == 1
+    assert PERSISTENT == BatchNormMode.SPATIAL_PERSISTENT == 2
+
+
+@pytest.mark.parametrize(
+    ("shape", "mode", "layout", "match"),
+    [
+        ((4, 3, 5), SPATIAL, NHWC, "4-D"),
+        ((4, 3, 5, 6), 7, NCHW, "cudnn_mode"),
+        ((4, 3, 5, 6), SPATIAL, 2, "d_layout"),
+    ],
+)
+def test_bad_problem_is_a_value_error(shape, mode, layout, match):
+    x = np.zeros(shape, np.float32)
+    gamma = np.ones(3, np.float32)
+    with pytest.raises(ValueError, match=match):
+        cudnn.batch_normalization_forward_inference(
+            x, gamma, gamma, gamma, gamma, EPS, True, mode, layout
+        )
+
+
+def test_wrong_gamma_size_raises_infini_error():
+    x = np.zeros((4, 3, 5, 6), np.float32)
+    gamma = np.ones(4, np.float32)
+    with pytest.raises(InfiniError, match="weight"):
+        cudnn.batch_normalization_forward_inference(
+            x, gamma, gamma, gamma, gamma, EPS, True, SPATIAL
+        )
