@@ -28,6 +28,7 @@ lint: $(STAMP)
 
 demo: $(STAMP)
 	$(PY) examples/batch_norm_backward.py
+	$(PY) examples/train_mnist_like.py
 
 bench:
 	PYTHONPATH=. $(PYTHON) benchmarks/bench_bn.py

@@ -1,0 +1,155 @@
+"""Train a small fully connected network whose batch norms are cudnn_bn's, forward and backward.
+
+The data are made here: 10 classes of Gaussian blobs in 64 dimensions (fixed seed). The network
+is Linear -> batch norm -> ReLU -> Linear -> batch norm -> ReLU -> Linear -> softmax
+cross-entropy, trained with plain SGD. Each batch norm runs
+``batch_norm_forward_training`` on the ``(N, C)`` activations (running statistics kept) and
+its gradient comes from ``batch_norm_backward(mode="saved")`` with the mean and inverse
+standard deviation that forward saved; the final accuracy is measured in inference mode
+(``batch_norm_forward_inference`` with the running statistics). CuPy and cuDNN where a GPU is
+usable, NumPy and the CPU backend otherwise. Exits non-zero unless the loss at least halves.
+"""
+
+import time
+
+import numpy as np
+
+import cudnn_bn
+
+CLASSES, FEATURES, HIDDEN = 10, 64, 128
+SAMPLES, BATCH, STEPS = 4096, 256, 60
+LEARNING_RATE, MOMENTUM, EPS = 0.1, 0.1, 1e-5
+
+
+def gpu_available() -> bool:
+    try:
+        import cupy
+
+        cudnn_bn.cudnn_info()
+        return cupy.cuda.runtime.getDeviceCount() > 0
+    except Exception:
+        return False
+
+
+def make_data(rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
+    """``SAMPLES`` points around ``CLASSES`` random centres, and their labels."""
+    centres = rng.standard_normal((CLASSES, FEATURES)) * 0.6
+    labels = rng.integers(0, CLASSES, SAMPLES)
+    points = centres[labels] + rng.standard_normal((SAMPLES, FEATURES))
+    return points.astype(np.float32), labels
+
+
+class BatchNormReLU:
+    """``relu(batch_norm(h))`` over ``(N, C)``, with its parameters and running statistics."""
+
+    def __init__(self, xp, channels: int) -> None:
+        self.xp = xp
+        self.gamma = xp.ones(channels, xp.float32)
+        self.beta = xp.zeros(channels, xp.float32)
+        self.running_mean = xp.zeros(channels, xp.float32)
+        self.running_var = xp.ones(channels, xp.float32)
+
+    def train(self, h):
+        """Batch statistics (saved for the backward); the running ones are updated."""
+        self.h = h
+        self.y, self.mean, self.invstd = cudnn_bn.batch_norm_forward_training(
+            h,
+            self.gamma,
+            self.beta,
+            self.running_mean,
+            self.running_var,
+            momentum=MOMENTUM,
+            eps=EPS,
+        )
+        return self.xp.maximum(self.y, 0)
+
+    def backward(self, grad):
+        """The gradient with respect to ``h``; ``grad_gamma``/``grad_beta`` are kept."""
+        grad_y = grad * (self.y > 0)
+        grad_h, self.grad_gamma, self.grad_beta = cudnn_bn.batch_norm_backward(
+            self.h,
+            grad_y,
+            self.gamma,
+            None,
+            None,
+            eps=EPS,
+            mode="saved",
+            saved_mean=self.mean,
+            saved_invstd=self.invstd,
+        )
+        return grad_h
+
+    def infer(self, h):
+        """Inference mode: the running statistics, fixed."""
+        y = cudnn_bn.batch_norm_forward_inference(
+            h, self.gamma, self.beta, self.running_mean, self.running_var, eps=EPS
+        )
+        return self.xp.maximum(y, 0)
+
+    def step(self, lr: float) -> None:
+        self.gamma -= lr * self.grad_gamma
+        self.beta -= lr * self.grad_beta
+
+
+def main() -> None:
+    rng = np.random.default_rng(0)
+    points, labels = make_data(rng)
+    if gpu_available():
+        import cupy as xp
+
+        info = cudnn_bn.cudnn_info()
+        where = f"cuDNN {info.version_string} (CuPy arrays)"
+    else:
+        xp = np
+        where = "NumPy CPU backend (no usable GPU here)"
+    print(f"training on: {where}")
+
+    def weight(fan_in: int, fan_out: int):
+        return xp.asarray(rng.standard_normal((fan_in, fan_out)) * np.sqrt(2 / fan_in), xp.float32)
+
+    w1, w2, w3 = weight(FEATURES, HIDDEN), weight(HIDDEN, HIDDEN), weight(HIDDEN, CLASSES)
+    b3 = xp.zeros(CLASSES, xp.float32)
+    bn1, bn2 = BatchNormReLU(xp, HIDDEN), BatchNormReLU(xp, HIDDEN)
+    x_all, t_all = xp.asarray(points), xp.asarray(labels)
+
+    start = time.perf_counter()
+    losses = []
+    print(" step    loss")
+    for step in range(STEPS):
+        batch = xp.asarray(rng.choice(SAMPLES, BATCH, replace=False))
+        x, t = x_all[batch], t_all[batch]
+        a1 = bn1.train(x @ w1)
+        a2 = bn2.train(a1 @ w2)
+        logits = a2 @ w3 + b3
+        shifted = logits - logits.max(axis=1, keepdims=True)
+        log_p = shifted - xp.log(xp.exp(shifted).sum(axis=1, keepdims=True))
+        loss = float(-log_p[xp.arange(BATCH), t].mean())
+        losses.append(loss)
+        if step % 5 == 0 or step == STEPS - 1:
+            print(f"{step:5d}  {loss:.4f}")
+
+        grad_logits = xp.exp(log_p)  # softmax - one_hot, averaged over the batch
+        grad_logits[xp.arange(BATCH), t] -= 1
+        grad_logits /= BATCH
+        grad_w3, grad_b3 = a2.T @ grad_logits, grad_logits.sum(axis=0)
+        grad_h2 = bn2.backward(grad_logits @ w3.T)
+        grad_w2 = a1.T @ grad_h2
+        grad_h1 = bn1.backward(grad_h2 @ w2.T)
+        grad_w1 = x.T @ grad_h1
+        for param, grad in ((w1, grad_w1), (w2, grad_w2), (w3, grad_w3), (b3, grad_b3)):
+            param -= LEARNING_RATE * grad
+        bn1.step(LEARNING_RATE)
+        bn2.step(LEARNING_RATE)
+
+    logits = bn2.infer(bn1.infer(x_all @ w1) @ w2) @ w3 + b3
+    accuracy = float((logits.argmax(axis=1) == t_all).mean())
+    elapsed = time.perf_counter() - start
+    print(f"loss {losses[0]:.4f} -> {losses[-1]:.4f} in {STEPS} steps ({elapsed:.2f} s)")
+    print(f"train accuracy (inference mode, running statistics): {accuracy:.1%}")
+    ok = losses[-1] < 0.5 * losses[0]
+    print("check:", "PASSED" if ok else "FAILED (the loss did not halve)")
+    raise SystemExit(0 if ok else 1)
+
+
+if __name__ == "__main__":
+    main()
