@@ -1,0 +1,126 @@
+"""Fused batch norm on the CPU: ``y = relu(bn(x) [+ z])`` forward (fusion ``"relu"`` and
+``"add_relu"``) and its backward, against PyTorch's composition of ``F.batch_norm`` (training)
+and ``torch.relu`` in float64: the forward's value, and autograd's gradients (``grad_z``
+included) for the backward, which takes the forward's ``output`` and ``bias``.
+
+Tolerances are ``helpers.TOL``, InfiniCore's: 2e-5 for F32 against the exact float64
+reference (rounding plus accumulation), 1e-2 for F16/BF16 (a few ulps of values near 1).
+"""
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from helpers import assert_close, f64
+from test_forward import SHAPES, convert, tolerance_dtype
+
+from cudnn_bn import InfiniError, Status, batch_norm_backward, batch_norm_forward_training
+
+EPS = 1e-5
+DTYPES = [  # (data dtype, per-channel dtype)
+    (torch.float16, torch.float32),
+    (torch.bfloat16, torch.bfloat16),
+    (np.float32, np.float32),
+    (np.float64, np.float64),
+]
+FUSIONS = ["relu", "add_relu"]
+
+
+def problem(shape, data, channel, seed=0) -> dict:
+    """Input, residual z, grad_output and per-channel tensors rounded to their dtypes.
+
+    The bias is around 0 so that the ReLU cuts about half of the values."""
+    rng = np.random.default_rng(seed)
+    c = shape[1]
+    return {
+        "input": convert(rng.standard_normal(shape) * 2 + 0.5, data),
+        "z": convert(rng.standard_normal(shape), data),
+        "grad_output": convert(rng.standard_normal(shape), data),
+        "weight": convert(rng.uniform(0.5, 1.5, c), channel),
+        "bias": convert(rng.standard_normal(c) * 0.5, channel),
+    }
+
+
+def torch_fused(p: dict, fusion: str) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """float64 ``relu(bn(x) [+ z])`` and autograd's gradients by name."""
+    leaves = {n: f64(p[n]).requires_grad_() for n in ("input", "weight", "bias", "z")}
+    x, w, b, z = leaves.values()
+    y = F.batch_norm(x, None, None, w, b, training=True, eps=EPS)
+    y = torch.relu(y + z if fusion == "add_relu" else y)
+    y.backward(f64(p["grad_output"]))
+    grads = {f"grad_{n}": t.grad for n, t in leaves.items()}
+    return y.detach(), grads
+
+
+def forward(p: dict, fusion: str):
+    z = p["z"] if fusion == "add_relu" else None
+    return batch_norm_forward_training(
+        p["input"], p["weight"], p["bias"], None, None, eps=EPS, fusion=fusion, z=z
+    )
+
+
+@pytest.mark.parametrize("fusion", FUSIONS)
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+@pytest.mark.parametrize(("data", "channel"), DTYPES, ids=str)
+def test_forward(data, channel, shape, fusion):
+    p = problem(shape, data, channel)
+    output, _, _ = forward(p, fusion)
+    want, _ = torch_fused(p, fusion)
+    assert type(output) is type(p["input"]) and output.dtype == p["input"].dtype
+    assert_close(output, want, tolerance_dtype(data))
+    assert (f64(output) == 0).any() and (f64(output) > 0).any()  # the ReLU did cut
+
+
+@pytest.mark.parametrize("mode", ["train", "saved"])
+@pytest.mark.parametrize("fusion", FUSIONS)
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+@pytest.mark.parametrize(("data", "channel"), DTYPES, ids=str)
+def test_backward(data, channel, shape, fusion, mode):
+    """Gradients through the ReLU mask of the forward's output, grad_z for add_relu."""
+    p = problem(shape, data, channel)
+    out = forward(p, fusion)
+    saved = dict(saved_mean=out[1], saved_invstd=out[2]) if mode == "saved" else {}
+    grads = batch_norm_backward(
+        p["input"], p["grad_output"], p["weight"], None, None,
+        mode=mode, fusion=fusion, output=out[0], bias=p["bias"], reserve=out.reserve, **saved,
+    )  # fmt: skip
+    names = ("grad_input", "grad_weight", "grad_bias", "grad_z")[: 4 if fusion == "add_relu" else 3]
+    assert len(grads) == len(names)
+    _, want = torch_fused(p, fusion)
+    for name, got in zip(names, grads, strict=True):
+        assert type(got) is type(p["input"])
+        assert_close(got, want[name], tolerance_dtype(data))
+
+
+@pytest.mark.parametrize("missing", ["output", "bias"])
+@pytest.mark.parametrize("fusion", FUSIONS)
+def test_fused_backward_without_output_or_bias_is_null_pointer(fusion, missing):
+    p = problem((2, 3, 4), np.float32, np.float32)
+    out = forward(p, fusion)
+    given = {"output": out[0], "bias": p["bias"], missing: None}
+    with pytest.raises(InfiniError) as error:
+        batch_norm_backward(
+            p["input"], p["grad_output"], p["weight"], None, None, fusion=fusion, **given
+        )
+    assert error.value.status == Status.NULL_POINTER
+    assert missing in str(error.value)
+
+
+def test_add_relu_forward_without_z_is_null_pointer():
+    p = problem((2, 3, 4), np.float32, np.float32)
+    with pytest.raises(InfiniError) as error:
+        batch_norm_forward_training(p["input"], p["weight"], p["bias"], None, None,
+                                    fusion="add_relu")  # fmt: skip
+    assert error.value.status == Status.NULL_POINTER
+    assert "z" in str(error.value)
+
+
+@pytest.mark.parametrize("fusion", ["gelu", "", 7, True])
+def test_unknown_fusion_is_bad_param(fusion):
+    p = problem((2, 3, 4), np.float32, np.float32)
+    with pytest.raises(InfiniError) as error:
+        batch_norm_forward_training(p["input"], p["weight"], p["bias"], None, None, fusion=fusion)
+    assert error.value.status == Status.BAD_PARAM
+    with pytest.raises(InfiniError) as error:
+        batch_norm_backward(p["input"], p["grad_output"], p["weight"], None, None, fusion=fusion)
+    assert error.value.status == Status.BAD_PARAM
