@@ -43,8 +43,9 @@ _TEST_CASES = [
 ]
 
 _TENSOR_DTYPES = [DataType.F16, DataType.BF16, DataType.F32, DataType.F64]
-_TORCH_DTYPES = dict(zip(_TENSOR_DTYPES, (torch.float16, torch.bfloat16, torch.float32,
-                                            torch.float64), strict=True))
+_TORCH_DTYPES = dict(
+    zip(_TENSOR_DTYPES, (torch.float16, torch.bfloat16, torch.float32, torch.float64), strict=True)
+)
 _TOLERANCE_MAP = {  # atol, rtol against the float64 reference
     DataType.F16: (1e-2, 1e-2),
     DataType.BF16: (1e-2, 1e-2),
@@ -76,7 +77,7 @@ def get_args() -> argparse.Namespace:
 
 def strided(shape, strides, dtype, device, values=None):
     """A tensor with the given strides (padding filled with NaN), holding ``values``."""
-    strides = strides or [prod(shape[i + 1:]) for i in range(len(shape))]
+    strides = strides or [prod(shape[i + 1 :]) for i in range(len(shape))]
     span = 1 + sum((n - 1) * s for n, s in zip(shape, strides, strict=True))
     tensor = torch.full((span,), float("nan"), dtype=dtype, device=device)
     tensor = tensor.as_strided(shape, strides)
@@ -126,9 +127,11 @@ def debug(name, actual, expected, atol, rtol, limit=100):
         print(f"   > {where:<24} actual {a:<+20.12f} expect {e:<+20.12f} delta {d:+.3e}")
     if len(indices) > limit:
         print(f"   > ... {len(indices) - limit} more")
-    print(f"   {name}: {len(indices)} / {actual.numel()} mismatched (atol {atol}, rtol {rtol}); "
-          f"actual [{actual.min():.6g}, {actual.max():.6g}], "
-          f"expected [{expected.min():.6g}, {expected.max():.6g}]")
+    print(
+        f"   {name}: {len(indices)} / {actual.numel()} mismatched (atol {atol}, rtol {rtol}); "
+        f"actual [{actual.min():.6g}, {actual.max():.6g}], "
+        f"expected [{expected.min():.6g}, {expected.max():.6g}]"
+    )
 
 
 def sync(device) -> None:
@@ -176,33 +179,44 @@ def test(handle, device, case, dtype, args, rng) -> bool:
         for t in tensors:
             descs.append(c_void_p())
             n, shape, strides = t.dim(), t.shape, t.stride()
-            check(capi.infiniopCreateTensorDescriptor(
-                byref(descs[-1]), n, (c_size_t * n)(*shape), (c_ssize_t * n)(*strides), dtype
-            ), "infiniopCreateTensorDescriptor")
-        check(capi.infiniopCreateBatchNormBackwardDescriptor(handle, byref(op), *descs),
-              "infiniopCreateBatchNormBackwardDescriptor")
-        check(capi.infiniopSetBatchNormBackwardAttributes(op, EPS, mode),
-              "infiniopSetBatchNormBackwardAttributes")
+            check(
+                capi.infiniopCreateTensorDescriptor(
+                    byref(descs[-1]), n, (c_size_t * n)(*shape), (c_ssize_t * n)(*strides), dtype
+                ),
+                "infiniopCreateTensorDescriptor",
+            )
+        check(
+            capi.infiniopCreateBatchNormBackwardDescriptor(handle, byref(op), *descs),
+            "infiniopCreateBatchNormBackwardDescriptor",
+        )
+        check(
+            capi.infiniopSetBatchNormBackwardAttributes(op, EPS, mode),
+            "infiniopSetBatchNormBackwardAttributes",
+        )
         size = c_size_t()
-        check(capi.infiniopGetBatchNormBackwardWorkspaceSize(op, byref(size)),
-              "infiniopGetBatchNormBackwardWorkspaceSize")
+        check(
+            capi.infiniopGetBatchNormBackwardWorkspaceSize(op, byref(size)),
+            "infiniopGetBatchNormBackwardWorkspaceSize",
+        )
         workspace = torch.empty(size.value, dtype=torch.uint8, device=x.device)
         workspace_ptr = workspace.data_ptr() if size.value else None
         stream = torch.cuda.current_stream().cuda_stream if is_gpu else None
         pointers = [t.data_ptr() for t in tensors]
 
         def run():
-            check(capi.infiniopBatchNormBackward(
-                op, workspace_ptr, size.value, *pointers, stream
-            ), "infiniopBatchNormBackward")
+            check(
+                capi.infiniopBatchNormBackward(op, workspace_ptr, size.value, *pointers, stream),
+                "infiniopBatchNormBackward",
+            )
 
         run()
         sync(device)
         atol, rtol = _TOLERANCE_MAP[dtype]
         ok, worst, ratio = True, 0.0, 0.0
         expected = reference(x, dy, w, rm, rv, mode)
-        for name, got, want in zip(("grad_input", "grad_weight", "grad_bias"),
-                                   (dx, dw, db), expected, strict=True):
+        for name, got, want in zip(
+            ("grad_input", "grad_weight", "grad_bias"), (dx, dw, db), expected, strict=True
+        ):
             got = got.cpu().double()
             error = (got - want).abs()
             worst = max(worst, float(error.max()))
@@ -223,8 +237,10 @@ def test(handle, device, case, dtype, args, rng) -> bool:
         ok, result = False, str(exc)
     try:  # destroy everything that was created, checking each status
         if op:
-            check(capi.infiniopDestroyBatchNormBackwardDescriptor(op),
-                  "infiniopDestroyBatchNormBackwardDescriptor")
+            check(
+                capi.infiniopDestroyBatchNormBackwardDescriptor(op),
+                "infiniopDestroyBatchNormBackwardDescriptor",
+            )
         for desc in filter(None, descs):
             check(capi.infiniopDestroyTensorDescriptor(desc), "infiniopDestroyTensorDescriptor")
     except CallFailed as exc:
@@ -232,8 +248,10 @@ def test(handle, device, case, dtype, args, rng) -> bool:
 
     layouts = [str(tuple(t.stride())) for t in (x, dy, dx)]  # all three where they differ
     layout = layouts[0] if len(set(layouts)) == 1 else "/".join(layouts)
-    print(f"{device.name:<6} shape={case[0]!s:<15} strides={layout:<15} "
-          f"dtype={dtype.name:<4} mode={_MODE_NAMES[mode]:<5} {'PASS' if ok else 'FAIL'} {result}")
+    print(
+        f"{device.name:<6} shape={case[0]!s:<15} strides={layout:<15} "
+        f"dtype={dtype.name:<4} mode={_MODE_NAMES[mode]:<5} {'PASS' if ok else 'FAIL'} {result}"
+    )
     for detail in details if args.debug else ():
         debug(*detail)
     if timings:
