@@ -27,7 +27,7 @@ from .ops.batch_norm_backward import BatchNormBackwardDescriptor
 from .ops.batch_norm_forward_inference import BatchNormForwardInferenceDescriptor
 from .ops.batch_norm_forward_training import BatchNormForwardTrainingDescriptor
 from .problems import Fusion, Mode
-from .runtime import Handle
+from .runtime import Handle, nvidia_available
 from .tensor import TensorDesc
 
 __all__ = [
@@ -54,4 +54,5 @@ __all__ = [
     "cupyx_compat",
     "descriptor_cache",
     "fold_conv_bn",
+    "nvidia_available",
 ]

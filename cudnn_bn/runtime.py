@@ -55,3 +55,15 @@ def set_device(device: int, device_id: int) -> None:
 def current_handle() -> Handle:
     """A handle for this thread's current device (``infiniopCreateHandle``)."""
     return getattr(_current, "handle", Handle(Device.CPU, 0))
+
+
+def nvidia_available() -> bool:
+    """Whether the NVIDIA backend can run here: CUDA sees a device and libcudnn loads."""
+    from ._cudnn.library import cudnn_info
+
+    try:
+        check_device(Device.NVIDIA, 0)
+        cudnn_info()
+    except InfiniError:
+        return False
+    return True

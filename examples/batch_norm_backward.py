@@ -43,16 +43,6 @@ def finite_difference(x: np.ndarray, w: np.ndarray, b: np.ndarray, dy: np.ndarra
     return grads
 
 
-def gpu_available() -> bool:
-    try:
-        import cupy
-
-        cudnn_bn.cudnn_info()
-        return cupy.cuda.runtime.getDeviceCount() > 0
-    except Exception:
-        return False
-
-
 def main() -> None:
     rng = np.random.default_rng(0)
     x = rng.standard_normal(SHAPE) * 3 + 1
@@ -61,7 +51,7 @@ def main() -> None:
     b = rng.standard_normal(SHAPE[1])
     dtype = np.float32
 
-    if gpu_available():
+    if cudnn_bn.nvidia_available():
         import cupy as xp
 
         info = cudnn_bn.cudnn_info()

@@ -21,16 +21,6 @@ SAMPLES, BATCH, STEPS = 4096, 256, 60
 LEARNING_RATE, MOMENTUM, EPS = 0.1, 0.1, 1e-5
 
 
-def gpu_available() -> bool:
-    try:
-        import cupy
-
-        cudnn_bn.cudnn_info()
-        return cupy.cuda.runtime.getDeviceCount() > 0
-    except Exception:
-        return False
-
-
 def make_data(rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
     """``SAMPLES`` points around ``CLASSES`` random centres, and their labels."""
     centres = rng.standard_normal((CLASSES, FEATURES)) * 0.6
@@ -94,7 +84,7 @@ class BatchNormReLU:
 def main() -> None:
     rng = np.random.default_rng(0)
     points, labels = make_data(rng)
-    if gpu_available():
+    if cudnn_bn.nvidia_available():
         import cupy as xp
 
         info = cudnn_bn.cudnn_info()
