@@ -48,6 +48,8 @@ class _Call:
     """One array-API call: its operands (all on one device), its stream, its allocations."""
 
     def __init__(self, arrays: dict[str, Any], stream: Any) -> None:
+        if arrays["input"] is None:
+            raise InfiniError(Status.NULL_POINTER, "input is None")
         self.like = arrays["input"]
         self.ops: dict[str, Operand] = {
             n: operand(n, a) for n, a in arrays.items() if a is not None
@@ -393,11 +395,11 @@ def batch_norm_forward_training(
         stream,
     )
     x, w = call.desc("input"), call.desc("weight")
-    stats = TensorDesc.contiguous(_statistics_dtype(x), (x.shape[1],)) if x.ndim > 1 else None
-    if stats is None:
+    if x.ndim < 2:
         raise InfiniError(
             Status.BAD_TENSOR_SHAPE, f"input has shape {x.shape}; expected (N, C, ...)"
         )
+    stats = TensorDesc.contiguous(_statistics_dtype(x), (x.shape[1],))
     tensors = ForwardTrainingTensors(
         _like(x),
         stats,
