@@ -123,3 +123,22 @@ def pytest_sessionfinish(session, exitstatus):
     report = Path(path)
     report.parent.mkdir(parents=True, exist_ok=True)
     report.write_text("\n".join(lines))
+
+
+# --- the stub libcudnn of the NVIDIA-argument tests (``cudnn_stub.py``) ---------------------
+
+
+@pytest.fixture(scope="module")
+def stub_path(tmp_path_factory):
+    """The stub libcudnn, compiled once per session (skips where there is no gcc)."""
+    from cudnn_stub import build
+
+    return build(tmp_path_factory)
+
+
+@pytest.fixture
+def stub(stub_path, monkeypatch):
+    """The stub as this process's libcudnn for one test, its records reset."""
+    from cudnn_stub import install
+
+    return install(stub_path, monkeypatch)

@@ -20,12 +20,13 @@ import functools
 import shutil
 import subprocess
 import threading
-from ctypes import c_double, c_int64, c_uint64
+from ctypes import c_double, c_int64, c_size_t, c_ssize_t, c_uint64, c_void_p
 from pathlib import Path
 
 import pytest
+from helpers import SHAPES, channels_last
 
-from cudnn_bn import DataType
+from cudnn_bn import DataType, Status, TensorDesc, capi
 from cudnn_bn import runtime as runtime_module
 from cudnn_bn._cudnn import handle as handle_module
 from cudnn_bn._cudnn import library as library_module
@@ -690,21 +691,23 @@ WORKSPACE = 0x7E00_0000_0000
 STREAM = 0x5EA_0000_0000
 
 
+def capi_tensor(desc: TensorDesc | None) -> c_void_p:
+    """An ``infiniopTensorDescriptor_t`` made through the C API for ``desc`` (NULL for None)."""
+    if desc is None:
+        return c_void_p()
+    out, n = c_void_p(), desc.ndim
+    shape, strides = (c_size_t * n)(*desc.shape), (c_ssize_t * n)(*desc.strides)
+    status = capi.infiniopCreateTensorDescriptor(ctypes.byref(out), n, shape, strides, desc.dtype)
+    assert status == Status.SUCCESS, capi.last_error()
+    return out
+
+
 def pointers(names: str) -> tuple[int, ...]:
     return tuple(POINTERS[name] for name in names.split())
 
 
 def fields(record: ctypes.Structure, names: str) -> tuple:
     return tuple(getattr(record, name) for name in names.split())
-
-
-def channels_last(shape: tuple[int, ...]) -> tuple[int, ...]:
-    order = (0, *range(2, len(shape)), 1)
-    packed = contiguous_strides(tuple(shape[i] for i in order))
-    strides = [0] * len(shape)
-    for axis, stride in zip(order, packed, strict=True):
-        strides[axis] = stride
-    return tuple(strides)
 
 
 def layout_strides(shape: tuple[int, ...], layout: str) -> tuple[int, ...]:
@@ -755,7 +758,6 @@ def in_workspace(address: int, nbytes: int, workspace_size: int) -> bool:
 
 # --- problem tables shared by the backward and forward tests --------------------------------
 
-SHAPES = [(6, 3), (2, 3, 5), (2, 3, 4, 5), (2, 3, 2, 3, 4)]
 # (input dtype, per-channel dtype) that need no staging: cuDNN's own statistics dtype.
 FAST_DTYPES = [(F16, F32), (F32, F32), (F64, F64)]
 

@@ -9,13 +9,12 @@ rounded values in float64 (``helpers.reference``).
 import numpy as np
 import pytest
 import torch
-from helpers import assert_close, f64, reference
+from helpers import SHAPES, assert_close, f64, random_values, reference
 
 import cudnn_bn
 from cudnn_bn.descriptor_cache import DescriptorCache
 
 EPS = 1e-5
-SHAPES = [(6, 3), (2, 3, 5), (2, 3, 4, 5), (2, 3, 2, 3, 4)]
 MODES = ["train", "saved", "eval"]
 # (data dtype, per-channel dtype): one dtype for all, or F32 statistics for half data.
 NUMPY_DTYPES = [
@@ -34,15 +33,7 @@ TORCH_DTYPES = [
 
 def problem(shape, seed=0):
     """float64 input, grad_output, weight and positive per-channel statistics."""
-    rng = np.random.default_rng(seed)
-    c = shape[1]
-    return (
-        rng.standard_normal(shape) * 2 + 0.5,
-        rng.standard_normal(shape),
-        rng.uniform(0.5, 1.5, c),
-        rng.standard_normal(c) * 0.3,
-        rng.uniform(0.5, 2.0, c),
-    )
+    return tuple(random_values(shape, seed).values())
 
 
 def batch_stats(x) -> tuple[np.ndarray, np.ndarray]:

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import pytest
 import torch
+from helpers import BACKWARD_ORDER, OUTPUTS, gpu_present
 
 import cudnn_bn
 from cudnn_bn import DataType, Device, InfiniError, Status, capi
@@ -30,17 +31,6 @@ BF16 = DataType.BF16
 STORAGE = {F16: np.float16, BF16: np.uint16, F32: np.float32, F64: np.float64, I32: np.int32}
 SENTINEL = 0xA5
 
-ORDER = (  # the spec's argument order
-    "grad_input",
-    "grad_weight",
-    "grad_bias",
-    "input",
-    "grad_output",
-    "weight",
-    "running_mean",
-    "running_var",
-)
-OUTPUTS = ORDER[:3]
 DATA = ("grad_input", "input", "grad_output")
 PER_CHANNEL = ("grad_weight", "grad_bias", "weight", "running_mean", "running_var")
 POSITIONAL = ("input", "grad_output", "weight", "running_mean", "running_var")
@@ -83,6 +73,12 @@ def arrays(**changes: object) -> Callable[[dict], None]:
     return edit
 
 
+def saved_statistics(mode: str = "saved", **saved: object) -> Callable[[dict], None]:
+    """An edit of ``array_args()``: ``saved`` (saved_mean, saved_invstd) instead of the running
+    statistics, in ``mode``."""
+    return arrays(mode=mode, running_mean=None, running_var=None, **saved)
+
+
 class OnCuda:
     """Claims to be a float32 array on CUDA device 0 (never read: validation stops first)."""
 
@@ -108,7 +104,7 @@ class CapiProblem:
     """One pass through the C API: set device, handle, tensor descriptors, create, set
     attributes, workspace size, compute, destroy. Each field is one way to spoil it."""
 
-    descs: dict = field(default_factory=lambda: {n: default_spec(n) for n in ORDER})
+    descs: dict = field(default_factory=lambda: {n: default_spec(n) for n in BACKWARD_ORDER})
     device: tuple[int, int] = (Device.CPU, 0)
     handle: int | None = None  # a value to pass instead of the real handle
     eps: object = 1e-5
@@ -172,7 +168,8 @@ def run_capi(p: CapiProblem) -> tuple[Outcome, dict[str, Buffer]]:
     """Run ``p`` until the first failing call; always release what was created."""
     rng = np.random.default_rng(0)
     buffers = {
-        name: Buffer(p.descs[name] or default_spec(name), name in OUTPUTS, rng) for name in ORDER
+        name: Buffer(p.descs[name] or default_spec(name), name in OUTPUTS, rng)
+        for name in BACKWARD_ORDER
     }
     handle, op = ctypes.c_void_p(), ctypes.c_void_p()
     tensors: dict[str, ctypes.c_void_p | None] = {}
@@ -180,7 +177,7 @@ def run_capi(p: CapiProblem) -> tuple[Outcome, dict[str, Buffer]]:
     try:
         _check("infinirtSetDevice", capi.infinirtSetDevice(*p.device))
         _check("infiniopCreateHandle", capi.infiniopCreateHandle(ctypes.byref(handle)))
-        for name in ORDER:
+        for name in BACKWARD_ORDER:
             if p.descs[name] is None:
                 tensors[name] = None
                 continue
@@ -203,7 +200,7 @@ def run_capi(p: CapiProblem) -> tuple[Outcome, dict[str, Buffer]]:
             capi.infiniopCreateBatchNormBackwardDescriptor(
                 handle if p.handle is None else p.handle,
                 None if p.null_out == "desc_ptr" else ctypes.byref(op),
-                *(tensors[name] for name in ORDER),
+                *(tensors[name] for name in BACKWARD_ORDER),
             ),
         )
         op_live = True
@@ -219,7 +216,7 @@ def run_capi(p: CapiProblem) -> tuple[Outcome, dict[str, Buffer]]:
         if p.destroy_first:
             op_live = False
             _check("destroy", capi.infiniopDestroyBatchNormBackwardDescriptor(op))
-        pointers = [0 if name in p.null_data else buffers[name].ptr for name in ORDER]
+        pointers = [0 if name in p.null_data else buffers[name].ptr for name in BACKWARD_ORDER]
         _check(
             "compute",
             capi.infiniopBatchNormBackward(op, workspace.ctypes.data, size.value, *pointers, None),
@@ -324,7 +321,7 @@ def _per_channel_cases() -> list[Case]:
 
 def _null_cases() -> list[Case]:
     cases = []
-    for name in ORDER[:6]:
+    for name in BACKWARD_ORDER[:6]:
         as_array = name not in OUTPUTS
         cases += [
             Case(
@@ -547,33 +544,21 @@ CASES: list[Case] = [
         "saved_mean without saved_invstd",
         Status.NULL_POINTER,
         names("saved_invstd"),
-        arrays(
-            mode="saved",
-            running_mean=None,
-            running_var=None,
-            saved_mean=lambda a: a["running_mean"],
-        ),
+        saved_statistics(saved_mean=lambda a: a["running_mean"]),
     ),
     Case(
         "saved_invstd without saved_mean",
         Status.NULL_POINTER,
         names("saved_mean"),
-        arrays(
-            mode="saved",
-            running_mean=None,
-            running_var=None,
-            saved_invstd=lambda a: a["running_var"],
-        ),
+        saved_statistics(saved_invstd=lambda a: a["running_var"]),
     ),
     *(
         Case(
             f"saved_* with mode {mode}",
             Status.BAD_PARAM,
             "saved_mean.*mode",
-            arrays(
+            saved_statistics(
                 mode=mode,
-                running_mean=None,
-                running_var=None,
                 saved_mean=lambda a: a["weight"],
                 saved_invstd=lambda a: a["weight"],
             ),
@@ -594,10 +579,7 @@ CASES: list[Case] = [
         "saved_mean of wrong shape",
         Status.BAD_TENSOR_SHAPE,
         "(saved|running)_mean",
-        arrays(
-            mode="saved",
-            running_mean=None,
-            running_var=None,
+        saved_statistics(
             saved_mean=np.ones(C + 1, np.float32),
             saved_invstd=np.ones(C, np.float32),
         ),
@@ -658,19 +640,8 @@ def test_capi(case: Case):
 # --- inputs that look odd but are good ----------------------------------------------------
 
 
-def _gpu_present() -> bool:
-    try:
-        cuda = ctypes.CDLL("libcuda.so.1")
-    except OSError:
-        return False
-    count = ctypes.c_int()
-    if cuda.cuInit(0) != 0 or cuda.cuDeviceGetCount(ctypes.byref(count)) != 0:
-        return False
-    return count.value > 0
-
-
 def test_nvidia_device_without_gpu():
-    if _gpu_present():
+    if gpu_present():
         pytest.skip("a GPU is present, so the NVIDIA device can be set")
     outcome, buffers = run_capi(CapiProblem(device=(Device.NVIDIA, 0)))
     assert (outcome.stage, outcome.status) == ("infinirtSetDevice", Status.DEVICE_NOT_INITIALIZED)
@@ -781,7 +752,7 @@ def test_insufficient_workspace(monkeypatch):
         "grad_weight": np.full(C, 7.0, np.float32),
         "grad_bias": np.full(C, 7.0, np.float32),
     }
-    arrays_in_order = [outputs.get(name, args.get(name)) for name in ORDER]
+    arrays_in_order = [outputs.get(name, args.get(name)) for name in BACKWARD_ORDER]
     pointers = [a.ctypes.data for a in arrays_in_order]
     handle, op, size = ctypes.c_void_p(), ctypes.c_void_p(), ctypes.c_size_t()
     assert capi.infiniopCreateHandle(ctypes.byref(handle)) == 0

@@ -11,8 +11,7 @@ are InfiniCore's (``helpers.TOL``): 2e-5 for F32, 1e-2 for F16/BF16, a few ulps.
 import numpy as np
 import pytest
 import torch
-from helpers import assert_close, f64
-from test_forward import convert, tolerance_dtype
+from helpers import assert_close, convert, f64, tolerance_dtype
 
 from cudnn_bn import InfiniError, Status, batch_norm_backward, batch_norm_backward_batched
 

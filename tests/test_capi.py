@@ -13,117 +13,28 @@ import inspect
 import numpy as np
 import pytest
 import torch
-from helpers import assert_close, reference
-
-from cudnn_bn import DataType, Status, capi
-
-ORDER = (  # the spec's argument order
-    "grad_input",
-    "grad_weight",
-    "grad_bias",
-    "input",
-    "grad_output",
-    "weight",
-    "running_mean",
-    "running_var",
+from helpers import (
+    BACKWARD_ORDER,
+    OUTPUTS,
+    SHAPES,
+    assert_close,
+    capi_backward,
+    layout,
+    ok,
+    random_values,
+    reference,
+    tensor_desc,
 )
-OUTPUTS = ORDER[:3]
+
+from cudnn_bn import Status, capi
+
 MODES = {0: "train", 1: "saved", 2: "eval", 3: "saved_invstd"}
-DTYPES = {
-    np.dtype(np.float16): DataType.F16,
-    np.dtype(np.float32): DataType.F32,
-    np.dtype(np.float64): DataType.F64,
-    torch.float16: DataType.F16,
-    torch.bfloat16: DataType.BF16,
-    torch.float32: DataType.F32,
-    torch.float64: DataType.F64,
-}
-
-
-def ok(status) -> None:
-    """A success: a plain int 0, and no message left behind."""
-    assert type(status) is int
-    assert status == Status.SUCCESS, capi.last_error()
-    assert capi.last_error() == ""
-
-
-def layout(array) -> tuple[tuple[int, ...], tuple[int, ...], int]:
-    """Shape, element strides and host address of a NumPy array or torch CPU tensor."""
-    if isinstance(array, torch.Tensor):
-        return tuple(array.shape), tuple(array.stride()), array.data_ptr()
-    strides = tuple(s // array.itemsize for s in array.strides)
-    return array.shape, strides, array.ctypes.data
-
-
-def out_param(value: ctypes.c_void_p | ctypes.c_size_t, style: str):
-    return ctypes.byref(value) if style == "byref" else ctypes.addressof(value)
-
-
-def tensor_desc(array, style: str = "ctypes", out: str = "byref") -> ctypes.c_void_p:
-    """An ``infiniopTensorDescriptor_t`` for ``array``; ``style`` says how shape/strides go."""
-    shape, strides, _ = layout(array)
-    n = len(shape)
-    c_shape, c_strides = (ctypes.c_size_t * n)(*shape), (ctypes.c_ssize_t * n)(*strides)
-    shape_arg, strides_arg = c_shape, c_strides
-    if style == "list":
-        shape_arg, strides_arg = list(shape), list(strides)
-    elif style == "address":  # c_shape and c_strides keep the memory alive
-        shape_arg, strides_arg = ctypes.addressof(c_shape), ctypes.addressof(c_strides)
-    elif style == "null":
-        contiguous = (
-            torch.Tensor.is_contiguous
-            if isinstance(array, torch.Tensor)
-            else (lambda a: a.flags.c_contiguous)
-        )
-        assert contiguous(array)
-        strides_arg = None
-    desc = ctypes.c_void_p()
-    ok(
-        capi.infiniopCreateTensorDescriptor(
-            out_param(desc, out), n, shape_arg, strides_arg, DTYPES[array.dtype]
-        )
-    )
-    assert desc.value
-    return desc
-
-
-def backward(
-    arrays: dict,
-    *,
-    mode: int | None = 0,
-    eps: float = 1e-5,
-    style: str = "ctypes",
-    out: str = "byref",
-) -> None:
-    """The whole cycle; results are written into ``arrays``' grad_* (None: a NULL tensor)."""
-    handle, op, size = ctypes.c_void_p(), ctypes.c_void_p(), ctypes.c_size_t()
-    ok(capi.infiniopCreateHandle(out_param(handle, out)))
-    descs = [None if arrays[n] is None else tensor_desc(arrays[n], style, out) for n in ORDER]
-    ok(capi.infiniopCreateBatchNormBackwardDescriptor(handle, out_param(op, out), *descs))
-    for desc in descs:  # not retained by the operator descriptor
-        if desc is not None:
-            ok(capi.infiniopDestroyTensorDescriptor(desc))
-    if mode is not None:
-        ok(capi.infiniopSetBatchNormBackwardAttributes(op, eps, mode))
-    size.value = 12345
-    ok(capi.infiniopGetBatchNormBackwardWorkspaceSize(op, out_param(size, out)))
-    assert size.value == 0  # the CPU backend needs none
-    pointers = [0 if arrays[n] is None else layout(arrays[n])[2] for n in ORDER]
-    ok(capi.infiniopBatchNormBackward(op, None, size.value, *pointers, None))
-    ok(capi.infiniopDestroyBatchNormBackwardDescriptor(op))
-    ok(capi.infiniopDestroyHandle(handle))
 
 
 def make_problem(shape, data, channel, kind="numpy", seed=0) -> dict:
     """Inputs rounded to their dtypes, and empty outputs, as NumPy arrays or torch tensors."""
-    rng = np.random.default_rng(seed)
     c = shape[1]
-    values = {
-        "input": rng.standard_normal(shape) * 2 + 0.5,
-        "grad_output": rng.standard_normal(shape),
-        "weight": rng.uniform(0.5, 1.5, c),
-        "running_mean": rng.standard_normal(c) * 0.3,
-        "running_var": rng.uniform(0.5, 2.0, c),
+    values = random_values(shape, seed) | {
         "grad_input": np.full(shape, np.nan),
         "grad_weight": np.full(c, np.nan),
         "grad_bias": np.full(c, np.nan),
@@ -173,12 +84,12 @@ def check(arrays: dict, want, data) -> None:
 def test_cycle(kind, mode, style, out):
     data = np.float32 if kind == "numpy" else torch.float32
     arrays = make_problem((2, 3, 5), data, data, kind)
-    backward(arrays, mode=mode, style=style, out=out)
+    capi_backward(arrays, mode=mode, style=style, out=out)
     check(arrays, expected(arrays, mode), data)
 
 
 @pytest.mark.parametrize("mode", [0, 1, 2])
-@pytest.mark.parametrize("shape", [(6, 3), (2, 3, 5), (2, 3, 4, 5), (2, 3, 2, 3, 4)], ids=str)
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
 @pytest.mark.parametrize(
     ("data", "channel"),
     [
@@ -194,19 +105,19 @@ def test_cycle(kind, mode, style, out):
 def test_dtypes_and_ranks(data, channel, shape, mode):
     kind = "torch" if isinstance(data, torch.dtype) else "numpy"
     arrays = make_problem(shape, data, channel, kind)
-    backward(arrays, mode=mode)
+    capi_backward(arrays, mode=mode)
     check(arrays, expected(arrays, mode), data if kind == "torch" else np.dtype(data))
 
 
 def test_default_attributes_are_train_and_eps_1e_5():
     arrays = make_problem((4, 3, 6), np.float32, np.float32)
-    backward(arrays, mode=None)
+    capi_backward(arrays, mode=None)
     check(arrays, expected(arrays, 0, eps=1e-5), np.float32)
 
 
 def test_eps_zero():
     arrays = make_problem((4, 3, 6), np.float64, np.float64)
-    backward(arrays, mode=0, eps=0.0)
+    capi_backward(arrays, mode=0, eps=0.0)
     check(arrays, expected(arrays, 0, eps=0.0), np.float64)
 
 
@@ -216,7 +127,7 @@ def test_saved_stats_from_the_torch_forward():
     _, arrays["running_mean"], arrays["running_var"] = torch.ops.aten.native_batch_norm(
         arrays["input"], arrays["weight"], None, None, None, True, 0.1, 1e-5
     )
-    backward(arrays, mode=3, eps=0.5)  # eps is not applied to a saved invstd
+    capi_backward(arrays, mode=3, eps=0.5)  # eps is not applied to a saved invstd
     check(arrays, expected(arrays, 0, eps=1e-5), torch.float32)
 
 
@@ -226,8 +137,8 @@ def test_train_ignores_running_statistics():
     second = {k: v.copy() for k, v in first.items()}
     second["running_mean"] += 3
     second["running_var"] *= 7
-    backward(first, mode=0)
-    backward(second, mode=0)
+    capi_backward(first, mode=0)
+    capi_backward(second, mode=0)
     for name in OUTPUTS:
         np.testing.assert_array_equal(first[name], second[name])
     check(first, expected(first, 0), np.float32)
@@ -236,7 +147,7 @@ def test_train_ignores_running_statistics():
 def test_running_statistics_may_be_null_in_train():
     arrays = make_problem((2, 3, 5), np.float32, np.float32)
     arrays["running_mean"] = arrays["running_var"] = None
-    backward(arrays, mode=0)
+    capi_backward(arrays, mode=0)
     check(arrays, reference(arrays["input"], arrays["grad_output"], arrays["weight"]), np.float32)
 
 
@@ -261,7 +172,7 @@ def test_padded_strides(mode):
         view[...] = arrays[name]
         arrays[name] = view
     padding = np.arange(130) % 10 >= 8
-    backward(arrays, mode=mode, style="list")
+    capi_backward(arrays, mode=mode, style="list")
     check(arrays, expected(arrays, mode), np.float32)
     assert (bases["grad_input"][padding] == sentinel).all()
     assert not np.isnan(bases["grad_input"][~padding]).any()
@@ -275,7 +186,7 @@ def test_strided_per_channel_tensors():
         bases[name] = np.full(8, -7.0, np.float32)
         bases[name][::2] = arrays[name]
         arrays[name] = bases[name][::2]
-    backward(arrays, mode=2)
+    capi_backward(arrays, mode=2)
     check(arrays, expected(arrays, 2), np.float32)
     assert (bases["grad_weight"][1::2] == -7.0).all() and (bases["grad_bias"][1::2] == -7.0).all()
 
@@ -291,7 +202,7 @@ def test_channels_last(kind):
             if kind == "numpy"
             else a.contiguous(memory_format=torch.channels_last)
         )
-    backward(arrays, mode=0)
+    capi_backward(arrays, mode=0)
     check(arrays, expected(arrays, 0), data)
 
 
@@ -303,9 +214,9 @@ def test_one_descriptor_many_computes_and_modes():
     arrays = make_problem((3, 2, 7), np.float64, np.float64, seed=4)
     handle, op = ctypes.c_void_p(), ctypes.c_void_p()
     ok(capi.infiniopCreateHandle(ctypes.byref(handle)))
-    descs = [tensor_desc(arrays[n]).value for n in ORDER]  # plain ints
+    descs = [tensor_desc(arrays[n]).value for n in BACKWARD_ORDER]  # plain ints
     ok(capi.infiniopCreateBatchNormBackwardDescriptor(handle.value, ctypes.byref(op), *descs))
-    pointers = [ctypes.c_void_p(layout(arrays[n])[2]) for n in ORDER]
+    pointers = [ctypes.c_void_p(layout(arrays[n])[2]) for n in BACKWARD_ORDER]
     try:
         for mode, eps in ((0, 1e-5), (2, 1e-3), (1, 0.0), (0, 0.1), (3, 0.0)):
             ok(capi.infiniopSetBatchNormBackwardAttributes(op.value, eps, mode))

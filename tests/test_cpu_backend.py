@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import numpy as np
 import pytest
 import torch
+from helpers import SHAPES, channels_last, padded_strides
 
 from cudnn_bn.backends.bf16 import bf16_bits_to_f32, f32_to_bf16_bits
 from cudnn_bn.backends.cpu import BatchNormBackward
@@ -32,7 +33,6 @@ TOL = {F16: 1e-2, BF16: 1e-2, F32: 2e-5, F64: 1e-10}
 
 # (input dtype, per-channel dtype): the same dtype, or F32 statistics for half input.
 DTYPES = [(F16, F16), (F16, F32), (BF16, BF16), (BF16, F32), (F32, F32), (F64, F64)]
-SHAPES = [(6, 3), (2, 3, 5), (2, 3, 4, 5), (2, 3, 2, 3, 4)]
 MODES = list(Mode)
 SENTINEL = 0xA5  # every byte of every buffer before the run; gaps must keep it
 
@@ -40,27 +40,10 @@ SENTINEL = 0xA5  # every byte of every buffer before the run; gaps must keep it
 # --- memory ------------------------------------------------------------------------------
 
 
-def padded_strides(shape):
-    """Row-major with 3 extra elements after each innermost row and 5 after each batch item."""
-    strides = list(contiguous_strides((*shape[:-1], shape[-1] + 3)))
-    strides[0] += 5
-    return tuple(strides)
-
-
-def channels_last_strides(shape):
-    """Channel axis innermost (NLC / NHWC / NDHWC); (N, C) is already that."""
-    order = (0, *range(2, len(shape)), 1)
-    packed = contiguous_strides(tuple(shape[i] for i in order))
-    strides = [0] * len(shape)
-    for axis, stride in zip(order, packed, strict=True):
-        strides[axis] = stride
-    return tuple(strides)
-
-
 LAYOUTS = {
     "contiguous": contiguous_strides,
     "padded": padded_strides,
-    "channels_last": channels_last_strides,
+    "channels_last": channels_last,
 }
 
 

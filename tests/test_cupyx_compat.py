@@ -84,6 +84,17 @@ def torch_training(case: Case, x, gamma, beta, running_mean, running_var):
     return y, mean, invstd, rm, rv
 
 
+def train_with_reference(case: Case, x, gamma, beta, running_mean, running_var):
+    """CuPy 13's training forward of ``case`` (which updates the running statistics in place),
+    and ``torch_training`` on the running statistics as they were before it."""
+    before = running_mean.copy(), running_var.copy()
+    got = cudnn.batch_normalization_forward_training(
+        x, gamma, beta, running_mean, running_var, None, None, EPS, DECAY, case.conv, case.mode,
+        False, case.layout,
+    )  # fmt: skip
+    return got, torch_training(case, x, gamma, beta, *before)
+
+
 def torch_backward(case: Case, x, gy, gamma, mean, invstd):
     return torch.ops.aten.native_batch_norm_backward(
         case.view(f64(gy)),
@@ -108,13 +119,9 @@ def check_like_x(case: Case, actual, expected: torch.Tensor, dtype) -> None:
 @cases
 def test_forward_training_matches_torch_and_updates_running_stats(case):
     x, _, gamma, beta, rm, rv = make(case)
-    rm_before, rv_before = rm.copy(), rv.copy()
-    y, mean, invstd = cudnn.batch_normalization_forward_training(
-        x, gamma, beta, rm, rv, None, None, EPS, DECAY, case.conv, case.mode, False, case.layout
-    )
-    y_ref, mean_ref, invstd_ref, rm_ref, rv_ref = torch_training(
-        case, x, gamma, beta, rm_before, rv_before
-    )
+    rm_before = rm.copy()
+    (y, mean, invstd), want = train_with_reference(case, x, gamma, beta, rm, rv)
+    y_ref, mean_ref, invstd_ref, rm_ref, rv_ref = want
     check_like_x(case, y, y_ref, np.float32)
     for got, ref in ((mean, mean_ref), (invstd, invstd_ref), (rm, rm_ref), (rv, rv_ref)):
         assert got.shape == gamma.shape and got.dtype == np.float32
@@ -238,13 +245,8 @@ def test_float16_x(name, param_dtype):
     """F16 x with F32 gamma (cuDNN's own mix) or F16 gamma (computed as F32, like CuPy 13)."""
     case = CASES[name]
     x, gy, gamma, beta, rm, rv = make(case, np.float16, param_dtype)
-    rm_before, rv_before = rm.copy(), rv.copy()
-    y, mean, invstd = cudnn.batch_normalization_forward_training(
-        x, gamma, beta, rm, rv, None, None, EPS, DECAY, case.conv, case.mode, False, case.layout
-    )
-    y_ref, mean_ref, invstd_ref, rm_ref, rv_ref = torch_training(
-        case, x, gamma, beta, rm_before, rv_before
-    )
+    (y, mean, invstd), want = train_with_reference(case, x, gamma, beta, rm, rv)
+    y_ref, mean_ref, invstd_ref, rm_ref, rv_ref = want
     check_like_x(case, y, y_ref, np.float16)
     assert mean.dtype == invstd.dtype == np.float32  # cuDNN's parameter dtype
     assert rm.dtype == rv.dtype == param_dtype  # updated in place, in their own dtype

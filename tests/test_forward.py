@@ -17,9 +17,22 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import assert_close, f64
-from test_capi import backward as capi_backward
-from test_capi import layout, ok, tensor_desc
+from helpers import (
+    INFERENCE_ORDER,
+    OUTPUTS,
+    SHAPES,
+    TRAINING_ORDER,
+    assert_close,
+    capi_backward,
+    capi_cycle,
+    convert,
+    f64,
+    layout,
+    ok,
+    random_values,
+    tensor_desc,
+    tolerance_dtype,
+)
 
 from cudnn_bn import (
     InfiniError,
@@ -31,7 +44,6 @@ from cudnn_bn import (
 )
 
 EPS = 1e-5
-SHAPES = [(6, 3), (2, 3, 5), (2, 3, 4, 5), (2, 3, 2, 3, 4)]
 HALF = (torch.float16, torch.bfloat16)
 # (data dtype, per-channel dtype): one dtype for all, or F32 per-channel tensors for half
 # data. Torch dtypes run as torch CPU tensors, NumPy ones as NumPy arrays.
@@ -49,32 +61,12 @@ DATA = ("input", "grad_output")
 
 def problem(shape, data, channel, seed=0) -> dict:
     """Input, grad_output and per-channel tensors rounded to their dtypes."""
-    rng = np.random.default_rng(seed)
-    c = shape[1]
-    values = {
-        "input": rng.standard_normal(shape) * 2 + 0.5,
-        "grad_output": rng.standard_normal(shape),
-        "weight": rng.uniform(0.5, 1.5, c),
-        "bias": rng.standard_normal(c) * 0.5,
-        "running_mean": rng.standard_normal(c) * 0.3,
-        "running_var": rng.uniform(0.5, 2.0, c),
-    }
+    values = random_values(shape, seed, bias=True)
     return {name: convert(v, data if name in DATA else channel) for name, v in values.items()}
-
-
-def convert(values: np.ndarray, dtype):
-    if isinstance(dtype, torch.dtype):
-        return torch.from_numpy(values).to(dtype)
-    return values.astype(dtype)
 
 
 def copy(array):
     return None if array is None else array.clone() if hasattr(array, "clone") else array.copy()
-
-
-def tolerance_dtype(data):
-    """The dtype whose tolerance applies: the data dtype (half data: its 1e-2 for all)."""
-    return data if isinstance(data, torch.dtype) else np.dtype(data)
 
 
 def torch_training(p: dict, momentum: float, eps: float = EPS):
@@ -245,37 +237,6 @@ def test_round_trip_equals_torch_autograd(data, channel, shape):
 
 # --- the C API -------------------------------------------------------------------------------
 
-TRAINING = (
-    "output", "saved_mean", "saved_invstd",
-    "input", "weight", "bias", "running_mean", "running_var",
-)  # fmt: skip
-INFERENCE = ("output", "input", "weight", "bias", "running_mean", "running_var")
-
-
-def capi_cycle(operator: str, order, arrays: dict, attributes, sizes=("Workspace",)) -> None:
-    """Create -> set attributes -> query sizes (0 on the CPU) -> compute -> destroy.
-
-    ``operator`` names the functions (``BatchNormForwardTraining``); ``arrays`` holds the
-    arguments by name, None for a NULL descriptor and pointer; ``sizes`` are the buffers
-    the compute takes before its tensors (workspace, then reserve), all passed as NULL.
-    """
-    handle, op = ctypes.c_void_p(), ctypes.c_void_p()
-    ok(capi.infiniopCreateHandle(ctypes.byref(handle)))
-    descs = [None if arrays[n] is None else tensor_desc(arrays[n]) for n in order]
-    ok(getattr(capi, f"infiniopCreate{operator}Descriptor")(handle, ctypes.byref(op), *descs))
-    for desc in descs:
-        if desc is not None:
-            ok(capi.infiniopDestroyTensorDescriptor(desc))
-    ok(getattr(capi, f"infiniopSet{operator}Attributes")(op, *attributes))
-    for size_name in sizes:
-        size = ctypes.c_size_t(12345)
-        ok(getattr(capi, f"infiniopGet{operator}{size_name}Size")(op, ctypes.byref(size)))
-        assert size.value == 0  # the CPU backend needs no workspace and keeps no reserve
-    pointers = [0 if arrays[n] is None else layout(arrays[n])[2] for n in order]
-    ok(getattr(capi, f"infiniop{operator}")(op, *(None, 0) * len(sizes), *pointers, None))
-    ok(getattr(capi, f"infiniopDestroy{operator}Descriptor")(op))
-    ok(capi.infiniopDestroyHandle(handle))
-
 
 def training_arrays(p: dict, data) -> dict:
     """``p`` plus empty, NaN-filled outputs of the forward (saved statistics F32 for half)."""
@@ -299,9 +260,11 @@ def test_capi_round_trip_equals_torch_autograd(data, channel, shape, running):
     arrays = training_arrays(p, data)
     if not running:
         arrays["running_mean"] = arrays["running_var"] = None
-    capi_cycle("BatchNormForwardTraining", TRAINING, arrays, (EPS, 0.25), ("Workspace", "Reserve"))
+    capi_cycle(
+        "BatchNormForwardTraining", TRAINING_ORDER, arrays, (EPS, 0.25), ("Workspace", "Reserve")
+    )
     tol = tolerance_dtype(data)
-    for name, expected in zip(TRAINING[:3] + TRAINING[-2:], want, strict=True):
+    for name, expected in zip(TRAINING_ORDER[:3] + TRAINING_ORDER[-2:], want, strict=True):
         if arrays[name] is not None:
             assert_close(arrays[name], expected, tol)
 
@@ -314,7 +277,7 @@ def test_capi_round_trip_equals_torch_autograd(data, channel, shape, running):
     }
     capi_backward(grads, mode=3)
     expected = torch_autograd(p)
-    for name, value in zip(("grad_input", "grad_weight", "grad_bias"), expected, strict=True):
+    for name, value in zip(OUTPUTS, expected, strict=True):
         assert_close(grads[name], value, tol)
 
 
@@ -323,7 +286,7 @@ def test_capi_round_trip_equals_torch_autograd(data, channel, shape, running):
 def test_capi_inference_against_torch(data, channel, shape):
     p = problem(shape, data, channel)
     arrays = {**p, "output": convert(np.full(shape, np.nan), data)}
-    capi_cycle("BatchNormForwardInference", INFERENCE, arrays, (0.5,))
+    capi_cycle("BatchNormForwardInference", INFERENCE_ORDER, arrays, (0.5,))
     assert_close(arrays["output"], torch_inference(p, eps=0.5), tolerance_dtype(data))
 
 
@@ -333,11 +296,11 @@ def test_capi_default_attributes_are_eps_1e_5_and_momentum_0_1():
     arrays = training_arrays(p, np.float64)
     handle, op = ctypes.c_void_p(), ctypes.c_void_p()
     ok(capi.infiniopCreateHandle(ctypes.byref(handle)))
-    descs = [tensor_desc(arrays[n]) for n in TRAINING]
+    descs = [tensor_desc(arrays[n]) for n in TRAINING_ORDER]
     ok(capi.infiniopCreateBatchNormForwardTrainingDescriptor(handle, ctypes.byref(op), *descs))
-    pointers = [layout(arrays[n])[2] for n in TRAINING]
+    pointers = [layout(arrays[n])[2] for n in TRAINING_ORDER]
     ok(capi.infiniopBatchNormForwardTraining(op, None, 0, None, 0, *pointers, None))
-    for name, expected in zip(TRAINING[:3] + TRAINING[-2:], want, strict=True):
+    for name, expected in zip(TRAINING_ORDER[:3] + TRAINING_ORDER[-2:], want, strict=True):
         assert_close(arrays[name], expected, np.float64)
     ok(capi.infiniopDestroyBatchNormForwardTrainingDescriptor(op))
     for desc in descs:
@@ -350,15 +313,15 @@ def test_capi_statuses():
     arrays = training_arrays(problem((2, 3, 4), np.float32, np.float32), np.float32)
     handle, train, infer = ctypes.c_void_p(), ctypes.c_void_p(), ctypes.c_void_p()
     ok(capi.infiniopCreateHandle(ctypes.byref(handle)))
-    descs = {n: tensor_desc(arrays[n]) for n in TRAINING}
+    descs = {n: tensor_desc(arrays[n]) for n in TRAINING_ORDER}
     ok(
         capi.infiniopCreateBatchNormForwardTrainingDescriptor(
-            handle, ctypes.byref(train), *(descs[n] for n in TRAINING)
+            handle, ctypes.byref(train), *(descs[n] for n in TRAINING_ORDER)
         )
     )
     ok(
         capi.infiniopCreateBatchNormForwardInferenceDescriptor(
-            handle, ctypes.byref(infer), *(descs[n] for n in INFERENCE)
+            handle, ctypes.byref(infer), *(descs[n] for n in INFERENCE_ORDER)
         )
     )
     null_input = dict(descs, input=None)
@@ -369,14 +332,14 @@ def test_capi_statuses():
         "inference eps nan": capi.infiniopSetBatchNormForwardInferenceAttributes(infer, math.nan),
         "NULL size": capi.infiniopGetBatchNormForwardTrainingReserveSize(train, None),
         "NULL desc_ptr": capi.infiniopCreateBatchNormForwardTrainingDescriptor(
-            handle, None, *(descs[n] for n in TRAINING)
+            handle, None, *(descs[n] for n in TRAINING_ORDER)
         ),
         "NULL input_desc": capi.infiniopCreateBatchNormForwardInferenceDescriptor(
-            handle, ctypes.byref(ctypes.c_void_p()), *(null_input[n] for n in INFERENCE)
+            handle, ctypes.byref(ctypes.c_void_p()), *(null_input[n] for n in INFERENCE_ORDER)
         ),
         "NULL input": capi.infiniopBatchNormForwardTraining(
             train, None, 0, None, 0,
-            *(0 if n == "input" else layout(arrays[n])[2] for n in TRAINING), None,
+            *(0 if n == "input" else layout(arrays[n])[2] for n in TRAINING_ORDER), None,
         ),
         "inference desc to training": capi.infiniopGetBatchNormForwardTrainingWorkspaceSize(
             infer, ctypes.byref(ctypes.c_size_t())

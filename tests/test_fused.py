@@ -11,8 +11,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import assert_close, f64
-from test_forward import SHAPES, convert, tolerance_dtype
+from helpers import SHAPES, assert_close, convert, f64, tolerance_dtype
 
 from cudnn_bn import InfiniError, Status, batch_norm_backward, batch_norm_forward_training
 

@@ -15,11 +15,19 @@ Not tested here: the CuPy engine for 2^31 elements or more (tens of GiB);
 """
 
 import ctypes
-from dataclasses import dataclass
 
 import numpy as np
 import pytest
 import torch
+from helpers import (
+    OUTPUTS,
+    GpuProblem,
+    as_f64,
+    channels_last,
+    make_gpu_problem,
+    padded_strides,
+    run_gpu_problem,
+)
 
 import cudnn_bn
 from cudnn_bn import BatchNormBackwardDescriptor, DataType, Device, Status, TensorDesc, capi
@@ -45,27 +53,9 @@ EPS = 1e-5
 # made this too tight, the next step is 1e-4 relative to the magnitude, not a looser atol.
 # F64: double accumulation against double, a different summation order only.
 TOL = {F16: 1e-2, BF16: 1e-2, F32: 2e-5, F64: 1e-9}
-NAMES = ("grad_input", "grad_weight", "grad_bias")
 
 
 # --- layouts -------------------------------------------------------------------------------
-
-
-def channels_last(shape):
-    """Channel axis innermost: NLC, NHWC, NDHWC."""
-    order = (0, *range(2, len(shape)), 1)
-    packed = contiguous_strides(tuple(shape[i] for i in order))
-    strides = [0] * len(shape)
-    for axis, stride in zip(order, packed, strict=True):
-        strides[axis] = stride
-    return tuple(strides)
-
-
-def padded(shape):
-    """Row-major with 3 extra elements after each innermost row and 5 after each batch item."""
-    strides = list(contiguous_strides((*shape[:-1], shape[-1] + 3)))
-    strides[0] += 5
-    return tuple(strides)
 
 
 SHAPES = [(16, 3), (4, 3, 10), (2, 3, 4, 5), (2, 3, 2, 3, 4)]
@@ -78,7 +68,7 @@ def _layouts():
         if len(shape) > 2:
             cases.append(pytest.param(shape, channels_last(shape), "channels_last",
                                       id=f"{shape}-channels_last"))  # fmt: skip
-        cases.append(pytest.param(shape, padded(shape), "padded", id=f"{shape}-padded"))
+        cases.append(pytest.param(shape, padded_strides(shape), "padded", id=f"{shape}-padded"))
     # InfiniCore's own test case: batch items 10 elements apart instead of 8.
     cases.append(pytest.param((13, 2, 4), (10, 4, 1), "padded", id="(13, 2, 4)-(10, 4, 1)"))
     # Packed, but a broadcast size-1 axis says stride 0: cuDNN must be told the packed one.
@@ -92,53 +82,7 @@ LAYOUTS = _layouts()
 # --- problems and references ----------------------------------------------------------------
 
 
-@dataclass
-class Problem:
-    """One batch-norm backward: torch CUDA tensors and the array API's keyword arguments."""
-
-    x: torch.Tensor
-    dy: torch.Tensor
-    w: torch.Tensor
-    stats: dict  # running_mean/running_var, or saved_mean/saved_invstd
-    mode: str  # the array API's mode: "train", "saved" or "eval"
-    eps: float = EPS
-
-
-def on_device(values: np.ndarray, dtype: torch.dtype, strides=None) -> torch.Tensor:
-    """``values`` rounded to ``dtype`` on the GPU, laid out with ``strides`` (elements)."""
-    tensor = torch.from_numpy(values).to(device="cuda", dtype=dtype)
-    if strides is None:
-        return tensor
-    laid_out = torch.empty_strided(tensor.shape, strides, dtype=dtype, device="cuda")
-    return laid_out.copy_(tensor)
-
-
-def make_problem(shape, strides, dtype, channel_dtype, mode, eps=EPS, seed=0) -> Problem:
-    """``mode``: "train", "saved" (running_* are the batch mean and biased variance),
-    "saved_invstd" (saved_mean/saved_invstd as a forward saves them) or "eval"."""
-    rng = np.random.default_rng(seed)
-    channels = shape[1]
-    x = on_device(2 * rng.standard_normal(shape) + 0.5, dtype, strides)
-    dy = on_device(rng.standard_normal(shape), dtype, strides)
-    w = on_device(1 + 0.5 * rng.standard_normal(channels), channel_dtype)
-    x64 = x.double()
-    axes = [0, *range(2, x.ndim)]
-    mean, var = x64.mean(dim=axes), x64.var(dim=axes, correction=0)
-    if mode in ("train", "eval"):  # train: random running statistics, never read
-        stats = {
-            "running_mean": on_device(0.1 * rng.standard_normal(channels), channel_dtype),
-            "running_var": on_device(0.5 + rng.random(channels), channel_dtype),
-        }
-    elif mode == "saved":
-        stats = {"running_mean": mean.to(channel_dtype), "running_var": var.to(channel_dtype)}
-    else:
-        invstd = torch.rsqrt(var + eps)
-        stats = {"saved_mean": mean.to(channel_dtype), "saved_invstd": invstd.to(channel_dtype)}
-    torch.cuda.synchronize()
-    return Problem(x, dy, w, stats, "saved" if mode == "saved_invstd" else mode, eps)
-
-
-def reference(p: Problem) -> tuple:
+def reference(p: GpuProblem) -> tuple:
     """PyTorch's batch-norm backward on CUDA in float64, on the values the operator saw."""
     x, dy, w = p.x.double(), p.dy.double(), p.w.double()
     stats = {name: t.double() for name, t in p.stats.items()}
@@ -155,17 +99,6 @@ def reference(p: Problem) -> tuple:
     return backward(dy, x, w, None, None, mean, invstd, True, p.eps, mask)
 
 
-def run(p: Problem, convert=lambda t: t, **kwargs) -> tuple:
-    """``cudnn_bn.batch_norm_backward`` on ``convert``-ed copies or views of the problem."""
-    stats = {name: convert(t) for name, t in p.stats.items()}
-    return cudnn_bn.batch_norm_backward(
-        convert(p.x), convert(p.dy), convert(p.w),
-        stats.get("running_mean"), stats.get("running_var"),
-        eps=p.eps, mode=p.mode, saved_mean=stats.get("saved_mean"),
-        saved_invstd=stats.get("saved_invstd"), **kwargs,
-    )  # fmt: skip
-
-
 def to_cupy(t: torch.Tensor):
     return cupy.asarray(t)  # a view of the same device memory
 
@@ -178,16 +111,8 @@ def to_torch_cpu(t: torch.Tensor) -> torch.Tensor:
     return t.cpu()
 
 
-def as_f64(a) -> np.ndarray:
-    if isinstance(a, torch.Tensor):
-        return a.detach().double().cpu().numpy()
-    if isinstance(a, np.ndarray):
-        return a.astype(np.float64)
-    return cupy.asnumpy(a).astype(np.float64)
-
-
 def assert_close(actual, expected, tol: float, what: str) -> None:
-    for name, a, e in zip(NAMES, actual, expected, strict=True):
+    for name, a, e in zip(OUTPUTS, actual, expected, strict=True):
         np.testing.assert_allclose(
             as_f64(a), as_f64(e), rtol=tol, atol=tol, err_msg=f"{what}: {name}"
         )
@@ -225,15 +150,15 @@ KIND_IDS = [f"{k}-{str(d)[6:]}-{str(c)[6:]}" for k, d, c in KINDS]
 @pytest.mark.parametrize(("kind", "dtype", "channel_dtype"), KINDS, ids=KIND_IDS)
 @pytest.mark.parametrize(("shape", "strides", "layout"), LAYOUTS)
 def test_against_torch_and_cpu(shape, strides, layout, kind, dtype, channel_dtype, mode):
-    p = make_problem(shape, strides, dtype, channel_dtype, mode)
+    p = make_gpu_problem(shape, strides, dtype, channel_dtype, mode)
     convert = to_cupy if kind == "cupy" else (lambda t: t)
     cudnn_bn.descriptor_cache.clear()
-    got = run(p, convert)
+    got = run_gpu_problem(p, convert)
     assert used_engine() == expected_engine(p.mode, dtype, layout)
     kind_type = cupy.ndarray if kind == "cupy" else torch.Tensor
     assert all(isinstance(g, kind_type) for g in got)
 
-    cpu = run(p, to_numpy if kind == "cupy" else to_torch_cpu)
+    cpu = run_gpu_problem(p, to_numpy if kind == "cupy" else to_torch_cpu)
     expected, tol = reference(p), TOL[dtype]
     assert_close(got, expected, tol, "GPU vs float64 reference")
     assert_close(cpu, expected, tol, "CPU backend vs float64 reference")
@@ -242,26 +167,28 @@ def test_against_torch_and_cpu(shape, strides, layout, kind, dtype, channel_dtyp
 
 def test_eps_zero():
     """cuDNN 9 takes eps 0 (cuDNN 8 refuses below 1e-5, so the CuPy engine serves it)."""
-    p = make_problem((2, 3, 4, 5), None, F32, F32, "train", eps=0.0)
+    p = make_gpu_problem((2, 3, 4, 5), None, F32, F32, "train", eps=0.0)
     cudnn_bn.descriptor_cache.clear()
-    got = run(p, to_cupy)
+    got = run_gpu_problem(p, to_cupy)
     assert used_engine() == ("cudnn" if cudnn_version() >= 90000 else "cupy")
     assert_close(got, reference(p), TOL[F32], "eps 0")
 
 
-@pytest.mark.parametrize(("strides", "engine"), [(None, "cudnn"), (padded((2, 3, 4, 5)), "cupy")])
+@pytest.mark.parametrize(
+    ("strides", "engine"), [(None, "cudnn"), (padded_strides((2, 3, 4, 5)), "cupy")]
+)
 def test_saved_statistics_are_used_as_given(strides, engine):
     """Saved statistics that are not the batch's give the formula's result with them."""
-    p = make_problem((2, 3, 4, 5), strides, F32, F32, "saved_invstd")
+    p = make_gpu_problem((2, 3, 4, 5), strides, F32, F32, "saved_invstd")
     p.stats = {
         "saved_mean": p.stats["saved_mean"] + 0.25,
         "saved_invstd": p.stats["saved_invstd"] * 1.5,
     }
     cudnn_bn.descriptor_cache.clear()
-    got = run(p, to_cupy)
+    got = run_gpu_problem(p, to_cupy)
     assert used_engine() == engine
     assert_close(got, reference(p), TOL[F32], "shifted saved statistics")
-    recomputed = run(Problem(p.x, p.dy, p.w, {}, "train"), to_cupy)
+    recomputed = run_gpu_problem(GpuProblem(p.x, p.dy, p.w, {}, "train"), to_cupy)
     assert not np.allclose(as_f64(got[0]), as_f64(recomputed[0]), rtol=1e-3, atol=1e-3)
 
 
@@ -280,7 +207,7 @@ CUDNN_CASES = [
 def test_against_torch_cudnn_batch_norm_backward(shape, strides, dtype, channel_dtype):
     if not torch.backends.cudnn.is_available():
         pytest.skip("this torch has no cuDNN")
-    p = make_problem(shape, strides, dtype, channel_dtype, "train")
+    p = make_gpu_problem(shape, strides, dtype, channel_dtype, "train")
     channels = shape[1]
     bias = torch.zeros(channels, dtype=channel_dtype, device="cuda")
     running_mean = torch.zeros(channels, dtype=channel_dtype, device="cuda")
@@ -308,11 +235,11 @@ def test_against_torch_cudnn_batch_norm_backward(shape, strides, dtype, channel_
 def test_torch_tensors_on_a_side_stream(layout):
     shape = (4, 8, 6, 6)
     strides = channels_last(shape) if layout == "channels_last" else None
-    p = make_problem(shape, strides, F16, F32, "train")
+    p = make_gpu_problem(shape, strides, F16, F32, "train")
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
-        got = run(p)
+        got = run_gpu_problem(p)
     stream.synchronize()
     for grad, like in zip(got, (p.x, p.w, p.w), strict=True):
         assert isinstance(grad, torch.Tensor)
@@ -322,9 +249,9 @@ def test_torch_tensors_on_a_side_stream(layout):
 
 
 def test_cupy_arrays_on_an_explicit_stream():
-    p = make_problem((2, 3, 4, 5), None, F32, F32, "train")
+    p = make_gpu_problem((2, 3, 4, 5), None, F32, F32, "train")
     stream = cupy.cuda.Stream(non_blocking=True)
-    got = run(p, to_cupy, stream=stream)
+    got = run_gpu_problem(p, to_cupy, stream=stream)
     stream.synchronize()
     assert_close(got, reference(p), TOL[F32], "CuPy arrays on a non-blocking stream")
 
@@ -346,7 +273,7 @@ def capi_tensor(a) -> ctypes.c_void_p:
 
 def test_capi_with_device_pointers():
     shape = (2, 3, 4, 5)
-    p = make_problem(shape, None, F32, F32, "saved")
+    p = make_gpu_problem(shape, None, F32, F32, "saved")
     inputs = [cupy.asarray(t) for t in (p.x, p.dy, p.w, *p.stats.values())]
     grads = [cupy.full(shape, cupy.nan, cupy.float32), cupy.full(3, cupy.nan, cupy.float32),
              cupy.full(3, cupy.nan, cupy.float32)]  # fmt: skip
@@ -384,7 +311,7 @@ def test_capi_with_device_pointers():
 )
 def test_small_workspace_leaves_outputs_untouched(mode, channel_dtype, engine):
     shape = (2, 3, 4, 5)
-    p = make_problem(shape, None, F16, channel_dtype, mode)
+    p = make_gpu_problem(shape, None, F16, channel_dtype, mode)
     inputs = [cupy.asarray(t) for t in (p.x, p.dy, p.w, *p.stats.values())]
     w = inputs[2]
     grads = [cupy.full(shape, 7, cupy.float16), cupy.full(3, 7, w.dtype), cupy.full(3, 7, w.dtype)]
@@ -400,7 +327,7 @@ def test_small_workspace_leaves_outputs_untouched(mode, channel_dtype, engine):
         with pytest.raises(InsufficientWorkspaceError):
             desc.compute(workspace.data.ptr, desc.workspace_size - 1, *pointers, stream=0)
         cupy.cuda.Device().synchronize()
-        for name, grad in zip(NAMES, grads, strict=True):
+        for name, grad in zip(OUTPUTS, grads, strict=True):
             assert bool((grad == 7).all()), f"{name} was written"
         desc.compute(workspace.data.ptr, desc.workspace_size, *pointers, stream=0)
         cupy.cuda.Device().synchronize()

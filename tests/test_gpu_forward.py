@@ -6,7 +6,7 @@ the engine DESIGN.md promises for the problem (``cudnn`` or ``cupy``), and each 
 that the cached descriptor (``cudnn_bn.descriptor_cache``) really chose it.
 
 Data is made in float64, rounded to its dtype on the device by torch and laid out with the
-strides under test (``test_gpu.py``'s helpers), then handed over as CuPy arrays (views of
+strides under test (``helpers.py``'s), then handed over as CuPy arrays (views of
 the torch memory) or as the torch tensors themselves. The reference is PyTorch on CUDA in
 float64 on those same rounded values, with cuDNN switched off so that its native kernels,
 not cuDNN again, are the judge: ``F.batch_norm`` for outputs and the running-statistics
@@ -18,7 +18,15 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from test_gpu import as_f64, channels_last, make_problem, on_device, padded, run
+from helpers import (
+    OUTPUTS,
+    as_f64,
+    channels_last,
+    make_gpu_problem,
+    on_device,
+    padded_strides,
+    run_gpu_problem,
+)
 
 import cudnn_bn
 from cudnn_bn.api import (
@@ -37,7 +45,6 @@ F16, BF16, F32, F64 = torch.float16, torch.bfloat16, torch.float32, torch.float6
 HALF = (F16, BF16)
 EPS = 1e-5
 MOMENTUM = 0.25  # not the default 0.1, so that the one passed is seen to be used
-NAMES = ("grad_input", "grad_weight", "grad_bias")
 
 # atol = rtol against the float64 reference. F16/BF16: InfiniCore's 1e-2 (a few ulps of
 # values of magnitude ~1; BF16 has 8 significant bits). F32: InfiniCore's 2e-5. cuDNN and
@@ -189,7 +196,7 @@ def layouts(shape):
     yield "contiguous", contiguous_strides(shape)
     if len(shape) > 2:
         yield "channels_last", channels_last(shape)
-    yield "padded", padded(shape)
+    yield "padded", padded_strides(shape)
 
 
 def expected_engine(dtype: torch.dtype, layout: str) -> str:
@@ -358,7 +365,7 @@ def test_round_trip_with_reserve_against_autograd(
     assert cached_engines() == [engine, engine]  # the forward's descriptor, the backward's
     assert len(grads) == 3
     tol = tolerance(dtype, is_persistent(shape, layout, persistent, engine))
-    for name, got in zip(NAMES, grads, strict=True):
+    for name, got in zip(OUTPUTS, grads, strict=True):
         assert isinstance(got, array_type(kind))
         check(got, want[name], tol, f"{name} ({engine} engine)")
 
@@ -412,7 +419,7 @@ def test_fused_round_trip_against_autograd(dtype, shape, layout, engine, fusion,
     torch.cuda.synchronize()
     # cuDNN's fused backward reads saved statistics: from train mode it is the CuPy engine's.
     assert cached_engines() == [engine, "cupy" if mode == "train" else engine]
-    names = NAMES + (("grad_z",) if fusion == "add_relu" else ())
+    names = OUTPUTS + (("grad_z",) if fusion == "add_relu" else ())
     assert len(grads) == len(names)
     for name, got in zip(names, grads, strict=True):
         check(got, want[name], TOL[dtype], f"{name} ({engine} engine, {fusion}, {mode})")
@@ -427,13 +434,13 @@ MASKS = [
     (False, True, True),
     (True, True, False),
 ]
-# (shape, strides, dtype, per-channel dtype, test_gpu.make_problem's mode, engine)
+# (shape, strides, dtype, per-channel dtype, helpers.make_gpu_problem's mode, engine)
 MASK_CASES = [
     pytest.param((2, 3, 4, 5), None, F32, F32, "train", "cudnn", id="F32-train-cudnn"),
     pytest.param((4, 8, 6, 6), channels_last((4, 8, 6, 6)), F16, F32, "saved_invstd", "cudnn",
                  id="F16-channels_last-saved-persistent-cudnn"),
     pytest.param((2, 3, 4, 5), None, F32, F32, "eval", "cupy", id="F32-eval-cupy"),
-    pytest.param((2, 3, 4, 5), padded((2, 3, 4, 5)), BF16, F32, "train", "cupy",
+    pytest.param((2, 3, 4, 5), padded_strides((2, 3, 4, 5)), BF16, F32, "train", "cupy",
                  id="BF16-padded-train-cupy"),
 ]  # fmt: skip
 
@@ -447,15 +454,15 @@ def same_tol(array) -> float:
     ("shape", "strides", "dtype", "channel_dtype", "mode", "engine"), MASK_CASES
 )
 def test_output_mask_against_unmasked(shape, strides, dtype, channel_dtype, mode, engine, mask):
-    p = make_problem(shape, strides, dtype, channel_dtype, mode)
+    p = make_gpu_problem(shape, strides, dtype, channel_dtype, mode)
     convert = (lambda t: t) if dtype == BF16 else cupy.asarray
     cudnn_bn.descriptor_cache.clear()
-    full = run(p, convert)
-    masked = run(p, convert, output_mask=mask)
+    full = run_gpu_problem(p, convert)
+    masked = run_gpu_problem(p, convert, output_mask=mask)
     torch.cuda.synchronize()
     assert cached_engines() == [engine, engine]
     assert len(masked) == 3
-    for name, wanted, got, expected in zip(NAMES, mask, masked, full, strict=True):
+    for name, wanted, got, expected in zip(OUTPUTS, mask, masked, full, strict=True):
         if not wanted:
             assert got is None, f"{name} was not asked for but came back"
         else:
@@ -516,7 +523,7 @@ def test_batched_backward_against_a_loop(
         mode=mode, output_mask=mask,
     )  # fmt: skip
     batch = a["input"].shape[0]
-    for name, got, wanted in zip(NAMES, batched, mask, strict=True):
+    for name, got, wanted in zip(OUTPUTS, batched, mask, strict=True):
         if not wanted:
             assert got is None, f"{name} was not asked for but came back"
         else:
@@ -532,7 +539,7 @@ def test_batched_backward_against_a_loop(
             stats["running_var"], saved_mean=stats["saved_mean"],
             saved_invstd=stats["saved_invstd"], eps=EPS, mode=mode, output_mask=mask,
         )  # fmt: skip
-        for name, got, expected in zip(NAMES, batched, looped, strict=True):
+        for name, got, expected in zip(OUTPUTS, batched, looped, strict=True):
             if got is not None:
                 check(got[b], expected, same_tol(got), f"{name} of problem {b} ({engine})")
     torch.cuda.synchronize()
@@ -628,6 +635,6 @@ def test_cupy_engine_backward_matches_cpu(kind, dtype, channel_dtype, shape, lay
         torch.cuda.synchronize()
         assert cached_engines() == ["cupy" if arrays is gpu else "numpy"]
         results.append(got)
-    names = NAMES + (("grad_z",) if fusion == "add_relu" else ())
+    names = OUTPUTS + (("grad_z",) if fusion == "add_relu" else ())
     for name, on_gpu, on_cpu in zip(names, *results, strict=True):
         check(on_gpu, on_cpu, TOL[dtype], f"{name}: CuPy engine vs CPU backend ({mode}, {fusion})")

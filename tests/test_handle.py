@@ -1,27 +1,15 @@
 """cuDNN handles without a GPU: creation fails with cuDNN's own status and strings."""
 
-import ctypes
-
 import pytest
+from helpers import gpu_present
 
 from cudnn_bn._cudnn.handle import Handle, thread_handle
 from cudnn_bn.errors import DeviceNotInitializedError
 
 
-def _gpu_present() -> bool:
-    try:
-        cuda = ctypes.CDLL("libcuda.so.1")
-    except OSError:
-        return False
-    count = ctypes.c_int()
-    if cuda.cuInit(0) != 0 or cuda.cuDeviceGetCount(ctypes.byref(count)) != 0:
-        return False
-    return count.value > 0
-
-
 @pytest.fixture(autouse=True)
 def _no_gpu():
-    if _gpu_present():
+    if gpu_present():
         pytest.skip("a GPU is present, so cudnnCreate succeeds")
 
 

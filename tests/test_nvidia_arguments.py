@@ -13,7 +13,7 @@ import gc
 import itertools
 import math
 import threading
-from ctypes import c_size_t, c_ssize_t, c_void_p
+from ctypes import c_size_t, c_void_p
 
 import pytest
 from c_headers import cudnn_functions, parse_functions
@@ -42,20 +42,19 @@ from cudnn_stub import (
     STUB_WORKSPACE,
     WORKSPACE,
     assert_derived_bn_desc,
-    build,
-    channels_last,
+    capi_tensor,
     cudnn_strides,
     expected_bn_mode,
     fast_cases,
     fields,
     in_workspace,
-    install,
     layout_strides,
     nothing_recorded,
     only,
     padded,
     pointers,
 )
+from helpers import BACKWARD_ORDER, OUTPUTS, channels_last
 
 import cudnn_bn
 from cudnn_bn import BatchNormBackwardDescriptor, Device, Mode, Status, TensorDesc, capi
@@ -73,30 +72,7 @@ from cudnn_bn.errors import (
 )
 from cudnn_bn.tensor import contiguous_strides
 
-
-@pytest.fixture(scope="module")
-def stub_path(tmp_path_factory):
-    return build(tmp_path_factory)
-
-
-@pytest.fixture
-def stub(stub_path, monkeypatch):
-    return install(stub_path, monkeypatch)
-
-
 # --- problems on fake device pointers ------------------------------------------------------
-
-# The data pointers of compute() and infiniopBatchNormBackward, in the spec's order.
-ARGUMENTS = (
-    "grad_input",
-    "grad_weight",
-    "grad_bias",
-    "input",
-    "grad_output",
-    "weight",
-    "running_mean",
-    "running_var",
-)
 
 
 def tensors(shape, dtype=F32, channel_dtype=None, *, strides=None, dy_strides=None):
@@ -129,8 +105,8 @@ def compute(desc, workspace_size=None, *, workspace=WORKSPACE, stream=STREAM, **
     operands (``output``, ``bias``, ``grad_z``, ``reserve``) and ``reserve_size``."""
     ptrs = {**POINTERS, **overrides}
     size = desc.workspace_size if workspace_size is None else workspace_size
-    extra = {name: value for name, value in overrides.items() if name not in ARGUMENTS}
-    desc.compute(workspace, size, *(ptrs[name] for name in ARGUMENTS), stream=stream, **extra)
+    extra = {name: value for name, value in overrides.items() if name not in BACKWARD_ORDER}
+    desc.compute(workspace, size, *(ptrs[name] for name in BACKWARD_ORDER), stream=stream, **extra)
 
 
 def fused_pointers(fusion):
@@ -348,19 +324,7 @@ def test_small_workspace_is_refused_before_cudnn(stub):
     assert (stub.backward.calls, stub.set_stream.calls) == (0, 0)
 
 
-@pytest.mark.parametrize(
-    "name",
-    [
-        "grad_input",
-        "grad_weight",
-        "grad_bias",
-        "input",
-        "grad_output",
-        "weight",
-        "running_mean",
-        "running_var",
-    ],
-)
+@pytest.mark.parametrize("name", BACKWARD_ORDER)
 def test_null_data_pointer_is_refused_before_cudnn(stub, name):
     with (
         descriptor((2, 3, 4, 5), mode="saved_invstd") as desc,
@@ -465,8 +429,6 @@ def test_persistent_attribute_picks_the_mode(stub, shape, layout, persistent, mo
 
 
 # --- the output mask ------------------------------------------------------------------------
-
-OUTPUTS = ("grad_input", "grad_weight", "grad_bias")
 
 
 @pytest.mark.parametrize("masked", ["NULL", "given"])
@@ -648,28 +610,20 @@ def test_fused_backward_in_train_mode_runs_on_cupy(stub, fusion):
 # --- the C API ------------------------------------------------------------------------------
 
 
-def _capi_tensor(desc: TensorDesc) -> c_void_p:
-    out, n = c_void_p(), desc.ndim
-    shape, strides = (c_size_t * n)(*desc.shape), (c_ssize_t * n)(*desc.strides)
-    status = capi.infiniopCreateTensorDescriptor(ctypes.byref(out), n, shape, strides, desc.dtype)
-    assert status == Status.SUCCESS, capi.last_error()
-    return out
-
-
 def test_capi_hands_cudnn_the_same_arguments(stub):
     assert capi.infinirtSetDevice(Device.NVIDIA, 1) == Status.DEVICE_NOT_FOUND  # one device
     assert capi.infinirtSetDevice(Device.NVIDIA, 0) == Status.SUCCESS
     handle, desc, size = c_void_p(), c_void_p(), c_size_t()
     assert capi.infiniopCreateHandle(ctypes.byref(handle)) == Status.SUCCESS
     shape = (2, 3, 4, 5)
-    descs = [_capi_tensor(d) for d in tensors(shape, F16, F32, strides=channels_last(shape))]
+    descs = [capi_tensor(d) for d in tensors(shape, F16, F32, strides=channels_last(shape))]
     status = capi.infiniopCreateBatchNormBackwardDescriptor(handle, ctypes.byref(desc), *descs)
     assert status == Status.SUCCESS, capi.last_error()
     assert capi.infiniopSetBatchNormBackwardAttributes(desc, 1e-3, 3) == Status.SUCCESS
     assert capi.infiniopGetBatchNormBackwardWorkspaceSize(desc, ctypes.byref(size)) == 0
     assert size.value == STUB_WORKSPACE
 
-    ptrs = [c_void_p(POINTERS[name]) for name in ARGUMENTS]
+    ptrs = [c_void_p(POINTERS[name]) for name in BACKWARD_ORDER]
     args = (desc, c_void_p(WORKSPACE), size.value, *ptrs, c_void_p(STREAM))
     assert capi.infiniopBatchNormBackward(*args) == Status.SUCCESS, capi.last_error()
     call = stub.backward

@@ -6,7 +6,7 @@ operator layer and the C API, on the stub libcudnn of ``cudnn_stub.py``.
 
 import ctypes
 import gc
-from ctypes import c_size_t, c_ssize_t, c_void_p
+from ctypes import c_size_t, c_void_p
 
 import pytest
 from cudnn_stub import (
@@ -30,20 +30,19 @@ from cudnn_stub import (
     STUB_WORKSPACE,
     WORKSPACE,
     assert_derived_bn_desc,
-    build,
-    channels_last,
+    capi_tensor,
     cudnn_strides,
     expected_bn_mode,
     fast_cases,
     fields,
     in_workspace,
-    install,
     layout_strides,
     nothing_recorded,
     only,
     padded,
     pointers,
 )
+from helpers import INFERENCE_ORDER, TRAINING_ORDER, channels_last
 
 import cudnn_bn
 from cudnn_bn import (
@@ -57,25 +56,8 @@ from cudnn_bn import (
 from cudnn_bn.errors import BadTensorDtypeError, InsufficientWorkspaceError, NullPointerError
 from cudnn_bn.tensor import contiguous_strides
 
-
-@pytest.fixture(scope="module")
-def stub_path(tmp_path_factory):
-    return build(tmp_path_factory)
-
-
-@pytest.fixture
-def stub(stub_path, monkeypatch):
-    return install(stub_path, monkeypatch)
-
-
 # --- problems on fake device pointers ------------------------------------------------------
 
-# The data pointers of each operator's compute() and C function, in their order.
-TRAINING = (
-    "output", "saved_mean", "saved_invstd", "input", "weight", "bias", "running_mean",
-    "running_var",
-)  # fmt: skip
-INFERENCE = ("output", "input", "weight", "bias", "running_mean", "running_var")
 RESERVE = POINTERS["reserve"]
 MOMENTUM = 0.25
 
@@ -111,7 +93,7 @@ def train(desc, *, reserve_size=None, workspace=WORKSPACE, stream=STREAM, **over
     size = desc.reserve_size if reserve_size is None else reserve_size
     z = {"z": ptrs["z"]} if "z" in overrides else {}
     args = (workspace, desc.workspace_size, ptrs["reserve"], size)
-    desc.compute(*args, *(ptrs[name] for name in TRAINING), stream=stream, **z)
+    desc.compute(*args, *(ptrs[name] for name in TRAINING_ORDER), stream=stream, **z)
 
 
 def inference(shape, dtype=F32, channel_dtype=None, *, strides=None, eps=1e-5):
@@ -123,8 +105,21 @@ def inference(shape, dtype=F32, channel_dtype=None, *, strides=None, eps=1e-5):
 
 
 def infer(desc, *, workspace=0, stream=STREAM):
-    ptrs = (POINTERS[name] for name in INFERENCE)
+    ptrs = (POINTERS[name] for name in INFERENCE_ORDER)
     desc.compute(workspace, desc.workspace_size, *ptrs, stream=stream)
+
+
+def assert_outputs_buffers_and_queries(stub) -> None:
+    """The training call got the saved statistics' pointers, the workspace and the reserve,
+    and the size queries were asked for the very descriptors, mode and ops of the call."""
+    call = stub.forward_training
+    assert fields(call, "save_mean save_inv_variance") == pointers("saved_mean saved_invstd")
+    assert (call.workspace, call.workspace_size) == (WORKSPACE, STUB_WORKSPACE)
+    assert (call.reserve, call.reserve_size) == (RESERVE, STUB_RESERVE)
+    same = "handle mode bn_ops x_desc z_desc y_desc bn_desc activation_desc"
+    assert fields(stub.forward_query, same) == fields(call, same)
+    same = "handle mode bn_ops activation_desc x_desc"
+    assert fields(stub.reserve_query, same) == fields(call, same)
 
 
 # --- training forward: every argument -------------------------------------------------------
@@ -139,7 +134,7 @@ def test_training_fast_path_arguments(stub, shape, dtype, channel_dtype, layout)
         assert desc.engine == "cudnn"
         assert (desc.workspace_size, desc.reserve_size) == (STUB_WORKSPACE, STUB_RESERVE)
         train(desc)
-        call, query, reserve = stub.forward_training, stub.forward_query, stub.reserve_query
+        call = stub.forward_training
         assert stub.calls() == only(
             "set_stream", "forward_query", "reserve_query", "forward_training"
         )
@@ -160,16 +155,8 @@ def test_training_fast_path_arguments(stub, shape, dtype, channel_dtype, layout)
         assert call.exponential_average_factor == MOMENTUM
         assert fields(call, "running_mean running_var") == pointers("running_mean running_var")
         assert call.epsilon == 1e-3
-        assert fields(call, "save_mean save_inv_variance") == pointers("saved_mean saved_invstd")
         assert call.activation_desc == 0
-        assert (call.workspace, call.workspace_size) == (WORKSPACE, STUB_WORKSPACE)
-        assert (call.reserve, call.reserve_size) == (RESERVE, STUB_RESERVE)
-
-        # The sizes were asked for the very descriptors, mode and ops of the call.
-        same = "handle mode bn_ops x_desc z_desc y_desc bn_desc activation_desc"
-        assert fields(query, same) == fields(call, same)
-        same = "handle mode bn_ops activation_desc x_desc"
-        assert fields(reserve, same) == fields(call, same)
+        assert_outputs_buffers_and_queries(stub)
 
 
 @pytest.mark.parametrize(("shape", "layout", "persistent", "mode"), PERSISTENT_CASES.values(),
@@ -267,7 +254,7 @@ def test_fused_training_arguments(stub, shape, fusion):
         assert (desc.workspace_size, desc.reserve_size) == (STUB_WORKSPACE, STUB_RESERVE)
         assert stub.live_activations.value == live[1] + 1
         train(desc, **({"z": POINTERS["z"]} if add else {}))
-        call, query, reserve = stub.forward_training, stub.forward_query, stub.reserve_query
+        call = stub.forward_training
         assert call.calls == 1
         assert (call.mode, call.bn_ops) == (SPATIAL_PERSISTENT, FUSIONS[fusion])
         assert (call.alpha, call.beta) == (1, 0)
@@ -282,14 +269,7 @@ def test_fused_training_arguments(stub, shape, fusion):
         assert_derived_bn_desc(call.bn_desc, call.x_desc, SPATIAL_PERSISTENT, shape, F16)
         assert fields(call, "scale bias") == pointers("weight bias")
         assert call.exponential_average_factor == MOMENTUM
-        assert fields(call, "save_mean save_inv_variance") == pointers("saved_mean saved_invstd")
-        assert (call.workspace, call.workspace_size) == (WORKSPACE, STUB_WORKSPACE)
-        assert (call.reserve, call.reserve_size) == (RESERVE, STUB_RESERVE)
-
-        same = "handle mode bn_ops x_desc z_desc y_desc bn_desc activation_desc"
-        assert fields(query, same) == fields(call, same)
-        same = "handle mode bn_ops activation_desc x_desc"
-        assert fields(reserve, same) == fields(call, same)
+        assert_outputs_buffers_and_queries(stub)
     assert (stub.live_tensors.value, stub.live_activations.value) == live
 
 
@@ -358,24 +338,14 @@ def test_inference_of_channels_last_is_spatial(stub):
 
 def test_inference_refuses_null_pointers_before_cudnn(stub):
     with inference((2, 3, 4, 5)) as desc:
-        for name in INFERENCE:
-            ptrs = [0 if n == name else POINTERS[n] for n in INFERENCE]
+        for name in INFERENCE_ORDER:
+            ptrs = [0 if n == name else POINTERS[n] for n in INFERENCE_ORDER]
             with pytest.raises(NullPointerError, match=name):
                 desc.compute(0, 0, *ptrs, stream=STREAM)
     assert nothing_recorded(stub)
 
 
 # --- the C API ------------------------------------------------------------------------------
-
-
-def _capi_tensor(desc: TensorDesc | None) -> c_void_p:
-    if desc is None:
-        return c_void_p()
-    out, n = c_void_p(), desc.ndim
-    shape, strides = (c_size_t * n)(*desc.shape), (c_ssize_t * n)(*desc.strides)
-    status = capi.infiniopCreateTensorDescriptor(ctypes.byref(out), n, shape, strides, desc.dtype)
-    assert status == Status.SUCCESS, capi.last_error()
-    return out
 
 
 def _capi_handle() -> c_void_p:
@@ -391,7 +361,7 @@ def test_capi_training_hands_cudnn_the_same_arguments(stub, running):
     x, channel = operands(shape, F16, F32, channels_last(shape))
     stats = channel if running == "both" else None
     handle, desc = _capi_handle(), c_void_p()
-    descs = [_capi_tensor(d) for d in (x, channel, channel, x, channel, channel, stats, stats)]
+    descs = [capi_tensor(d) for d in (x, channel, channel, x, channel, channel, stats, stats)]
     create = capi.infiniopCreateBatchNormForwardTrainingDescriptor
     assert create(handle, ctypes.byref(desc), *descs) == Status.SUCCESS, capi.last_error()
     set_attributes = capi.infiniopSetBatchNormForwardTrainingAttributes
@@ -403,7 +373,7 @@ def test_capi_training_hands_cudnn_the_same_arguments(stub, running):
     assert get_reserve(desc, ctypes.byref(reserve)) == Status.SUCCESS
     assert (workspace.value, reserve.value) == (STUB_WORKSPACE, STUB_RESERVE)
 
-    ptrs = [c_void_p(POINTERS[name]) for name in TRAINING]
+    ptrs = [c_void_p(POINTERS[name]) for name in TRAINING_ORDER]
     sizes = (c_void_p(WORKSPACE), workspace.value, c_void_p(RESERVE), reserve.value)
     args = (desc, *sizes, *ptrs, c_void_p(STREAM))
     assert capi.infiniopBatchNormForwardTraining(*args) == Status.SUCCESS, capi.last_error()
@@ -444,7 +414,7 @@ def test_capi_inference_hands_cudnn_the_same_arguments(stub):
     shape = (2, 3, 4, 5)
     x, channel = operands(shape, F32, F32, None)
     handle, desc, size = _capi_handle(), c_void_p(), c_size_t()
-    descs = [_capi_tensor(d) for d in (x, x, channel, channel, channel, channel)]
+    descs = [capi_tensor(d) for d in (x, x, channel, channel, channel, channel)]
     create = capi.infiniopCreateBatchNormForwardInferenceDescriptor
     assert create(handle, ctypes.byref(desc), *descs) == Status.SUCCESS, capi.last_error()
     assert capi.infiniopSetBatchNormForwardInferenceAttributes(desc, 1e-3) == Status.SUCCESS
@@ -452,7 +422,7 @@ def test_capi_inference_hands_cudnn_the_same_arguments(stub):
     assert get_workspace(desc, ctypes.byref(size)) == Status.SUCCESS
     assert size.value == 0
 
-    ptrs = [c_void_p(POINTERS[name]) for name in INFERENCE]
+    ptrs = [c_void_p(POINTERS[name]) for name in INFERENCE_ORDER]
     args = (desc, None, 0, *ptrs, c_void_p(STREAM))
     assert capi.infiniopBatchNormForwardInference(*args) == Status.SUCCESS, capi.last_error()
     call = stub.forward_inference

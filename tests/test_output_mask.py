@@ -10,29 +10,19 @@ import itertools
 
 import numpy as np
 import pytest
-from helpers import assert_close, reference
+from helpers import assert_close, random_values, reference
 
 import cudnn_bn
 from cudnn_bn import DataType, Device, Handle, InfiniError, Status, TensorDesc
 
 MASKS = list(itertools.product([False, True], repeat=3))
 MODES = ["train", "saved", "eval"]
-OUTPUTS = ("grad_input", "grad_weight", "grad_bias")
 SENTINEL = -12345.0
 SHAPE = (4, 3, 5)
 
 
 def problem(seed=0) -> dict[str, np.ndarray]:
-    rng = np.random.default_rng(seed)
-    c = SHAPE[1]
-    values = {
-        "input": rng.standard_normal(SHAPE) * 2 + 0.5,
-        "grad_output": rng.standard_normal(SHAPE),
-        "weight": rng.uniform(0.5, 1.5, c),
-        "running_mean": rng.standard_normal(c) * 0.3,
-        "running_var": rng.uniform(0.5, 2.0, c),
-    }
-    return {name: v.astype(np.float32) for name, v in values.items()}
+    return {name: v.astype(np.float32) for name, v in random_values(SHAPE, seed).items()}
 
 
 def inputs(p: dict) -> tuple:
