@@ -1,59 +1,57 @@
-"""Batch-norm backward: cudnn_bn against PyTorch on the same GPU memory (``make bench``).
+"""Batch norm, backward and forward: cudnn_bn against PyTorch on the same GPU memory.
 
-Run on the GPU machine from the source tree: ``PYTHONPATH=. python3 benchmarks/bench_bn.py``.
+Run on the GPU machine from the source tree: ``PYTHONPATH=. python3 benchmarks/bench_bn.py``
+(``make bench``). Three passes, each chosen with ``--passes`` (default all): the backward
+(every implementation given the mean and invstd that ``aten::cudnn_batch_norm`` saved, as
+``aten::cudnn_batch_norm_backward`` is), the training forward and the inference forward.
 One process and one non-blocking CuPy stream, which torch shares (``ExternalStream``). GPU
 time is taken by CUDA events around each call, after a warm-up and an L2 flush, as the median
-(p10, p90) of ``--runs`` calls. Like for like: every implementation is given the mean and
-invstd that ``aten::cudnn_batch_norm`` saved, as ``aten::cudnn_batch_norm_backward`` is.
-Writes ``<out>/<device>-<date>.md`` and ``.json``, and ``.png`` where matplotlib is installed.
-``--dry-run`` touches no GPU: placeholder times drive every table, the JSON and the plot.
+(p10, p90) of ``--runs`` calls. Writes ``<out>/<device>-<date>.md`` and ``.json``, and
+``.png`` where matplotlib is installed. ``--dry-run`` touches no GPU: placeholder times
+drive every table, the JSON and the plot. A training forward updates the running statistics
+on every call, so each implementation there has its own running buffers. The passes, their
+implementations and the files: ``bench_report.py``; Markdown and plot: ``plot_results.py``.
 """
 
 import argparse
 import contextlib
 import datetime
 import functools
-import json
 import math
-import os
 import platform
-import re
-import shlex
-import subprocess
 import sys
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
-from importlib import metadata
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import numpy as np
+from bench_report import (
+    DRY_RUN_MS,
+    DRY_RUN_US,
+    PASSES,
+    command_line,
+    cuda_version,
+    driver_version,
+    dry_environment,
+    dry_row,
+    error_text,
+    summarize_row,
+    write_report,
+)
 
 HERE = Path(__file__).resolve().parent
 DEFAULT_OUT = HERE / "results"
 DRY_LABEL = "DRY RUN — not measurements"
-DRY_RUN_MS, DRY_RUN_US = 1.0, 1.0  # the placeholder every dry-run time is set to
-EPS, GIB, MIB = 1e-5, 2**30, 2**20
+EPS, MOMENTUM, GIB, MIB = 1e-5, 0.1, 2**30, 2**20
 BUDGET, FLUSH_BYTES, SLACK_BYTES = 20 * GIB, 256 * MIB, 256 * MIB
 PEAK_TENSORS = 6  # x-sized buffers alive at once: the copy's source and destination (3 each)
 CUDNN_MAX_NUMEL = 2**31 - 1
 HOST_CALLS = 1000
 DEVICE = "cuda"  # torch device of every tensor
-CUDNN_WHEELS = ("nvidia-cudnn-cu13", "nvidia-cudnn-cu12")
-HOST_IMPLS = ("ours_api (CuPy arrays)", "ours_api (torch tensors)", "ours_compute")
-HOST_IMPLS += ("torch_cudnn", "torch_native")
-IMPLS = {  # key: label; the first three are ours
-    "ours_api": "cudnn_bn array API",
-    "ours_compute": "cudnn_bn descriptor.compute",
-    "ours_graph": "cudnn_bn compute, CUDA graph replay",
-    "torch_cudnn": "torch cudnn_batch_norm_backward",
-    "torch_native": "torch native_batch_norm_backward",
-    "torch_autograd": "torch autograd (F.batch_norm)",
-}
-OURS, THEIRS = ("ours_api", "ours_compute"), ("torch_cudnn", "torch_native", "torch_autograd")
 ITEMSIZE = {"f32": 4, "f16": 2, "bf16": 2}
+TRAINING = "forward_training"
 
 
 @dataclass(frozen=True)
@@ -65,7 +63,7 @@ class Case:
 
     @property
     def nbytes(self) -> int:
-        """Bytes of one data tensor (x, dy or dx)."""
+        """Bytes of one data tensor (x, dy, dx or y)."""
         return math.prod(self.shape) * ITEMSIZE[self.dtype]
 
 
@@ -79,10 +77,11 @@ def largest_case() -> tuple[Case, list[str]]:
     case = Case("largest_f32_nchw", (n, c, h, w), "f32", "NCHW")
     return case, [
         f"budget 20 GiB = {BUDGET} B, less {FLUSH_BYTES} B L2-flush buffer and {SLACK_BYTES} B "
-        f"for per-channel tensors, workspaces and allocator rounding = {usable} B",
+        f"for per-channel tensors, workspaces, reserves and allocator rounding = {usable} B",
         f"peak = {PEAK_TENSORS} x-sized buffers: the copy phase holds source and destination of "
-        "x+dy+dx bytes (3 each); the timing phases hold at most 5 (x, dy, the reference dx, "
-        "and two more: compute's dx and the graph's dx, or autograd's y and x.grad)",
+        "x+dy+dx bytes (3 each); the backward's timing holds at most 5 (x, dy, the reference "
+        "dx, and two more: compute's dx and the graph's dx, or autograd's y and x.grad); the "
+        "forward's at most 4 (x, the reference y, compute's y and the graph's y)",
         f"per buffer <= {usable} / {PEAK_TENSORS} = {per_tensor} B = {per_tensor // 4} f32 "
         f"elements; cuDNN takes numel <= 2^31-1 = {CUDNN_MAX_NUMEL}; numel cap {numel}",
         f"shape (N, {c}, {h}, {w}): N = {numel} // {c * h * w} = {n}; numel {n * c * h * w} "
@@ -101,59 +100,6 @@ CASES = [
     Case("nchw_bf16_64x256x28x28", (64, 256, 28, 28), "bf16", "NCHW"),
     largest_case()[0],
 ]
-
-
-# ---------------------------------------------------------------- figures from samples
-
-
-def stats(samples: list[float]) -> dict[str, Any]:
-    p10, median, p90 = np.percentile(samples, [10, 50, 90])
-    return {"median_ms": median, "p10_ms": p10, "p90_ms": p90, "runs": len(samples)}
-
-
-def summarize_case(case: Case, copy: dict, raw: dict[str, dict], extra: dict) -> dict:
-    """Per-case figures from raw samples: times, ratios, bandwidth fractions, diffs."""
-    moved = 3 * case.nbytes  # x and dy read, dx written
-    entry = {
-        "name": case.name,
-        "shape": list(case.shape),
-        "dtype": case.dtype,
-        "layout": case.layout,
-        "bytes_moved": moved,
-        **extra,
-    }
-    copy_bw = None
-    if "samples" in copy:
-        entry["copy"] = {**stats(copy["samples"]), "samples": copy["samples"]}
-        copy_bw = 2 * moved / (entry["copy"]["median_ms"] * 1e-3)  # read + write
-        entry["copy"]["bandwidth_gbps"] = copy_bw / 1e9
-    else:
-        entry["copy"] = {"status": "unavailable", "error": copy.get("error", "not run")}
-    impls = {}
-    for key in IMPLS:
-        r = raw.get(key, {"error": "not run"})
-        if "samples" not in r:
-            impls[key] = {"status": "unavailable", "error": r.get("error", "not run")}
-            continue
-        s = stats(r["samples"])
-        bw = moved / (s["median_ms"] * 1e-3)
-        impls[key] = {
-            "status": "ok",
-            **s,
-            "bandwidth_gbps": bw / 1e9,
-            "bandwidth_fraction": bw / copy_bw if copy_bw else None,
-            **{k: v for k, v in r.items() if k != "samples"},
-            "samples": r["samples"],
-        }
-    entry["impls"] = impls
-    entry["ratios"] = {
-        f"{o}/{t}": impls[o]["median_ms"] / impls[t]["median_ms"]
-        if impls[o]["status"] == impls[t]["status"] == "ok"
-        else None
-        for o in (*OURS, "ours_graph")
-        for t in THEIRS
-    }
-    return entry
 
 
 # ---------------------------------------------------------------- GPU side
@@ -210,12 +156,6 @@ class Bench:
         return self.time(lambda: dst.data.copy_from_device_async(src.data, nbytes, self.stream))
 
 
-def error_text(exc: BaseException, limit: int = 300) -> str:
-    """The exception's type and the first line of its message, at most ``limit`` characters."""
-    first = (str(exc).strip().splitlines() or [""])[0]
-    return f"{type(exc).__name__}: {first[:limit]}{'...' if len(first) > limit else ''}"
-
-
 def max_abs_diff(a: Any, b: Any, torch: Any) -> float:
     """max |a - b| in F32, in slices along axis 0 so that the largest case needs no copy."""
     a, b = (t if isinstance(t, torch.Tensor) else torch.from_dlpack(t) for t in (a, b))
@@ -229,7 +169,8 @@ def max_abs_diff(a: Any, b: Any, torch: Any) -> float:
     return worst
 
 
-def make_tensors(case: Case, torch: Any) -> dict[str, Any]:
+def make_tensors(case: Case, torch: Any, pass_name: str) -> dict[str, Any]:
+    """x, weight, bias and running statistics (and dy for the backward), seeded."""
     dtype = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}[case.dtype]
     fmt = torch.channels_last if case.layout == "NHWC" else torch.contiguous_format
     gen = torch.Generator(device=DEVICE).manual_seed(0)
@@ -240,14 +181,50 @@ def make_tensors(case: Case, torch: Any) -> dict[str, Any]:
         return t.normal_(mean, std, generator=gen)
 
     channel = {"device": DEVICE, "dtype": torch.float32}  # cuDNN's and PyTorch's mixed precision
-    return {
-        "x": data(1.0, 3.0),
-        "dy": data(0.0, 1.0),
-        "w": torch.empty(c, **channel).uniform_(0.5, 1.5, generator=gen),
-        "b": torch.empty(c, **channel).normal_(generator=gen),
-        "rm": torch.zeros(c, **channel),
-        "rv": torch.ones(c, **channel),
-    }
+    t = {"x": data(1.0, 3.0)}
+    if pass_name == "backward":
+        t["dy"] = data(0.0, 1.0)
+    t["w"] = torch.empty(c, **channel).uniform_(0.5, 1.5, generator=gen)
+    t["b"] = torch.empty(c, **channel).normal_(generator=gen)
+    if pass_name == "forward_inference":  # fixed statistics near x's own, read by every call
+        t["rm"] = torch.empty(c, **channel).uniform_(0.5, 1.5, generator=gen)
+        t["rv"] = torch.empty(c, **channel).uniform_(6.0, 12.0, generator=gen)
+    else:  # the backward's forward and every training implementation start from these
+        t["rm"], t["rv"] = torch.zeros(c, **channel), torch.ones(c, **channel)
+    return t
+
+
+class Running:
+    """One implementation's own running statistics, so that training forwards (each call
+    updates them) do not disturb each other; ``reset`` puts back the starting values."""
+
+    def __init__(self, t: dict) -> None:
+        self.start = (t["rm"], t["rv"])
+        self.mean, self.var = (s.clone() for s in self.start)
+
+    def reset(self) -> None:
+        self.mean.copy_(self.start[0])
+        self.var.copy_(self.start[1])
+
+
+@dataclass
+class Impl:
+    """One implementation bound to its tensors: ``fn`` is the call timed."""
+
+    fn: Callable[[], Any]
+    info: dict = field(default_factory=dict)
+    running: Running | None = None
+    results: tuple | None = None  # the buffers a call writes, where ``fn`` returns nothing
+    keep: tuple = ()  # what ``fn`` reaches only by raw pointers: held as long as it is
+
+    def named(self, pass_name: str, out: Any) -> dict[str, Any]:
+        """A call's results by name (dx, dw, db; y, mean, invstd; running_mean, ...)."""
+        out = self.results if self.results is not None else out
+        out = out if isinstance(out, tuple | list) else (out,)
+        names = dict(zip(PASSES[pass_name].outputs, out, strict=False))
+        if self.running is not None:
+            names.update(running_mean=self.running.mean, running_var=self.running.var)
+        return names
 
 
 def tensor_desc(t: Any) -> Any:
@@ -258,47 +235,79 @@ def tensor_desc(t: Any) -> Any:
 
 
 class OursCompute:
-    """A descriptor built once with pre-allocated outputs and workspace; eager and graph."""
+    """A descriptor built once with pre-allocated outputs, workspace (and reserve and running
+    statistics in training); eager and CUDA graph. A call passes pre-computed pointers."""
 
-    def __init__(self, t: dict, bench: Bench) -> None:
+    def __init__(self, pass_name: str, t: dict, bench: Bench) -> None:
         import cudnn_bn
 
         torch, x, w = bench.torch, t["x"], t["w"]
         device = {"cuda": cudnn_bn.Device.NVIDIA, "cpu": cudnn_bn.Device.CPU}
-        self.bench, self.outs = (
-            bench,
-            [torch.empty_like(x), torch.empty_like(w), torch.empty_like(w)],
-        )
-        ins = [x, t["dy"], w, t["mean"], t["invstd"]]
-        self.desc = cudnn_bn.BatchNormBackwardDescriptor(
-            cudnn_bn.Handle(device[x.device.type], x.device.index or 0),
-            *map(tensor_desc, self.outs + ins),
-            eps=EPS,
-            mode=cudnn_bn.Mode.SAVED_INVSTD,
-        )
+        handle = cudnn_bn.Handle(device[x.device.type], x.device.index or 0)
+        self.pass_name, self.t, self.bench = pass_name, t, bench
+        self.running, self.reserve = None, None
+        if pass_name == "backward":
+            self.outs = [torch.empty_like(x), torch.empty_like(w), torch.empty_like(w)]
+            self.ins = [x, t["dy"], w, t["mean"], t["invstd"]]
+            self.desc = cudnn_bn.BatchNormBackwardDescriptor(
+                handle,
+                *map(tensor_desc, self.outs + self.ins),
+                eps=EPS,
+                mode=cudnn_bn.Mode.SAVED_INVSTD,
+            )
+        elif pass_name == TRAINING:  # saved statistics: F32 for every input dtype
+            self.outs = [torch.empty_like(x), torch.empty_like(w), torch.empty_like(w)]
+            self.ins = [x, w, t["b"]]
+            self.running = Running(t)
+            self.desc = cudnn_bn.BatchNormForwardTrainingDescriptor(
+                handle,
+                *map(tensor_desc, [*self.outs, *self.ins, self.running.mean, self.running.var]),
+                eps=EPS,
+                momentum=MOMENTUM,
+            )
+            reserve_bytes = max(self.desc.reserve_size, 1)
+            self.reserve = torch.empty(reserve_bytes, dtype=torch.uint8, device=x.device)
+        else:
+            self.outs = [torch.empty_like(x)]
+            self.ins = [x, w, t["b"], t["rm"], t["rv"]]
+            self.desc = cudnn_bn.BatchNormForwardInferenceDescriptor(
+                handle, *map(tensor_desc, self.outs + self.ins), eps=EPS
+            )
         self.ws = torch.empty(max(self.desc.workspace_size, 1), dtype=torch.uint8, device=x.device)
-        self.in_ptrs = [a.data_ptr() for a in ins]
 
-    def _run(self, outs: list) -> tuple:
-        self.desc.compute(
+    def _bind(self, outs: list, running: Running | None, reserve: Any) -> Callable[[], None]:
+        """``desc.compute`` with every pointer bound: the timed call does nothing else."""
+        ptrs = [a.data_ptr() for a in (*outs, *self.ins)]
+        if running is not None:
+            ptrs += [running.mean.data_ptr(), running.var.data_ptr()]
+        if reserve is not None:
+            ptrs = [reserve.data_ptr(), self.desc.reserve_size, *ptrs]
+        return functools.partial(
+            self.desc.compute,
             self.ws.data_ptr(),
             self.desc.workspace_size,
-            *(o.data_ptr() for o in outs),
-            *self.in_ptrs,
+            *ptrs,
             stream=self.bench.stream.ptr,
         )
-        return tuple(outs)
 
-    def eager(self) -> tuple[Callable, dict]:
-        return (lambda: self._run(self.outs)), {"engine": self.desc.engine}
+    def eager(self) -> Impl:
+        fn = self._bind(self.outs, self.running, self.reserve)
+        info = {"engine": self.desc.engine}
+        return Impl(fn, info, self.running, tuple(self.outs), keep=(self,))
 
-    def graph(self) -> tuple[Callable, dict]:
+    def graph(self) -> Impl:
+        """The compute captured on the stream, into its own outputs, running statistics and
+        reserve; each replay of the training forward updates its running statistics."""
         stream, torch = self.bench.stream, self.bench.torch
         outs = [torch.empty_like(o) for o in self.outs]
-        eager = self._run(self.outs)
+        running = Running(self.t) if self.running is not None else None
+        reserve = torch.empty_like(self.reserve) if self.reserve is not None else None
+        self._bind(self.outs, self.running, self.reserve)()
+        captured = self._bind(outs, running, reserve)
+        stream.synchronize()
         stream.begin_capture()
         try:
-            self._run(outs)
+            captured()
         except BaseException:
             with contextlib.suppress(Exception):
                 stream.end_capture()
@@ -307,72 +316,102 @@ class OursCompute:
         if hasattr(graph, "upload"):
             graph.upload(stream)
         graph.launch(stream)
-        diff = max(max_abs_diff(e, g, torch) for e, g in zip(eager, outs, strict=True))
-
-        def replay() -> tuple:
-            graph.launch(stream)
-            return tuple(outs)
-
-        return replay, {"replay_vs_eager_max_abs_diff": diff}
+        diff = max(max_abs_diff(e, g, torch) for e, g in zip(self.outs, outs, strict=True))
+        info = {"replay_vs_eager_max_abs_diff": diff}
+        replay = functools.partial(graph.launch, stream)
+        return Impl(replay, info, running, tuple(outs), keep=(self, outs, running, reserve))
 
 
-def torch_impls(t: dict, torch: Any) -> dict[str, Callable[[], tuple[Callable, dict]]]:
-    x, dy, w, rm, rv, mean, invstd = (t[k] for k in ("x", "dy", "w", "rm", "rv", "mean", "invstd"))
-    aten = torch.ops.aten
+def torch_impls(pass_name: str, t: dict, torch: Any) -> dict[str, Callable[[], Impl]]:
+    """PyTorch's implementations of the pass, each made on demand (own running statistics)."""
+    x, w, b, rm, rv = (t[k] for k in ("x", "w", "b", "rm", "rv"))
+    aten, F = torch.ops.aten, torch.nn.functional
+    if pass_name == "backward":
+        dy, mean, invstd = t["dy"], t["mean"], t["invstd"]
 
-    def cudnn():
-        if t["reserve"] is None:
-            raise RuntimeError(f"aten::cudnn_batch_norm failed: {t['cudnn_error']}")
-        return (
-            lambda: aten.cudnn_batch_norm_backward(
-                x, dy, w, rm, rv, mean, invstd, EPS, t["reserve"]
+        def cudnn() -> Impl:
+            if t["reserve"] is None:
+                raise RuntimeError(f"aten::cudnn_batch_norm failed: {t['cudnn_error']}")
+            args = (x, dy, w, rm, rv, mean, invstd, EPS, t["reserve"])
+            return Impl(functools.partial(aten.cudnn_batch_norm_backward, *args))
+
+        def native() -> Impl:
+            args = (dy, x, w, rm, rv, mean, invstd, True, EPS, [True, True, True])
+            return Impl(functools.partial(aten.native_batch_norm_backward, *args))
+
+        def autograd() -> Impl:
+            leaves = [a.detach().requires_grad_() for a in (x, w, b)]
+            y = F.batch_norm(
+                leaves[0], rm.clone(), rv.clone(), leaves[1], leaves[2], training=True, eps=EPS
             )
-        ), {}
+            return Impl(lambda: torch.autograd.grad(y, leaves, dy, retain_graph=True))
 
-    def native():
-        return (
-            lambda: aten.native_batch_norm_backward(
-                dy, x, w, rm, rv, mean, invstd, True, EPS, [True, True, True]
-            )
-        ), {}
+        return {"torch_cudnn": cudnn, "torch_native": native, "torch_autograd": autograd}
 
-    def autograd():
-        leaves = [a.detach().requires_grad_() for a in (x, w, t["b"])]
-        y = torch.nn.functional.batch_norm(
-            leaves[0], rm.clone(), rv.clone(), leaves[1], leaves[2], training=True, eps=EPS
-        )
-        return (lambda: torch.autograd.grad(y, leaves, dy, retain_graph=True)), {}
+    training = pass_name == TRAINING
+    ops = {  # op, and whether it takes (input, running_mean, running_var, weight, bias)
+        "torch_cudnn": (aten.cudnn_batch_norm, False),
+        "torch_native": (aten.native_batch_norm, False),
+        "torch_functional": (F.batch_norm, True),
+    }
 
-    return {"torch_cudnn": cudnn, "torch_native": native, "torch_autograd": autograd}
+    def maker(op: Callable, functional: bool) -> Callable[[], Impl]:
+        def make() -> Impl:
+            running = Running(t) if training else None
+            m, v = (running.mean, running.var) if running else (rm, rv)
+            first = (x, m, v, w, b) if functional else (x, w, b, m, v)
+            return Impl(functools.partial(op, *first, training, MOMENTUM, EPS), {}, running)
+
+        return make
+
+    return {key: maker(*spec) for key, spec in ops.items()}
 
 
-def ours_api(t: dict, bench: Bench, cupy: bool = True) -> Callable[[], tuple[Callable, dict]]:
+def ours_api(pass_name: str, t: dict, bench: Bench, cupy: bool = True) -> Callable[[], Impl]:
     """The array API on CuPy views of the torch tensors (zero copy; a first call shows that
     cudnn_bn reads them), else, or with ``cupy=False``, on the torch tensors themselves."""
     import cudnn_bn
 
-    def make():
-        def bind(x, dy, w, mean, invstd) -> Callable:
-            saved = {"saved_mean": mean, "saved_invstd": invstd, "stream": bench.stream}
-            call = functools.partial(cudnn_bn.batch_norm_backward, x, dy, w, None, None, **saved)
-            return functools.partial(call, eps=EPS, mode="saved")
+    common = {"eps": EPS, "stream": bench.stream}
+    if pass_name == "backward":
+        names = ("x", "dy", "w", "mean", "invstd")
 
-        tensors = [t[k] for k in ("x", "dy", "w", "mean", "invstd")]
+        def bind(x, dy, w, mean, invstd) -> Callable:
+            saved = {"saved_mean": mean, "saved_invstd": invstd, "mode": "saved"}
+            return functools.partial(
+                cudnn_bn.batch_norm_backward, x, dy, w, None, None, **saved, **common
+            )
+    else:
+        names = ("x", "w", "b", "rm", "rv")
+        if pass_name == TRAINING:
+            common["momentum"] = MOMENTUM
+            forward = cudnn_bn.batch_norm_forward_training
+        else:
+            forward = cudnn_bn.batch_norm_forward_inference
+
+        def bind(*arrays) -> Callable:
+            return functools.partial(forward, *arrays, **common)
+
+    def make() -> Impl:
+        running = Running(t) if pass_name == TRAINING else None
+        own = {"rm": running.mean, "rv": running.var} if running else {}
+        tensors = [{**t, **own}[k] for k in names]
         if cupy:
             try:
                 fn = bind(*(bench.cp.from_dlpack(a) for a in tensors))
-                fn()
-                return fn, {"inputs": "cupy arrays"}
+                fn()  # running statistics: reset before the checked first call
+                return Impl(fn, {"inputs": "cupy arrays"}, running)
             except Exception as exc:
-                return bind(*tensors), {"inputs": f"torch tensors (cupy: {error_text(exc)})"}
-        return bind(*tensors), {"inputs": "torch tensors"}
+                info = {"inputs": f"torch tensors (cupy: {error_text(exc)})"}
+                return Impl(bind(*tensors), info, running)
+        return Impl(bind(*tensors), {"inputs": "torch tensors"}, running)
 
     return make
 
 
 def forward_stats(t: dict, torch: Any) -> None:
     """Saved mean/invstd (and cuDNN's reserve) from the forward pass, into ``t``."""
-    args = (t["x"], t["w"], t["b"], t["rm"].clone(), t["rv"].clone(), True, 0.1, EPS)
+    args = (t["x"], t["w"], t["b"], t["rm"].clone(), t["rv"].clone(), True, MOMENTUM, EPS)
     t["reserve"] = t["cudnn_error"] = None
     try:
         _, t["mean"], t["invstd"], t["reserve"] = torch.ops.aten.cudnn_batch_norm(*args)
@@ -381,90 +420,109 @@ def forward_stats(t: dict, torch: Any) -> None:
         _, t["mean"], t["invstd"] = torch.ops.aten.native_batch_norm(*args)
 
 
-def _first_call_then_time(bench: Bench, make: Callable, reference: Any) -> dict:
-    fn, extra = make()
-    out = fn()
+def _first_call_then_time(bench: Bench, pass_name: str, make: Callable, reference: Any) -> dict:
+    impl = make()
+    if impl.running is not None:
+        impl.running.reset()  # the checked call starts where the reference's did
+    out = impl.fn()
     if reference is not None:
-        torch = bench.torch
-        extra["dx_max_abs_diff"] = max_abs_diff(out[0], reference[0], torch)
-        extra["dwdb_max_abs_diff"] = max(max_abs_diff(out[i], reference[i], torch) for i in (1, 2))
+        mine = impl.named(pass_name, out)
+        for column, names in PASSES[pass_name].checks.items():
+            pairs = [(mine[n], reference[n]) for n in names if n in mine and n in reference]
+            if pairs:
+                diffs = [max_abs_diff(a, b, bench.torch) for a, b in pairs]
+                impl.info[f"{column}_max_abs_diff"] = max(diffs)
+        del mine
     del out
-    return {"samples": bench.time(fn), **extra}
+    return {"samples": bench.time(impl.fn), **impl.info}
 
 
-def run_impl(bench: Bench, make: Callable, reference: Any) -> dict:
+def run_impl(bench: Bench, pass_name: str, make: Callable, reference: Any) -> dict:
     """First call checked against the reference, then timed; a failure becomes its message.
     What the implementation allocated is freed (its frame is gone) before the pools are."""
     try:
-        result = _first_call_then_time(bench, make, reference)
+        result = _first_call_then_time(bench, pass_name, make, reference)
     except Exception as exc:
         result = {"error": error_text(exc)}
     bench.release()
     return result
 
 
-def _measure_impls(case: Case, bench: Bench, raw: dict, extra: dict) -> None:
-    torch = bench.torch
-    t = make_tensors(case, torch)
-    forward_stats(t, torch)
+def _measure_pass(case: Case, pass_name: str, bench: Bench, raw: dict, extra: dict) -> None:
+    torch, spec = bench.torch, PASSES[pass_name]
+    t = make_tensors(case, torch, pass_name)
+    if pass_name == "backward":
+        forward_stats(t, torch)
     bench.release()
-    makers = {"ours_api": ours_api(t, bench), **torch_impls(t, torch)}
+    makers = {"ours_api": ours_api(pass_name, t, bench), **torch_impls(pass_name, t, torch)}
     reference = None
     for key in ("torch_cudnn", "torch_native"):
         with contextlib.suppress(Exception):
-            reference, extra["reference"] = makers[key]()[0](), IMPLS[key]
+            impl = makers[key]()
+            reference, extra["reference"] = impl.named(pass_name, impl.fn()), spec.impls[key]
             break
-    for key in ("ours_api", *THEIRS):
-        raw[key] = run_impl(bench, makers[key], reference)
+    for key in ("ours_api", *spec.theirs):
+        raw[key] = run_impl(bench, pass_name, makers[key], reference)
     held: list[OursCompute] = []  # compute's descriptor and buffers, reused by the graph
 
-    def compute() -> tuple[Callable, dict]:
-        held.append(OursCompute(t, bench))
+    def compute() -> Impl:
+        held.append(OursCompute(pass_name, t, bench))
         return held[0].eager()
 
-    raw["ours_compute"] = run_impl(bench, compute, reference)
+    raw["ours_compute"] = run_impl(bench, pass_name, compute, reference)
     extra["engine"] = raw["ours_compute"].get("engine")
+    if "ours_graph" not in spec.impls:
+        return
     if not held:
         raw["ours_graph"] = {"error": "no compute descriptor: " + raw["ours_compute"]["error"]}
         return
-    raw["ours_graph"] = run_impl(bench, held[0].graph, reference)
+    raw["ours_graph"] = run_impl(bench, pass_name, held[0].graph, reference)
 
 
-def measure_case(case: Case, bench: Bench) -> dict:
-    """Copy bandwidth, then every implementation in turn, one at a time in memory."""
+def measure_case(case: Case, bench: Bench, passes: list[str]) -> list[dict]:
+    """Copy bandwidth once, then per pass every implementation in turn, one at a time in
+    memory; one row per pass."""
     bench.peak = 0
     try:
         copy = {"samples": bench.copy_times(3 * case.nbytes)}
     except Exception as exc:
         copy = {"error": error_text(exc)}
     bench.release()
-    raw: dict[str, dict] = {}
-    extra: dict[str, Any] = {}
-    try:
-        _measure_impls(case, bench, raw, extra)
-    except Exception as exc:
-        extra["error"] = error_text(exc)
-        for key in IMPLS:
-            raw.setdefault(key, {"error": f"case set-up failed: {extra['error']}"})
-    bench.release()
-    extra["measured_peak_bytes"] = bench.peak
-    return summarize_case(case, copy, raw, extra)
+    copy["measured_peak_bytes"] = bench.peak
+    rows = []
+    for pass_name in passes:
+        print(f"bench_bn: {case.name} {case.shape} {pass_name}", file=sys.stderr, flush=True)
+        bench.peak = 0
+        raw: dict[str, dict] = {}
+        extra: dict[str, Any] = {}
+        try:
+            _measure_pass(case, pass_name, bench, raw, extra)
+        except Exception as exc:
+            extra["error"] = error_text(exc)
+            for key in PASSES[pass_name].impls:
+                raw.setdefault(key, {"error": f"case set-up failed: {extra['error']}"})
+        bench.release()
+        extra["measured_peak_bytes"] = bench.peak
+        rows.append(summarize_row(case, pass_name, copy, raw, extra))
+    return rows
 
 
-def host_overhead(bench: Bench) -> dict[str, dict]:
+def host_overhead(bench: Bench, pass_name: str) -> dict[str, dict]:
     """Wall time per call of HOST_CALLS back-to-back calls on the tiny case, one sync."""
     torch, out = bench.torch, {}
-    t = make_tensors(TINY, torch)
-    forward_stats(t, torch)
+    t = make_tensors(TINY, torch, pass_name)
+    if pass_name == "backward":
+        forward_stats(t, torch)
     makers = {
-        **torch_impls(t, torch),
-        "ours_api (CuPy arrays)": ours_api(t, bench),
-        "ours_api (torch tensors)": ours_api(t, bench, cupy=False),
-        "ours_compute": lambda: OursCompute(t, bench).eager(),
+        **torch_impls(pass_name, t, torch),
+        "ours_api (CuPy arrays)": ours_api(pass_name, t, bench),
+        "ours_api (torch tensors)": ours_api(pass_name, t, bench, cupy=False),
+        "ours_compute": lambda: OursCompute(pass_name, t, bench).eager(),
     }
-    for name in HOST_IMPLS:
+    for name in PASSES[pass_name].host_impls:
         try:
-            fn, _ = makers[name]()
+            impl = makers[name]()  # held: it keeps the buffers fn writes alive
+            fn = impl.fn
             for _ in range(bench.warmup):
                 fn()
             bench.stream.synchronize()
@@ -476,21 +534,6 @@ def host_overhead(bench: Bench) -> dict[str, dict]:
         except Exception as exc:
             out[name] = {"error": error_text(exc)}
     return out
-
-
-def cuda_version(v: int) -> str:
-    return f"{v // 1000}.{v % 1000 // 10}"
-
-
-def driver_version() -> str:
-    # "NVRM version: NVIDIA UNIX x86_64 Kernel Module  580.65.06  ..."
-    with contextlib.suppress(OSError, StopIteration):
-        words = Path("/proc/driver/nvidia/version").read_text().split()
-        return next(w for w in words if re.fullmatch(r"\d+\.\d+(\.\d+)?", w))
-    with contextlib.suppress(Exception):
-        query = ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"]
-        return subprocess.run(query, capture_output=True, text=True, timeout=30).stdout.strip()
-    return "unknown"
 
 
 def gpu_environment(bench: Bench) -> dict:
@@ -517,46 +560,29 @@ def gpu_environment(bench: Bench) -> dict:
     }
 
 
-def dry_environment() -> dict:
-    def installed(*names: str) -> str:
-        for name in names:
-            with contextlib.suppress(metadata.PackageNotFoundError):
-                return f"{name} {metadata.version(name)}"
-        return "not installed"
-
-    not_run = "n/a (dry run)"
-    return {
-        "device": "none (dry run)",
-        "driver": not_run,
-        "CUDA runtime (CuPy)": not_run,
-        "cuDNN (cudnn_bn)": f"not loaded (dry run); {installed(*CUDNN_WHEELS)}",
-        "CuPy": installed("cupy-cuda13x", "cupy-cuda12x", "cupy"),
-        "torch": installed("torch"),
-    }
+def host_rows(passes: list[str], overheads: dict[str, dict]) -> list[dict]:
+    return [
+        {"pass": p, "case": TINY.name, "calls": HOST_CALLS, "impls": overheads[p]} for p in passes
+    ]
 
 
-def dry_case(case: Case, runs: int) -> dict:
-    samples = [DRY_RUN_MS] * runs
-    raw = {key: {"samples": samples} for key in IMPLS}
-    extra = {"engine": "n/a (dry run)", "reference": "n/a (dry run)", "measured_peak_bytes": None}
-    return summarize_case(case, {"samples": samples}, raw, extra)
-
-
-def run_gpu(args: argparse.Namespace, cases: list[Case]) -> tuple[dict, list[dict], dict]:
+def run_gpu(args: argparse.Namespace, cases: list[Case]) -> tuple[dict, list[dict], list[dict]]:
     import torch  # noqa: F401  (first: cudnn_bn then finds the libcudnn torch has loaded)
 
     bench = Bench(args.runs, args.warmup, not args.no_l2_flush)
     with bench.active():
         env = gpu_environment(bench)
-        results = []
+        rows = []
         for case in cases:
-            print(f"bench_bn: {case.name} {case.shape}", file=sys.stderr, flush=True)
-            results.append(measure_case(case, bench))
-        try:
-            overhead = host_overhead(bench)
-        except Exception as exc:
-            overhead = {name: {"error": error_text(exc)} for name in HOST_IMPLS}
-    return env, results, overhead
+            rows += measure_case(case, bench, args.passes)
+        overheads = {}
+        for p in args.passes:
+            try:
+                overheads[p] = host_overhead(bench, p)
+            except Exception as exc:
+                overheads[p] = {name: {"error": error_text(exc)} for name in PASSES[p].host_impls}
+            bench.release()
+    return env, rows, host_rows(args.passes, overheads)
 
 
 METHOD = [
@@ -565,60 +591,45 @@ METHOD = [
     "(p10, p90) over the timed runs, after the warm-up calls",
     "L2 flush: a 256 MiB buffer is overwritten before each timed call, so no call reads x or "
     "dy from L2 left warm by the call before (off with --no-l2-flush)",
-    "every implementation reads the same torch tensors (zero copy; CuPy views by DLPack) and "
-    "the mean/invstd saved by aten::cudnn_batch_norm (aten::native_batch_norm where that "
-    "fails); ours runs mode='saved' with saved_mean/saved_invstd (Mode.SAVED_INVSTD)",
-    "per-channel tensors (weight, statistics, dw, db) are F32 for every input dtype, as cuDNN "
-    "and PyTorch's mixed precision take them",
+    "every implementation reads the same torch tensors (zero copy; CuPy views by DLPack); "
+    "implementations run one at a time, each checked on its first call against the reference "
+    "(aten::cudnn_batch_norm[_backward], else aten::native_batch_norm[_backward])",
+    "backward: every implementation takes the mean/invstd saved by aten::cudnn_batch_norm "
+    "(aten::native_batch_norm where that fails); ours runs mode='saved' with "
+    "saved_mean/saved_invstd (Mode.SAVED_INVSTD)",
+    f"forward training (momentum {MOMENTUM}): every call updates the running statistics, so "
+    "each implementation (and the graph) has its own running mean/var buffers, starting at "
+    "0 and 1 and reset before its checked first call; the timed calls keep updating them, "
+    "which changes no time. Compared: y, the saved mean/invstd where returned, and the "
+    "running statistics after that one call",
+    "forward inference: every implementation reads the same fixed running statistics "
+    "(read-only); compared: y",
+    "per-channel tensors (weight, bias, statistics, dw, db) are F32 for every input dtype, as "
+    "cuDNN and PyTorch's mixed precision take them",
+    "effective bandwidth counts the least traffic a call needs: backward x and dy read and "
+    "dx written; forward x read and y written (a two-pass training forward reads x twice, "
+    "which the count leaves out); fraction of a device-to-device copy of x+dy+dx bytes, "
+    "measured once per case and counted as read plus write",
+    "CUDA graph: the backward and the forward-training compute captured on the CuPy stream "
+    "and replayed (a training replay updates the graph's running statistics, as a call does)",
     "event times include host time between the events that the GPU cannot hide (the flush "
-    "before each call gives the host a head start of its duration); the host-overhead table "
-    "gives the host cost per call directly",
+    "before each call gives the host a head start of its duration); the host-overhead tables "
+    "give the host cost per call directly",
     "measured peak device memory: in use beyond the start of the bench, sampled before each "
     "free of the CuPy and torch pools (which only grow until then); includes library handles",
-    "the array API allocates dx, dw, db and its workspace on each call; descriptor.compute "
-    "and the graph replay write pre-allocated buffers",
+    "the array API allocates its outputs (and reserve) and its workspace on each call; "
+    "descriptor.compute and the graph replay write pre-allocated buffers",
 ]
 
 
-def command_line() -> str:
-    prefix = f"PYTHONPATH={os.environ['PYTHONPATH']} " if os.environ.get("PYTHONPATH") else ""
-    return prefix + shlex.join([Path(sys.executable).name, *sys.argv])
-
-
-def json_safe(value: Any) -> Any:
-    """NaN and infinities become null, so that the file is strict JSON."""
-    if isinstance(value, dict):
-        return {k: json_safe(v) for k, v in value.items()}
-    if isinstance(value, list | tuple):
-        return [json_safe(v) for v in value]
-    if isinstance(value, float | np.floating):
-        return float(value) if math.isfinite(value) else None
-    return value
-
-
-def write_report(report: dict, out: Path) -> list[Path]:
-    sys.path.insert(0, str(HERE))
-    import plot_results
-
-    slug = re.sub(r"[^a-z0-9]+", "-", report["environment"]["device"].lower()).strip("-")
-    stem = out / f"{'dry-run' if report['dry_run'] else slug}-{report['environment']['date']}"
-    out.mkdir(parents=True, exist_ok=True)
-    json_path, md_path = stem.with_suffix(".json"), stem.with_suffix(".md")
-    report = json_safe(report)
-    json_path.write_text(json.dumps(report, indent=1, allow_nan=False) + "\n")
-    md_path.write_text(plot_results.render_markdown(report) + "\n")
-    paths = [json_path, md_path]
-    try:
-        import matplotlib  # noqa: F401
-    except ImportError:
-        print(
-            f"bench_bn: no matplotlib here; plot later with\n"
-            f"  python3 benchmarks/plot_results.py {json_path}",
-            file=sys.stderr,
+def parse_passes(text: str) -> list[str]:
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    unknown = [n for n in names if n not in PASSES]
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(
+            f"unknown pass {', '.join(unknown) or '(none)'}; choose from {','.join(PASSES)}"
         )
-    else:
-        paths.append(plot_results.plot(json_path))
-    return paths
+    return [p for p in PASSES if p in names]
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -632,6 +643,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         choices=[c.name for c in CASES],
         metavar="CASE",
         help=f"a subset of: {', '.join(c.name for c in CASES)}",
+    )
+    parser.add_argument(
+        "--passes",
+        type=parse_passes,
+        default=list(PASSES),
+        metavar="PASS[,PASS...]",
+        help=f"comma-separated subset of: {','.join(PASSES)} (default all)",
     )
     parser.add_argument("--dry-run", action="store_true", help="no GPU; placeholder times")
     parser.add_argument("--no-l2-flush", action="store_true", help="do not flush L2 between runs")
@@ -652,10 +670,11 @@ def main(argv: list[str] | None = None) -> int:
     cases = [c for c in CASES if not args.cases or c.name in args.cases]
     if args.dry_run:
         env = dry_environment()
-        results = [dry_case(case, args.runs) for case in cases]
-        overhead = {name: {"us_per_call": DRY_RUN_US} for name in HOST_IMPLS}
+        rows = [dry_row(case, p, args.runs) for case in cases for p in args.passes]
+        dry = {p: {n: {"us_per_call": DRY_RUN_US} for n in PASSES[p].host_impls} for p in PASSES}
+        host = host_rows(args.passes, dry)
     else:
-        env, results, overhead = run_gpu(args, cases)
+        env, rows, host = run_gpu(args, cases)
     env |= {
         "date": datetime.datetime.now(datetime.UTC).date().isoformat(),
         "Python": platform.python_version(),
@@ -673,9 +692,9 @@ def main(argv: list[str] | None = None) -> int:
         else None,
         "environment": env,
         "method": METHOD,
-        "impls": IMPLS,
-        "cases": results,
-        "host_overhead": {"case": TINY.name, "calls": HOST_CALLS, "impls": overhead},
+        "passes": {p: PASSES[p].to_json() for p in args.passes},
+        "rows": rows,
+        "host_overhead": host,
         "largest_case_budget": largest_case()[1],
     }
     for path in write_report(report, args.out):
