@@ -17,16 +17,6 @@ class Handle(Owned):
         lib.cudnnCreate(ctypes.byref(ref))
         super().__init__(ref, lib.cudnnDestroy)
 
-    def set_stream(self, stream: int) -> None:
-        """Make cuDNN work on this handle run on ``stream`` (a ``cudaStream_t`` as an int)."""
-        cudnn().cudnnSetStream(self, stream)
-
-    def stream(self) -> int:
-        """The ``cudaStream_t`` cuDNN work on this handle runs on (0: the legacy default)."""
-        out = ctypes.c_void_p()
-        cudnn().cudnnGetStream(self, ctypes.byref(out))
-        return out.value or 0
-
 
 _per_thread = threading.local()
 

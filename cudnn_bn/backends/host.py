@@ -1,7 +1,7 @@
 """Host memory as NumPy arrays: zero-copy views of ``(pointer, TensorDesc)`` and dtype moves.
 
 ``host_array`` is how the CPU backend sees the raw pointers the C API carries; ``to_f64``
-and ``from_f64``/``store`` move values between a tensor's storage and float64.
+and ``from_f64`` move values between a tensor's storage and float64.
 """
 
 from types import SimpleNamespace
@@ -58,7 +58,3 @@ def from_f64(values: np.ndarray, dtype: DataType) -> np.ndarray:
             return f32_to_bf16_bits(np.asarray(values, dtype=np.float32))
         return np.asarray(values, dtype=ftype.storage)
 
-
-def store(dst: np.ndarray, values: np.ndarray, dtype: DataType) -> None:
-    """Write float64 ``values`` into the storage view ``dst`` of a ``dtype`` tensor."""
-    dst[...] = from_f64(values, dtype)
