@@ -57,4 +57,3 @@ def from_f64(values: np.ndarray, dtype: DataType) -> np.ndarray:
         if ftype.dtype is DataType.BF16:
             return f32_to_bf16_bits(np.asarray(values, dtype=np.float32))
         return np.asarray(values, dtype=ftype.storage)
-
