@@ -17,6 +17,7 @@ $(STAMP): pyproject.toml
 install: $(STAMP)
 
 test: $(STAMP)
+	$(VENV)/bin/ruff check .
 	$(PY) -m pytest -q
 
 test-gpu:
