@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 GPU_REPORT ?= benchmarks/results/gpu-tests.md
 
-.PHONY: install test test-gpu lint demo bench clean
+.PHONY: install test test-gpu lint demo bench gpu-session clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -33,6 +33,13 @@ demo: $(STAMP)
 
 bench:
 	PYTHONPATH=. $(PYTHON) benchmarks/bench_bn.py
+
+# Everything a session with a GPU should bring back, in one command: the GPU tests' report
+# and the benchmark, both under OUT (the device tool's $OUT there).
+OUT ?= benchmarks/results
+gpu-session:
+	-$(MAKE) --no-print-directory test-gpu GPU_REPORT=$(OUT)/gpu-tests.md
+	PYTHONPATH=. $(PYTHON) benchmarks/bench_bn.py --out $(OUT)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache
