@@ -10,8 +10,11 @@ free (it may be conservative on exotic interleavings, never wrong the other way)
 import itertools
 
 import numpy as np
+import pytest
 import torch
 from helpers import assert_close, reference
+
+pytest.importorskip("hypothesis")  # a test extra; the GPU machine may not have it
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
