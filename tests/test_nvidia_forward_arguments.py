@@ -452,3 +452,17 @@ def test_fast_dtypes_are_the_ones_cudnn_derives(stub):
     for dtype, channel_dtype in FAST_DTYPES:
         with training((2, 3, 4, 5), dtype, channel_dtype) as desc:
             assert desc.workspace_size == STUB_WORKSPACE
+
+
+@pytest.mark.parametrize(("batch", "engine"), [(65535, "cudnn"), (65536, "cupy")])
+def test_inference_batch_limit(stub, batch, engine):
+    """PyTorch's guard for cuDNN's inference kernels: at most 65535 samples."""
+    with inference((batch, 2)) as desc:
+        assert desc.engine == engine
+
+
+@pytest.mark.parametrize(("batch", "engine"), [(880801, "cudnn"), (880802, "cupy")])
+def test_training_batch_limit(stub, batch, engine):
+    """PyTorch's guard for cuDNN's training kernels: at most 880801 samples."""
+    with training((batch, 2)) as desc:
+        assert desc.engine == engine

@@ -42,6 +42,7 @@ from .cupy_engines import (
 )
 
 CUDNN_MAX_NUMEL = 2**31 - 1
+CUDNN_MAX_BATCH_TRAINING, CUDNN_MAX_BATCH_INFERENCE = 880801, 65535
 CUDNN_BACKWARD_MODES = (Mode.TRAIN, Mode.SAVED, Mode.SAVED_INVSTD)
 CUDNN_SAVED_MODES = (Mode.SAVED, Mode.SAVED_INVSTD)
 CUDNN_DTYPES = (DataType.F16, DataType.F32, DataType.F64)
@@ -55,14 +56,19 @@ def _layout(desc: TensorDesc) -> str | None:
     return "NHWC" if desc.is_channels_last() else None
 
 
-def cudnn_takes(data: list[TensorDesc], eps: float, fusion: Fusion, mode: BatchNormMode) -> bool:
+def cudnn_takes(
+    data: list[TensorDesc], eps: float, fusion: Fusion, mode: BatchNormMode, training: bool
+) -> bool:
     """Whether cuDNN's batch-norm calls serve a problem whose ``(N, C, ...)`` operands are
-    ``data`` (the input first) exactly."""
+    ``data`` (the input first) exactly. The size limits are PyTorch's guards: fewer than
+    2^31 - 1 elements (32-bit indexing), and at most 880801 samples in training, 65535 in
+    inference (cuDNN's grid limits)."""
     x = data[0]
     layouts = {_layout(d) for d in data}
     if not (
         x.dtype in CUDNN_DTYPES
-        and x.numel <= CUDNN_MAX_NUMEL
+        and x.numel < CUDNN_MAX_NUMEL
+        and x.shape[0] <= (CUDNN_MAX_BATCH_TRAINING if training else CUDNN_MAX_BATCH_INFERENCE)
         and len(layouts) == 1
         and None not in layouts
         and (eps >= CUDNN8_MIN_EPSILON or cudnn().info.version >= CUDNN9_VERSION)
@@ -91,7 +97,7 @@ def BatchNormBackward(
     mode = bn_mode(t.input, True, a.persistent)
     # cuDNN's fused backward reads the forward's saved statistics: no train mode there.
     modes = CUDNN_BACKWARD_MODES if a.fusion == Fusion.BN else CUDNN_SAVED_MODES
-    use_cudnn = a.mode in modes and cudnn_takes(data, a.eps, a.fusion, mode)
+    use_cudnn = a.mode in modes and cudnn_takes(data, a.eps, a.fusion, mode, training=True)
     return _build(CudnnBatchNormBackward if use_cudnn else CupyBatchNormBackward, t, a, device_id)
 
 
@@ -101,7 +107,9 @@ def BatchNormForwardTraining(
     """The training-forward engine for this problem on NVIDIA device ``device_id``."""
     a, t = attributes, tensors
     data = [d for d in (t.input, t.output, t.z) if d is not None]
-    use_cudnn = cudnn_takes(data, a.eps, a.fusion, bn_mode(t.input, True, a.persistent))
+    use_cudnn = cudnn_takes(
+        data, a.eps, a.fusion, bn_mode(t.input, True, a.persistent), training=True
+    )
     return _build(
         CudnnBatchNormForwardTraining if use_cudnn else CupyBatchNormForwardTraining,
         t,
@@ -115,8 +123,7 @@ def BatchNormForwardInference(
 ) -> Any:
     """The inference-forward engine for this problem on NVIDIA device ``device_id``."""
     t = tensors
-    use_cudnn = cudnn_takes(
-        [t.input, t.output], attributes.eps, Fusion.BN, bn_mode(t.input, False, False)
-    )
+    mode = bn_mode(t.input, False, False)
+    use_cudnn = cudnn_takes([t.input, t.output], attributes.eps, Fusion.BN, mode, training=False)
     engine = CudnnBatchNormForwardInference if use_cudnn else CupyBatchNormForwardInference
     return _build(engine, t, attributes, device_id)
