@@ -82,9 +82,14 @@ def _absent(name: str, info: CudnnInfo) -> Callable[..., Any]:
     return absent
 
 
+def _shown(arg: Any) -> str:
+    """An argument as the call log shows it: ctypes arrays (dims, strides) by their values."""
+    return repr(list(arg)) if isinstance(arg, ctypes.Array) else repr(arg)
+
+
 def _logged(name: str, func: Callable[..., Any]) -> Callable[..., Any]:
     def logged(*args: Any) -> Any:
-        print(f"cudnn_bn: {name}({', '.join(map(repr, args))})", file=sys.stderr)
+        print(f"cudnn_bn: {name}({', '.join(map(_shown, args))})", file=sys.stderr)
         return func(*args)
 
     logged.__name__ = name
