@@ -3,7 +3,7 @@
 Where the table-driven tests pick cases, these draw them: shapes of rank 2-5 with small
 random sizes, random channel count, random mode and eps, and strides that are row-major,
 channels-last, padded or permuted. The CPU backend must agree with PyTorch's float64
-backward on every one, and ``TensorDesc.overlaps`` must never call an overlapping layout
+backward and training forward (output, saved and running statistics) on every one, and ``TensorDesc.overlaps`` must never call an overlapping layout
 free (it may be conservative on exotic interleavings, never wrong the other way).
 """
 
@@ -98,3 +98,41 @@ def test_overlap_check_never_misses_an_overlap(shape, data):
         assert desc.overlaps()
     if desc.is_contiguous() or desc.is_channels_last():
         assert not desc.overlaps()
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    shape=shapes,
+    dtype=st.sampled_from([np.float32, np.float64]),
+    momentum=st.sampled_from([0.0, 0.1, 1.0]),
+    layout=st.sampled_from(["contiguous", "channels_last", "padded", "permuted"]),
+    seed=st.integers(0, 2**32 - 1),
+)
+def test_cpu_forward_training_matches_torch(shape, dtype, momentum, layout, seed):
+    if np.prod(shape) == shape[1]:
+        shape = (shape[0] + 1, *shape[1:])  # training needs two values per channel
+    rng = np.random.default_rng(seed)
+    c = shape[1]
+    x = rng.standard_normal(shape).astype(dtype) * 2 + 0.5
+    w, b = rng.uniform(0.5, 1.5, c).astype(dtype), rng.standard_normal(c).astype(dtype)
+    mean, var = rng.standard_normal(c).astype(dtype), rng.uniform(0.5, 2.0, c).astype(dtype)
+    t_mean, t_var = (
+        torch.from_numpy(mean.astype(np.float64)),
+        torch.from_numpy(var.astype(np.float64)),
+    )
+    y, saved_mean, saved_invstd = cudnn_bn.batch_norm_forward_training(
+        _arrange(x, layout, rng), w, b, mean, var, momentum=momentum, eps=1e-5
+    )
+    t_x, t_w, t_b = (torch.from_numpy(a.astype(np.float64)) for a in (x, w, b))
+    want_y, want_mean, want_invstd = torch.ops.aten.native_batch_norm(
+        t_x, t_w, t_b, t_mean, t_var, True, momentum, 1e-5
+    )
+    tol = torch.float64 if dtype == np.float64 else torch.float32
+    for got, want in (
+        (y, want_y),
+        (saved_mean, want_mean),
+        (saved_invstd, want_invstd),
+        (mean, t_mean),
+        (var, t_var),
+    ):
+        assert_close(got, want, tol)
