@@ -3,8 +3,9 @@
 Where the table-driven tests pick cases, these draw them: shapes of rank 2-5 with small
 random sizes, random channel count, random mode and eps, and strides that are row-major,
 channels-last, padded or permuted. The CPU backend must agree with PyTorch's float64
-backward and training forward (output, saved and running statistics) on every one, and ``TensorDesc.overlaps`` must never call an overlapping layout
-free (it may be conservative on exotic interleavings, never wrong the other way).
+backward and training forward (output, saved and running statistics) on every one, and
+``TensorDesc.overlaps`` must never call an overlapping layout free (it may be conservative
+on exotic interleavings, never wrong the other way).
 """
 
 import itertools
