@@ -16,7 +16,7 @@ import numpy as np
 from .dtypes import FLOAT_TYPES, from_numpy
 from .enums import DataType, Device, Status
 from .errors import InfiniError
-from .tensor import TensorDesc
+from .tensor import TensorDesc, contiguous_strides
 
 _DLPACK_CPU, _DLPACK_CUDA = 1, 2
 _DLPACK_FLOAT, _DLPACK_BFLOAT = 2, 4
@@ -38,8 +38,7 @@ class Operand:
     ptr: int
 
 
-def _dtype_from_typestr(name: str, typestr: str) -> DataType:
-    dtype = np.dtype(typestr)
+def _data_type(name: str, dtype: np.dtype) -> DataType:
     if (found := from_numpy(dtype)) is not None:
         return found
     if dtype.name == "bfloat16":  # ml_dtypes.bfloat16
@@ -54,7 +53,7 @@ def _element_strides(
     name: str, shape: tuple, byte_strides: tuple | None, itemsize: int
 ) -> tuple[int, ...]:
     if byte_strides is None:
-        return TensorDesc.contiguous(DataType.F32, shape).strides
+        return contiguous_strides(shape)
     if any(s % itemsize for s in byte_strides):
         raise InfiniError(
             Status.BAD_TENSOR_STRIDES,
@@ -63,9 +62,13 @@ def _element_strides(
     return tuple(s // itemsize for s in byte_strides)
 
 
-def _from_interface(name: str, iface: dict, device: Device, device_id: int) -> Operand:
+def _from_interface(
+    name: str, iface: dict, device: Device, device_id: int, dtype: np.dtype | None = None
+) -> Operand:
+    """An operand from an array interface; ``dtype``, where the array has one, names what a
+    typestr cannot (ml_dtypes' bfloat16 is typestr ``<V2``)."""
     shape = tuple(iface["shape"])
-    dtype = _dtype_from_typestr(name, iface["typestr"])
+    dtype = _data_type(name, np.dtype(iface["typestr"]) if dtype is None else np.dtype(dtype))
     strides = _element_strides(name, shape, iface.get("strides"), FLOAT_TYPES[dtype].itemsize)
     return Operand(device, device_id, TensorDesc(dtype, shape, strides), int(iface["data"][0] or 0))
 
@@ -175,7 +178,8 @@ def _is_numpy(array: Any) -> bool:
 def operand(name: str, array: Any) -> Operand:
     """Describe ``array``: NumPy, CuPy, torch, or any CUDA-array-interface/DLPack object."""
     if _is_numpy(array):
-        return _from_interface(name, array.__array_interface__, Device.CPU, 0)
+        dtype = getattr(array, "dtype", None)
+        return _from_interface(name, array.__array_interface__, Device.CPU, 0, dtype)
     if _is_torch(array):
         return _from_torch(name, array)
     if hasattr(array, "__cuda_array_interface__"):
