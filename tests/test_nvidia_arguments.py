@@ -62,6 +62,7 @@ from cudnn_bn._cudnn import library as library_module
 from cudnn_bn._cudnn.library import CudnnLibrary
 from cudnn_bn._cudnn.loader import CudnnInfo
 from cudnn_bn._cudnn.prototypes import PROTOTYPES
+from cudnn_bn.backends.cudnn_engines import CudnnBatchNormBackward
 from cudnn_bn.errors import (
     BadParamError,
     BadTensorDtypeError,
@@ -415,6 +416,24 @@ def test_cudnn_descriptors_are_destroyed_with_the_operator(stub):
     with pytest.raises(BadParamError):
         compute(desc, STUB_WORKSPACE)
     assert stub.backward.calls == 0
+
+
+@pytest.mark.parametrize("fusion", [None, "relu"])
+def test_a_failed_build_destroys_the_descriptors_it_made(stub, monkeypatch, fusion):
+    def refuse(self):
+        raise InfiniError(Status.INTERNAL_ERROR, "reserve size query refused")
+
+    monkeypatch.setattr(CudnnBatchNormBackward, "reserve_query", refuse)
+    gc.collect()
+    before = (stub.live_tensors.value, stub.live_activations.value)
+    shape = FUSED_SHAPES[0]
+    with pytest.raises(InfiniError, match="reserve size query refused") as caught:
+        descriptor(shape, F16, F32, strides=channels_last(shape), fusion=fusion, mode="saved")
+    assert stub.backward_query.calls == 1  # built as far as the query before the failing one
+    # Destroyed at once, not when the collector gets to the half-built engine (which the
+    # traceback held here still keeps alive).
+    assert caught.traceback
+    assert (stub.live_tensors.value, stub.live_activations.value) == before
 
 
 # --- the persistent attribute ---------------------------------------------------------------

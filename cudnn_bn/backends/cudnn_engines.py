@@ -8,6 +8,8 @@ into the workspace), sets the stream, and makes one cuDNN call.
 """
 
 import ctypes
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any, NamedTuple
 
 from .._cudnn.activation import ActivationDescriptor
@@ -22,6 +24,7 @@ from ..problems import (
     BackwardPointers,
     BackwardTensors,
     ForwardInferenceAttributes,
+    ForwardInferencePointers,
     ForwardInferenceTensors,
     ForwardTrainingAttributes,
     ForwardTrainingPointers,
@@ -53,6 +56,7 @@ class _CudnnKernel:
 
     engine = "cudnn"
     function: str
+    pointers: type[NamedTuple]
     reserve_size = 0
 
     def __init__(
@@ -64,18 +68,24 @@ class _CudnnKernel:
         self.ctype = FLOAT_TYPES[x.dtype].cudnn
         self.channels = x.shape[1]
         self._owned: list[Any] = []
-        try:
+        with self.closed_on_error():
             self.activation = self._own(ActivationDescriptor()).ref if fusion != Fusion.BN else None
             self.x_desc = self.data_descriptor(x)
             bn_desc = self._own(TensorDescriptor.derive_bn(self.x_desc, self.bn_mode))
             derived = bn_desc.read()[0]
-        except BaseException:
-            self.close()
-            raise
         self.bn_desc = bn_desc.ref
         self.param_dtype = DataType.F64 if derived == CudnnDataType.DOUBLE else DataType.F32
         one, zero = (_ONE_D, _ZERO_D) if self.param_dtype == DataType.F64 else (_ONE_F, _ZERO_F)
         self.one, self.zero = ctypes.addressof(one), ctypes.addressof(zero)
+
+    @contextmanager
+    def closed_on_error(self) -> Iterator[None]:
+        """Destroy the descriptors made so far if building fails: nothing leaks half-built."""
+        try:
+            yield
+        except BaseException:
+            self.close()
+            raise
 
     def _own(self, desc: Any) -> Any:
         self._owned.append(desc)
@@ -106,31 +116,37 @@ class _CudnnKernel:
 
     def bind(self, template: list[Any], slots: dict[int, str]) -> None:
         """The call's arguments with data pointers left out, and which operand (a pointer
-        field, or ``"workspace"``) fills each left-out position."""
+        field, or ``"workspace"``) fills each left-out position: resolved here, once, into
+        positions in the pointer tuple and offsets into the workspace (a staged operand's
+        slice, or cuDNN's own scratch at offset 0)."""
         offsets = {field: offset for field, (offset, _) in self.staging.layout.slices.items()}
+        offsets["workspace"] = 0
+        fields = self.pointers._fields
         self._template = template
-        self._slots = tuple((index, field, offsets.get(field)) for index, field in slots.items())
+        self._pointer_slots = tuple(
+            (index, fields.index(field)) for index, field in slots.items() if field not in offsets
+        )
+        self._workspace_slots = tuple(
+            (index, offsets[field]) for index, field in slots.items() if field in offsets
+        )
+        self._call = getattr(cudnn(), self.function)
+        self._set_stream = cudnn().cudnnSetStream
 
     def bind_reserve(self, args: list[Any], ptrs: NamedTuple) -> None:
-        """Fill the reserve-space positions (engines that take one override this)."""
+        """Fill what depends on whether a reserve was given (engines that take one)."""
 
     def run(self, ptrs: NamedTuple, workspace: int, stream: int) -> None:
-        args = list(self._template)
-        for index, field, offset in self._slots:
-            if offset is not None:
-                args[index] = workspace + offset
-            elif field == "workspace":
-                args[index] = workspace or None
-            else:
-                args[index] = getattr(ptrs, field) or None
+        args = self._template.copy()
+        for index, field in self._pointer_slots:
+            args[index] = ptrs[field]
+        for index, offset in self._workspace_slots:
+            args[index] = workspace + offset
         self.bind_reserve(args, ptrs)
         with cuda.on_device(self.device_id):
-            handle = thread_handle(self.device_id).ref
-            lib = cudnn()
-            lib.cudnnSetStream(handle, stream)
+            args[0] = handle = thread_handle(self.device_id).ref
+            self._set_stream(handle, stream)
             self.staging.read(ptrs, workspace, stream)
-            args[0] = handle
-            getattr(lib, self.function)(*args)
+            self._call(*args)
             self.staging.write(ptrs, workspace, stream)
 
     def close(self) -> None:
@@ -144,6 +160,7 @@ class CudnnBatchNormBackward(_CudnnKernel):
     """``cudnnBatchNormalizationBackwardEx``, fused or not, with any output mask."""
 
     function = "cudnnBatchNormalizationBackwardEx"
+    pointers = BackwardPointers
 
     def __init__(
         self, tensors: BackwardTensors, attributes: BackwardAttributes, device_id: int
@@ -152,7 +169,7 @@ class CudnnBatchNormBackward(_CudnnKernel):
         super().__init__(t.input, True, a.persistent, a.fusion, device_id)
         self.tensors, self.attributes = t, a
         fused, add = a.fusion != Fusion.BN, a.fusion == Fusion.BN_ADD_RELU
-        try:
+        with self.closed_on_error():
             dy_desc, dx_desc = (
                 self.data_descriptor(t.grad_output),
                 self.data_descriptor(t.grad_input),
@@ -172,9 +189,6 @@ class CudnnBatchNormBackward(_CudnnKernel):
                 self.activation,
             )
             self.reserve_size = self.reserve_query()
-        except BaseException:
-            self.close()
-            raise
         self.staging = ParameterStaging(self.param_dtype, cudnn_workspace, device_id)
         self._plan_staging()
         self.workspace_size = self.staging.size
@@ -186,6 +200,7 @@ class CudnnBatchNormBackward(_CudnnKernel):
             20: "grad_weight",
             21: "grad_bias",
             26: "workspace",
+            28: "reserve",
         }
         if fused:
             slots |= {10: "output", 19: "bias"}
@@ -250,13 +265,14 @@ class CudnnBatchNormBackward(_CudnnKernel):
     def bind_reserve(self, args: list[Any], ptrs: BackwardPointers) -> None:
         """A plain backward uses a reserve when given one; a fused one always has one."""
         if ptrs.reserve:
-            args[28], args[29] = ptrs.reserve, self.reserve_size
+            args[29] = self.reserve_size
 
 
 class CudnnBatchNormForwardTraining(_CudnnKernel):
     """``cudnnBatchNormalizationForwardTrainingEx``, fused or not."""
 
     function = "cudnnBatchNormalizationForwardTrainingEx"
+    pointers = ForwardTrainingPointers
 
     def __init__(
         self, tensors: ForwardTrainingTensors, attributes: ForwardTrainingAttributes, device_id: int
@@ -265,7 +281,7 @@ class CudnnBatchNormForwardTraining(_CudnnKernel):
         super().__init__(t.input, True, a.persistent, a.fusion, device_id)
         self.tensors, self.attributes = t, a
         add = a.fusion == Fusion.BN_ADD_RELU
-        try:
+        with self.closed_on_error():
             y_desc = self.data_descriptor(t.output)
             z_desc = self.data_descriptor(t.z) if add else None
             cudnn_workspace = self.query(
@@ -279,9 +295,6 @@ class CudnnBatchNormForwardTraining(_CudnnKernel):
                 self.activation,
             )
             self.reserve_size = self.reserve_query()
-        except BaseException:
-            self.close()
-            raise
         s = self.staging = ParameterStaging(self.param_dtype, cudnn_workspace, device_id)
         for field in ("weight", "bias"):
             s.plan(field, getattr(t, field), read=True)
@@ -304,6 +317,7 @@ class CudnnBatchNormForwardTraining(_CudnnKernel):
             18: "saved_mean",
             19: "saved_invstd",
             21: "workspace",
+            23: "reserve",
         }
         if add:
             slots[8] = "z"
@@ -340,14 +354,12 @@ class CudnnBatchNormForwardTraining(_CudnnKernel):
             slots,
         )
 
-    def bind_reserve(self, args: list[Any], ptrs: ForwardTrainingPointers) -> None:
-        args[23] = ptrs.reserve or None
-
 
 class CudnnBatchNormForwardInference(_CudnnKernel):
     """``cudnnBatchNormalizationForwardInference``."""
 
     function = "cudnnBatchNormalizationForwardInference"
+    pointers = ForwardInferencePointers
 
     def __init__(
         self,
@@ -357,11 +369,8 @@ class CudnnBatchNormForwardInference(_CudnnKernel):
     ) -> None:
         super().__init__(tensors.input, False, False, Fusion.BN, device_id)
         self.tensors = tensors
-        try:
+        with self.closed_on_error():
             y_desc = self.data_descriptor(tensors.output)
-        except BaseException:
-            self.close()
-            raise
         s = self.staging = ParameterStaging(self.param_dtype, 0, device_id)
         for field in ("weight", "bias", "running_mean", "running_var"):
             s.plan(field, getattr(tensors, field), read=True)
