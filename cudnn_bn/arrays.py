@@ -239,7 +239,8 @@ def workspace_like(like: Any, nbytes: int, stream: int) -> tuple[Any, int]:
         import torch
 
         buffer = torch.empty(nbytes, dtype=torch.uint8, device=like.device)
-        if stream != torch.cuda.current_stream(like.device).cuda_stream:
+        on_gpu = like.device.type == "cuda"
+        if on_gpu and stream != torch.cuda.current_stream(like.device).cuda_stream:
             buffer.record_stream(torch.cuda.ExternalStream(stream, device=like.device))
         return buffer, buffer.data_ptr()
     import cupy
