@@ -15,10 +15,12 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 
 import cudnn_bn
 from cudnn_bn import DataType, Status, capi
 
+EPS = 1e-5  # PyTorch's default, and the operators'
 TOL = {
     torch.float16: 1e-2,
     torch.bfloat16: 1e-2,
@@ -65,6 +67,37 @@ def assert_close(actual, expected: torch.Tensor, dtype) -> None:
     torch.testing.assert_close(f64(actual), expected, atol=tol, rtol=tol)
 
 
+def torch_training(p: dict, momentum: float, eps: float = EPS):
+    """float64 ``(output, saved_mean, saved_invstd, running_mean, running_var)`` of
+    training-mode batch norm on the problem ``p`` (arrays by name)."""
+    x, w, b = f64(p["input"]), f64(p["weight"]), f64(p["bias"])
+    rm, rv = f64(p["running_mean"]).clone(), f64(p["running_var"]).clone()
+    if eps > 0:
+        y = F.batch_norm(x, rm, rv, w, b, training=True, momentum=momentum, eps=eps)
+    else:  # F.batch_norm rejects eps 0 in training; the aten op it calls takes it
+        y, _, _ = torch.ops.aten.native_batch_norm(x, w, b, rm, rv, True, momentum, eps)
+    _, mean, invstd = torch.ops.aten.native_batch_norm(x, w, b, None, None, True, momentum, eps)
+    return y, mean, invstd, rm, rv
+
+
+def torch_inference(p: dict, eps: float = EPS) -> torch.Tensor:
+    """float64 output of evaluation-mode ``F.batch_norm``."""
+    names = ("input", "weight", "bias", "running_mean", "running_var")
+    x, w, b, rm, rv = (f64(p[n]) for n in names)
+    return F.batch_norm(x, rm, rv, w, b, training=False, eps=eps)
+
+
+def torch_fused(p: dict, fusion: str) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """float64 ``relu(bn(x) [+ z])`` and autograd's gradients by name (``grad_z`` too)."""
+    leaves = {n: f64(p[n]).requires_grad_() for n in ("input", "weight", "bias", "z")}
+    x, w, b, z = leaves.values()
+    y = F.batch_norm(x, None, None, w, b, training=True, eps=EPS)
+    y = torch.relu(y + z if fusion == "add_relu" else y)
+    y.backward(f64(p["grad_output"]))
+    grads = {f"grad_{n}": t.grad for n, t in leaves.items()}
+    return y.detach(), grads
+
+
 # --- problems --------------------------------------------------------------------------------
 
 # The argument orders of the operators' C functions and ``compute``: the spec's.
@@ -103,6 +136,21 @@ def random_values(shape, seed=0, *, bias=False) -> dict[str, np.ndarray]:
     values["running_mean"] = rng.standard_normal(c) * 0.3
     values["running_var"] = rng.uniform(0.5, 2.0, c)
     return values
+
+
+def fused_problem(shape, data, channel, seed=0) -> dict:
+    """Input, residual z, grad_output and per-channel tensors rounded to their dtypes.
+
+    The bias is around 0 so that the ReLU cuts about half of the values."""
+    rng = np.random.default_rng(seed)
+    c = shape[1]
+    return {
+        "input": convert(rng.standard_normal(shape) * 2 + 0.5, data),
+        "z": convert(rng.standard_normal(shape), data),
+        "grad_output": convert(rng.standard_normal(shape), data),
+        "weight": convert(rng.uniform(0.5, 1.5, c), channel),
+        "bias": convert(rng.standard_normal(c) * 0.5, channel),
+    }
 
 
 def convert(values: np.ndarray, dtype):

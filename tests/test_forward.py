@@ -18,6 +18,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from helpers import (
+    EPS,
     INFERENCE_ORDER,
     OUTPUTS,
     SHAPES,
@@ -32,6 +33,8 @@ from helpers import (
     random_values,
     tensor_desc,
     tolerance_dtype,
+    torch_inference,
+    torch_training,
 )
 
 from cudnn_bn import (
@@ -43,7 +46,6 @@ from cudnn_bn import (
     capi,
 )
 
-EPS = 1e-5
 HALF = (torch.float16, torch.bfloat16)
 # (data dtype, per-channel dtype): one dtype for all, or F32 per-channel tensors for half
 # data. Torch dtypes run as torch CPU tensors, NumPy ones as NumPy arrays.
@@ -67,25 +69,6 @@ def problem(shape, data, channel, seed=0) -> dict:
 
 def copy(array):
     return None if array is None else array.clone() if hasattr(array, "clone") else array.copy()
-
-
-def torch_training(p: dict, momentum: float, eps: float = EPS):
-    """float64 ``(output, saved_mean, saved_invstd, running_mean, running_var)``."""
-    x, w, b = f64(p["input"]), f64(p["weight"]), f64(p["bias"])
-    rm, rv = f64(p["running_mean"]).clone(), f64(p["running_var"]).clone()
-    if eps > 0:
-        y = F.batch_norm(x, rm, rv, w, b, training=True, momentum=momentum, eps=eps)
-    else:  # F.batch_norm rejects eps 0 in training; the aten op it calls takes it
-        y, _, _ = torch.ops.aten.native_batch_norm(x, w, b, rm, rv, True, momentum, eps)
-    _, mean, invstd = torch.ops.aten.native_batch_norm(x, w, b, None, None, True, momentum, eps)
-    return y, mean, invstd, rm, rv
-
-
-def torch_inference(p: dict, eps: float = EPS) -> torch.Tensor:
-    """float64 output of evaluation-mode ``F.batch_norm``."""
-    names = ("input", "weight", "bias", "running_mean", "running_var")
-    x, w, b, rm, rv = (f64(p[n]) for n in names)
-    return F.batch_norm(x, rm, rv, w, b, training=False, eps=eps)
 
 
 def torch_autograd(p: dict, eps: float = EPS):

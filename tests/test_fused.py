@@ -10,12 +10,10 @@ reference (rounding plus accumulation), 1e-2 for F16/BF16 (a few ulps of values 
 import numpy as np
 import pytest
 import torch
-import torch.nn.functional as F
-from helpers import SHAPES, assert_close, convert, f64, tolerance_dtype
+from helpers import EPS, SHAPES, assert_close, f64, fused_problem, tolerance_dtype, torch_fused
 
 from cudnn_bn import InfiniError, Status, batch_norm_backward, batch_norm_forward_training
 
-EPS = 1e-5
 DTYPES = [  # (data dtype, per-channel dtype)
     (torch.float16, torch.float32),
     (torch.bfloat16, torch.bfloat16),
@@ -23,32 +21,6 @@ DTYPES = [  # (data dtype, per-channel dtype)
     (np.float64, np.float64),
 ]
 FUSIONS = ["relu", "add_relu"]
-
-
-def problem(shape, data, channel, seed=0) -> dict:
-    """Input, residual z, grad_output and per-channel tensors rounded to their dtypes.
-
-    The bias is around 0 so that the ReLU cuts about half of the values."""
-    rng = np.random.default_rng(seed)
-    c = shape[1]
-    return {
-        "input": convert(rng.standard_normal(shape) * 2 + 0.5, data),
-        "z": convert(rng.standard_normal(shape), data),
-        "grad_output": convert(rng.standard_normal(shape), data),
-        "weight": convert(rng.uniform(0.5, 1.5, c), channel),
-        "bias": convert(rng.standard_normal(c) * 0.5, channel),
-    }
-
-
-def torch_fused(p: dict, fusion: str) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """float64 ``relu(bn(x) [+ z])`` and autograd's gradients by name."""
-    leaves = {n: f64(p[n]).requires_grad_() for n in ("input", "weight", "bias", "z")}
-    x, w, b, z = leaves.values()
-    y = F.batch_norm(x, None, None, w, b, training=True, eps=EPS)
-    y = torch.relu(y + z if fusion == "add_relu" else y)
-    y.backward(f64(p["grad_output"]))
-    grads = {f"grad_{n}": t.grad for n, t in leaves.items()}
-    return y.detach(), grads
 
 
 def forward(p: dict, fusion: str):
@@ -62,7 +34,7 @@ def forward(p: dict, fusion: str):
 @pytest.mark.parametrize("shape", SHAPES, ids=str)
 @pytest.mark.parametrize(("data", "channel"), DTYPES, ids=str)
 def test_forward(data, channel, shape, fusion):
-    p = problem(shape, data, channel)
+    p = fused_problem(shape, data, channel)
     output, _, _ = forward(p, fusion)
     want, _ = torch_fused(p, fusion)
     assert type(output) is type(p["input"]) and output.dtype == p["input"].dtype
@@ -76,7 +48,7 @@ def test_forward(data, channel, shape, fusion):
 @pytest.mark.parametrize(("data", "channel"), DTYPES, ids=str)
 def test_backward(data, channel, shape, fusion, mode):
     """Gradients through the ReLU mask of the forward's output, grad_z for add_relu."""
-    p = problem(shape, data, channel)
+    p = fused_problem(shape, data, channel)
     out = forward(p, fusion)
     saved = dict(saved_mean=out[1], saved_invstd=out[2]) if mode == "saved" else {}
     grads = batch_norm_backward(
@@ -94,7 +66,7 @@ def test_backward(data, channel, shape, fusion, mode):
 @pytest.mark.parametrize("missing", ["output", "bias"])
 @pytest.mark.parametrize("fusion", FUSIONS)
 def test_fused_backward_without_output_or_bias_is_null_pointer(fusion, missing):
-    p = problem((2, 3, 4), np.float32, np.float32)
+    p = fused_problem((2, 3, 4), np.float32, np.float32)
     out = forward(p, fusion)
     given = {"output": out[0], "bias": p["bias"], missing: None}
     with pytest.raises(InfiniError) as error:
@@ -106,7 +78,7 @@ def test_fused_backward_without_output_or_bias_is_null_pointer(fusion, missing):
 
 
 def test_add_relu_forward_without_z_is_null_pointer():
-    p = problem((2, 3, 4), np.float32, np.float32)
+    p = fused_problem((2, 3, 4), np.float32, np.float32)
     with pytest.raises(InfiniError) as error:
         batch_norm_forward_training(p["input"], p["weight"], p["bias"], None, None,
                                     fusion="add_relu")  # fmt: skip
@@ -116,7 +88,7 @@ def test_add_relu_forward_without_z_is_null_pointer():
 
 @pytest.mark.parametrize("fusion", ["gelu", "", 7, True])
 def test_unknown_fusion_is_bad_param(fusion):
-    p = problem((2, 3, 4), np.float32, np.float32)
+    p = fused_problem((2, 3, 4), np.float32, np.float32)
     with pytest.raises(InfiniError) as error:
         batch_norm_forward_training(p["input"], p["weight"], p["bias"], None, None, fusion=fusion)
     assert error.value.status == Status.BAD_PARAM
