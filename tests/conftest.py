@@ -9,6 +9,8 @@ the session (``make test-gpu``).
 import functools
 import os
 import platform
+import shutil
+import sys
 from pathlib import Path
 
 import pytest
@@ -142,3 +144,40 @@ def stub(stub_path, monkeypatch):
     from cudnn_stub import install
 
     return install(stub_path, monkeypatch)
+
+
+# --- CuPy's kernels on the host (``cupy_on_host.py``) ----------------------------------------
+
+
+@pytest.fixture(scope="session")
+def host_cupy_module(tmp_path_factory):
+    """The stand-in ``cupy`` module, its kernels compiled once per session."""
+    pytest.importorskip("cupy", reason="real CuPy parses the kernels' parameter lists")
+    if shutil.which("g++") is None:
+        pytest.skip("g++ is needed to compile the kernels for the host")
+    from cupy_on_host import module
+
+    return module(tmp_path_factory.mktemp("cupy_on_host"))
+
+
+def _forget_built_kernels() -> None:
+    """Drop the descriptors and kernels built with whichever ``cupy`` was in place."""
+    import cudnn_bn
+    from cudnn_bn.backends import cupy_kernels
+
+    cudnn_bn.descriptor_cache.clear()
+    for value in vars(cupy_kernels).values():
+        if hasattr(value, "cache_clear"):
+            value.cache_clear()
+
+
+@pytest.fixture
+def host_cupy(host_cupy_module, monkeypatch):
+    """The stand-in as ``cupy`` for one test; nothing built with it outlives the test."""
+    from cudnn_bn.backends import cuda
+
+    monkeypatch.setitem(sys.modules, "cupy", host_cupy_module)
+    monkeypatch.setattr(cuda, "_streams", {})
+    _forget_built_kernels()
+    yield host_cupy_module
+    _forget_built_kernels()

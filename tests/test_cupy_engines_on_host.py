@@ -10,10 +10,6 @@ the engines saw; tolerances are ``helpers.TOL`` (InfiniCore's). The ``gpu`` test
 same engines through CUDA.
 """
 
-import shutil
-import sys
-
-import cupy_on_host
 import numpy as np
 import pytest
 import torch
@@ -35,7 +31,7 @@ from helpers import (
 
 import cudnn_bn
 from cudnn_bn import batch_norm_backward, batch_norm_forward_inference, batch_norm_forward_training
-from cudnn_bn.backends import cuda, cupy_kernels, nvidia
+from cudnn_bn.backends import cupy_kernels, nvidia
 from cudnn_bn.ops import descriptor as descriptor_module
 
 F16, BF16, F32, F64 = torch.float16, torch.bfloat16, torch.float32, torch.float64
@@ -49,32 +45,11 @@ DATA = ("input", "grad_output")
 MODES = ["train", "saved", "saved_invstd", "eval"]
 
 
-@pytest.fixture(scope="module")
-def host_cupy(tmp_path_factory):
-    pytest.importorskip("cupy", reason="real CuPy parses the kernels' parameter lists")
-    if shutil.which("g++") is None:
-        pytest.skip("g++ is needed to compile the kernels for the host")
-    return cupy_on_host.module(tmp_path_factory.mktemp("cupy_on_host"))
-
-
-def forget_built_kernels() -> None:
-    """Drop descriptors and kernels built for the stand-in, and before it, the real ones."""
-    cudnn_bn.descriptor_cache.clear()
-    for value in vars(cupy_kernels).values():
-        if hasattr(value, "cache_clear"):
-            value.cache_clear()
-
-
 @pytest.fixture(autouse=True)
 def cupy_engines_on_host(host_cupy, monkeypatch):
     """Host arrays run through the NVIDIA backend's CuPy engines, kernels on the host."""
-    monkeypatch.setitem(sys.modules, "cupy", host_cupy)
     monkeypatch.setattr(descriptor_module, "backend_class", lambda _, op: getattr(nvidia, op))
     monkeypatch.setattr(nvidia, "cudnn_takes", lambda *args, **kwargs: False)
-    monkeypatch.setattr(cuda, "_streams", {})
-    forget_built_kernels()
-    yield
-    forget_built_kernels()
 
 
 def laid_out(tensor: torch.Tensor, layout: str) -> torch.Tensor:
