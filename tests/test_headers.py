@@ -12,6 +12,7 @@ import subprocess
 
 import pytest
 from c_headers import INCLUDE, infini_enums, infini_functions, infini_headers
+from helpers import BACKWARD_ORDER, INFERENCE_ORDER, TRAINING_ORDER
 
 from cudnn_bn.enums import DataType, Device, Status
 from cudnn_bn.problems import Mode
@@ -23,100 +24,35 @@ ENUMS = [  # (C typedef, member prefix, Python enum)
     ("infiniopBatchNormBackwardMode_t", "INFINIOP_BATCH_NORM_BACKWARD_MODE_", Mode),
 ]
 
+
 # DESIGN.md's C API, the operator spec (seeds/004) and the forward passes: name -> parameter
 # names, in order.
+def _operator(name: str, order: tuple[str, ...], attributes: list[str], sizes: list[str]) -> dict:
+    """An operator's five (or six) functions: create, set attributes, size queries, compute
+    (buffers first, then the tensors in ``order``, then the stream), destroy."""
+    buffers = [p for size in sizes for p in (size.lower(), f"{size.lower()}_size")]
+    return {
+        f"infiniopCreate{name}Descriptor": ["handle", "desc_ptr", *(f"{n}_desc" for n in order)],
+        f"infiniopSet{name}Attributes": ["desc", *attributes],
+        **{f"infiniopGet{name}{size}Size": ["desc", "size"] for size in sizes},
+        f"infiniop{name}": ["desc", *buffers, *order, "stream"],
+        f"infiniopDestroy{name}Descriptor": ["desc"],
+    }
+
+
+# DESIGN.md's C API, the operator spec (seeds/004) and the forward passes: name -> parameter
+# names, in order (the tensors in the spec's orders, ``helpers``' *_ORDER).
 SPEC_SIGNATURES = {
     "infinirtSetDevice": ["device", "device_id"],
     "infiniopCreateHandle": ["handle_ptr"],
     "infiniopDestroyHandle": ["handle"],
     "infiniopCreateTensorDescriptor": ["desc_ptr", "ndim", "shape", "strides", "dtype"],
     "infiniopDestroyTensorDescriptor": ["desc"],
-    "infiniopCreateBatchNormBackwardDescriptor": [
-        "handle",
-        "desc_ptr",
-        "grad_input_desc",
-        "grad_weight_desc",
-        "grad_bias_desc",
-        "input_desc",
-        "grad_output_desc",
-        "weight_desc",
-        "running_mean_desc",
-        "running_var_desc",
-    ],
-    "infiniopSetBatchNormBackwardAttributes": ["desc", "eps", "mode"],
-    "infiniopGetBatchNormBackwardWorkspaceSize": ["desc", "size"],
-    "infiniopBatchNormBackward": [
-        "desc",
-        "workspace",
-        "workspace_size",
-        "grad_input",
-        "grad_weight",
-        "grad_bias",
-        "input",
-        "grad_output",
-        "weight",
-        "running_mean",
-        "running_var",
-        "stream",
-    ],
-    "infiniopDestroyBatchNormBackwardDescriptor": ["desc"],
-    "infiniopCreateBatchNormForwardTrainingDescriptor": [
-        "handle",
-        "desc_ptr",
-        "output_desc",
-        "saved_mean_desc",
-        "saved_invstd_desc",
-        "input_desc",
-        "weight_desc",
-        "bias_desc",
-        "running_mean_desc",
-        "running_var_desc",
-    ],
-    "infiniopSetBatchNormForwardTrainingAttributes": ["desc", "eps", "momentum"],
-    "infiniopGetBatchNormForwardTrainingWorkspaceSize": ["desc", "size"],
-    "infiniopGetBatchNormForwardTrainingReserveSize": ["desc", "size"],
-    "infiniopBatchNormForwardTraining": [
-        "desc",
-        "workspace",
-        "workspace_size",
-        "reserve",
-        "reserve_size",
-        "output",
-        "saved_mean",
-        "saved_invstd",
-        "input",
-        "weight",
-        "bias",
-        "running_mean",
-        "running_var",
-        "stream",
-    ],
-    "infiniopDestroyBatchNormForwardTrainingDescriptor": ["desc"],
-    "infiniopCreateBatchNormForwardInferenceDescriptor": [
-        "handle",
-        "desc_ptr",
-        "output_desc",
-        "input_desc",
-        "weight_desc",
-        "bias_desc",
-        "running_mean_desc",
-        "running_var_desc",
-    ],
-    "infiniopSetBatchNormForwardInferenceAttributes": ["desc", "eps"],
-    "infiniopGetBatchNormForwardInferenceWorkspaceSize": ["desc", "size"],
-    "infiniopBatchNormForwardInference": [
-        "desc",
-        "workspace",
-        "workspace_size",
-        "output",
-        "input",
-        "weight",
-        "bias",
-        "running_mean",
-        "running_var",
-        "stream",
-    ],
-    "infiniopDestroyBatchNormForwardInferenceDescriptor": ["desc"],
+    **_operator("BatchNormBackward", BACKWARD_ORDER, ["eps", "mode"], ["Workspace"]),
+    **_operator(
+        "BatchNormForwardTraining", TRAINING_ORDER, ["eps", "momentum"], ["Workspace", "Reserve"]
+    ),
+    **_operator("BatchNormForwardInference", INFERENCE_ORDER, ["eps"], ["Workspace"]),
 }
 
 # The headers of the C contract (DESIGN.md), relative to include/.
