@@ -12,6 +12,7 @@ from . import capi, cupyx_compat
 from ._cudnn.library import cudnn_info
 from ._cudnn.loader import CudnnInfo
 from ._cudnn.status import cudnn_status_to_infini
+from ._version import __version__
 from .api import (
     TrainingOutputs,
     batch_norm_backward,
@@ -44,6 +45,7 @@ __all__ = [
     "Status",
     "TensorDesc",
     "TrainingOutputs",
+    "__version__",
     "batch_norm_backward",
     "batch_norm_backward_batched",
     "batch_norm_forward_inference",

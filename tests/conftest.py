@@ -6,6 +6,7 @@ CUDA build of torch missing, or CUDA reporting no device. When they did run and
 the session (``make test-gpu``).
 """
 
+import ctypes
 import functools
 import os
 import platform
@@ -20,17 +21,22 @@ REPORT_ENV = "CUDNN_BN_GPU_REPORT"
 
 @functools.cache
 def gpu_unavailable() -> str | None:
-    """Why the ``gpu`` tests cannot run here, or None when they can."""
+    """Why the ``gpu`` tests cannot run here, or None when they can; the first thing missing,
+    said plainly (a machine with no driver has no GPU, whatever CUDA's error code says)."""
+    try:
+        ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return "no CUDA GPU: the NVIDIA driver (libcuda.so.1) is not installed"
     try:
         import cupy
     except ImportError as exc:
-        return f"CuPy is not installed ({exc})"
+        return f"CuPy is not installed ({exc}): pip install 'cudnn_bn[cuda12]' or '[cuda13]'"
     try:
         count = cupy.cuda.runtime.getDeviceCount()
     except Exception as exc:  # CUDARuntimeError, or a missing CUDA library
-        return f"CUDA is not usable: {type(exc).__name__}: {exc}"
+        return f"no usable CUDA GPU: {type(exc).__name__}: {exc}"
     if count == 0:
-        return "CUDA reports no device"
+        return "no CUDA GPU: the driver reports no device"
     try:
         import torch
     except ImportError as exc:
@@ -43,7 +49,7 @@ def gpu_unavailable() -> str | None:
 def pytest_collection_modifyitems(config, items):
     gpu_items = [item for item in items if item.get_closest_marker("gpu")]
     if gpu_items and (reason := gpu_unavailable()):
-        skip = pytest.mark.skip(reason=f"no usable GPU: {reason}")
+        skip = pytest.mark.skip(reason=reason)
         for item in gpu_items:
             item.add_marker(skip)
 
