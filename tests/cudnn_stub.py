@@ -8,9 +8,10 @@ enough to be set, derived and read back (and counts the live ones), reports work
 reserve sizes the tests may change, and records the arguments of the last
 ``cudnnSetStream``, size query and batch-norm call, one record struct per function
 (generated from the ctypes mirrors here, so the two cannot disagree). ``install`` makes it
-the process's libcudnn and stands in for the CUDA seam (``cudnn_bn.backends.cuda``: device 0
-current, one device). On the cuDNN fast path (per-channel tensors already in cuDNN's dtype
-with stride 1) nothing touches CuPy, so ``stream_scope`` fails the test if it is entered.
+the process's libcudnn, with an empty handle pool, and stands in for the CUDA seam
+(``cudnn_bn.backends.cuda``: device 0 current, one device). On the cuDNN fast path
+(per-channel tensors already in cuDNN's dtype with stride 1) nothing touches CuPy, so
+``stream_scope`` fails the test if it is entered.
 
 Below the stub: fake device pointers and the layouts cuDNN must be told.
 """
@@ -663,11 +664,11 @@ def _no_cupy(*args: object) -> None:
 
 
 def install(path: Path, monkeypatch: pytest.MonkeyPatch) -> Stub:
-    """The stub as this process's libcudnn, with fresh per-thread state and no CUDA."""
+    """The stub as this process's libcudnn, with fresh handle and thread state and no CUDA."""
     cdll = ctypes.CDLL(str(path))
     info = CudnnInfo(path=str(path), found_via="test stub", version=STUB_VERSION)
     monkeypatch.setattr(library_module, "_library", CudnnLibrary(cdll, info))
-    monkeypatch.setattr(handle_module, "_per_thread", threading.local())
+    monkeypatch.setattr(handle_module, "_free", {})
     monkeypatch.setattr(runtime_module, "_current", threading.local())
     monkeypatch.setattr(cuda, "current_device", lambda: 0)
     monkeypatch.setattr(cuda, "device_count", lambda: 1)
