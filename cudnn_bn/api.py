@@ -2,7 +2,9 @@
 
 Each call turns its arrays into (descriptor, pointer) pairs, fetches a cached operator
 descriptor for that exact problem, allocates outputs and workspace with the input's own
-library, and computes on the caller's stream (or the library's current one).
+library, and computes on the caller's stream (or the library's current one on the arrays'
+device). Everything follows the arrays' device, and every allocation comes from the call's
+stream (``arrays.allocation_scope``).
 """
 
 from collections.abc import Callable

@@ -328,8 +328,11 @@ def allocation_scope(like: Any, stream: int, device_id: int) -> AbstractContextM
 
 @functools.cache
 def _torch_stream(stream: int, device_index: int) -> Any:
+    """torch's object for ``cudaStream_t`` ``stream`` (0: the device's default stream)."""
     import torch
 
+    if stream == 0:
+        return torch.cuda.default_stream(device_index)
     return torch.cuda.ExternalStream(stream, device=device_index)
 
 
