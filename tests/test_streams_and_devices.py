@@ -179,9 +179,11 @@ def _inference_args(make, device: int) -> tuple:
     return p["input"], p["weight"], p["bias"], p["mean"], p["var"]
 
 
-def test_no_wait_when_the_producer_stream_is_the_call_stream(fake):
-    make = lambda shape, device: Foreign(fake.array(shape, device=device), CALL_STREAM)  # noqa: E731
-    batch_norm_forward_inference(*_inference_args(make, 0), stream=CALL_STREAM)
+@pytest.mark.parametrize(("producer", "call"), [(CALL_STREAM, CALL_STREAM), (1, 0)])
+def test_no_wait_when_the_producer_stream_is_the_call_stream(fake, producer, call):
+    """The same stream needs no event; 1 (cudaStreamLegacy) and 0 are one stream."""
+    make = lambda shape, device: Foreign(fake.array(shape, device=device), producer)  # noqa: E731
+    batch_norm_forward_inference(*_inference_args(make, 0), stream=call)
     assert fake.events() == []
 
 
