@@ -2,14 +2,24 @@
 
 Each call turns its arrays into (descriptor, pointer) pairs, fetches a cached operator
 descriptor for that exact problem, allocates outputs and workspace with the input's own
-library, and computes on the caller's stream (or the library's current one).
+library, and computes on the caller's stream (or the library's current one on the arrays'
+device). Everything follows the arrays' device, and every allocation comes from the call's
+stream (``arrays.allocation_scope``).
 """
 
 from collections.abc import Callable
-from contextlib import AbstractContextManager, nullcontext
+from contextlib import AbstractContextManager
 from typing import Any
 
-from .arrays import Operand, buffer_address, empty_like, operand, workspace_like
+from .arrays import (
+    Operand,
+    allocation_scope,
+    buffer_address,
+    common_place,
+    empty_like,
+    operand,
+    workspace_like,
+)
 from .descriptor_cache import DescriptorCache
 from .enums import DataType, Device, Status
 from .errors import InfiniError
@@ -45,23 +55,18 @@ class TrainingOutputs(tuple):
 
 
 class _Call:
-    """One array-API call: its operands (all on one device), its stream, its allocations."""
+    """One array-API call: its operands (all on one device), its stream on that device, and
+    its allocations (on that device, from that stream)."""
 
     def __init__(self, arrays: dict[str, Any], stream: Any) -> None:
         if arrays["input"] is None:
             raise InfiniError(Status.NULL_POINTER, "input is None")
         self.like = arrays["input"]
-        self.ops: dict[str, Operand] = {
-            n: operand(n, a) for n, a in arrays.items() if a is not None
-        }
-        places = {(op.device, op.device_id) for op in self.ops.values()}
-        if len(places) > 1:
-            where = ", ".join(
-                f"{n} on {op.device.name}:{op.device_id}" for n, op in self.ops.items()
-            )
-            raise InfiniError(Status.BAD_PARAM, f"arrays must share one device; got {where}")
-        self.device, self.device_id = places.pop()
-        self.stream = _stream(stream, self.like, self.device)
+        present = {n: a for n, a in arrays.items() if a is not None}
+        self.device, self.device_id = common_place(present)
+        self.stream = _stream(stream, self.like, self.device, self.device_id)
+        consumer = None if self.device == Device.CPU else self.stream
+        self.ops: dict[str, Operand] = {n: operand(n, a, consumer) for n, a in present.items()}
 
     def desc(self, name: str) -> TensorDesc | None:
         return self.ops[name].desc if name in self.ops else None
@@ -74,12 +79,10 @@ class _Call:
         handle = Handle(self.device, self.device_id)
         return descriptor_cache.get((self.device, self.device_id, *key), lambda: build(handle))
 
-    def on_device(self) -> AbstractContextManager:
-        if self.device == Device.CPU:
-            return nullcontext()
-        from .backends.cuda import on_device
-
-        return on_device(self.device_id)
+    def allocating(self) -> AbstractContextManager:
+        """The block in which the call allocates and computes: its device current, its
+        stream the allocating one."""
+        return allocation_scope(self.like, self.stream, self.device_id)
 
     def empty(self, desc: TensorDesc) -> tuple[Any, int]:
         """A new array of the input's kind for ``desc``, and its data pointer."""
@@ -87,12 +90,14 @@ class _Call:
         return array, operand("output", array).ptr
 
     def scratch(self, nbytes: int) -> tuple[Any, int]:
-        """``nbytes`` of scratch tied to this call's stream (kept alive by the caller)."""
-        return workspace_like(self.like, nbytes, self.stream)
+        """``nbytes`` of scratch (kept alive by the caller)."""
+        return workspace_like(self.like, nbytes)
 
 
-def _stream(stream: Any, like: Any, device: Device) -> int:
-    """A ``cudaStream_t`` address from an int, a CuPy or torch stream, or the current one."""
+def _stream(stream: Any, like: Any, device: Device, device_id: int) -> int:
+    """A ``cudaStream_t`` address from an int, a CuPy or torch stream, a ``__cuda_stream__``
+    object, or the current stream of the arrays' device (torch's for torch tensors, else
+    CuPy's)."""
     if device == Device.CPU:
         return 0
     if stream is None:
@@ -102,15 +107,26 @@ def _stream(stream: Any, like: Any, device: Device) -> int:
             return torch.cuda.current_stream(like.device).cuda_stream
         from .backends.cuda import current_stream
 
-        return current_stream()
+        return current_stream(device_id)
     if isinstance(stream, int):
         return stream
-    for attribute in ("ptr", "cuda_stream"):
-        if hasattr(stream, attribute):
-            return int(getattr(stream, attribute))
-    raise InfiniError(
-        Status.BAD_PARAM, f"stream must be an int, a CuPy or torch stream, or None; got {stream!r}"
-    )
+    if hasattr(stream, "__cuda_stream__"):  # the CUDA stream protocol: (version 0, address)
+        ptr = stream.__cuda_stream__()[1]
+    elif hasattr(stream, "ptr") or hasattr(stream, "cuda_stream"):
+        ptr = stream.ptr if hasattr(stream, "ptr") else stream.cuda_stream
+    else:
+        raise InfiniError(
+            Status.BAD_PARAM,
+            f"stream must be an int, a CuPy or torch stream, or None; got {stream!r}",
+        )
+    # CuPy streams know their device as .device_id (-1: unknown), torch's as .device.
+    owner = getattr(stream, "device_id", getattr(getattr(stream, "device", None), "index", None))
+    if isinstance(owner, int) and owner >= 0 and owner != device_id:
+        raise InfiniError(
+            Status.BAD_PARAM,
+            f"stream is on device {owner} but the arrays are on NVIDIA:{device_id}",
+        )
+    return int(ptr)
 
 
 def _like(desc: TensorDesc, dtype: DataType | None = None) -> TensorDesc:
@@ -252,7 +268,7 @@ def _backward(
     names = ("grad_input", "grad_weight", "grad_bias") + (("grad_z",) if wants_z else ())
     wanted = (*descriptor.attributes.output_mask, wants_z)
     reserve_ptr, reserve_size = buffer_address("reserve", reserve)
-    with call.on_device():
+    with call.allocating():
         results, pointers = {}, {}
         for name, needed in zip(names, wanted, strict=False):
             if needed and out is not None:
@@ -305,7 +321,8 @@ def batch_norm_backward_batched(
     options are ``batch_norm_backward``'s (a fused one takes no reserve: each problem's
     reserve would differ).
     """
-    x = operand("input", input).desc
+    call = _Call({"input": input}, stream)  # the batch's device and stream
+    x = call.desc("input")
     if x.ndim < 3:
         raise InfiniError(
             Status.BAD_TENSOR_SHAPE, f"input has shape {x.shape}; expected (B, N, C, ...)"
@@ -326,9 +343,8 @@ def batch_norm_backward_batched(
     wanted = dict(
         zip(("grad_input", "grad_weight", "grad_bias"), output_mask, strict=True), grad_z=wants_z
     )
-    out = {
-        n: empty_like(input, d.shape, d.strides, d.dtype) for n, d in shapes.items() if wanted[n]
-    }
+    with call.allocating():
+        out = {n: call.empty(d)[0] for n, d in shapes.items() if wanted[n]}
     batched = {"input": input, "grad_output": grad_output, "output": output}
     shared = dict(
         weight=weight,
@@ -426,7 +442,7 @@ def batch_norm_forward_training(
             persistent=persistent,
         ),
     )
-    with call.on_device():
+    with call.allocating():
         (output, output_ptr), (mean, mean_ptr), (invstd, invstd_ptr) = (
             call.empty(tensors.output),
             call.empty(stats),
@@ -477,7 +493,7 @@ def batch_norm_forward_inference(
         ("forward_inference", tensors, check_eps(eps)),
         lambda handle: BatchNormForwardInferenceDescriptor(handle, *tensors, eps=eps),
     )
-    with call.on_device():
+    with call.allocating():
         output, output_ptr = call.empty(tensors.output)
         _workspace, workspace_ptr = call.scratch(descriptor.workspace_size)
         descriptor.compute(

@@ -3,11 +3,21 @@
 NumPy arrays (anything with ``__array_interface__``) run on the CPU; CuPy arrays and any
 object exposing ``__cuda_array_interface__`` or a CUDA ``__dlpack__`` run on NVIDIA, zero
 copy; torch tensors run where they live. BF16 comes as torch.bfloat16, through DLPack, or as
-``ml_dtypes.bfloat16`` in NumPy.
+``ml_dtypes.bfloat16`` in NumPy and CuPy 14.
+
+Devices and streams: an array's device is its own (CuPy's ``.device``, torch's, the device
+owning a CUDA-array-interface pointer, ``__dlpack_device__``), found before anything is
+exported, because the stream a call uses depends on it and the protocols order the
+producer's work before that stream: ``__dlpack__(stream=)`` and the interface's ``stream``.
+CuPy arrays and torch tensors carry no stream of their own (CuPy's interface ``stream`` is
+merely its current one), so they are read directly, as their own libraries do. Every array
+a call creates is allocated inside ``allocation_scope``: on the call's device, from the
+call's stream's memory pool.
 """
 
 import ctypes
 import functools
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from typing import Any
 
@@ -100,17 +110,35 @@ _capsule_pointer.restype, _capsule_pointer.argtypes = (
 )
 
 
-def _from_dlpack(name: str, array: Any) -> Operand:
-    """Read a DLPack capsule without consuming it: the producer keeps ownership."""
-    capsule = array.__dlpack__()
-    # A DLManagedTensor starts with its DLTensor.
-    t = _DLTensor.from_address(_capsule_pointer(capsule, b"dltensor"))
+def _dlpack_place(name: str, device_type: int, device_id: int) -> tuple[Device, int]:
     devices = {_DLPACK_CPU: Device.CPU, _DLPACK_CUDA: Device.NVIDIA}
-    if t.device.device_type not in devices:
+    if device_type not in devices:
         raise InfiniError(
             Status.DEVICE_TYPE_NOT_SUPPORTED,
-            f"{name} is on DLPack device type {t.device.device_type}; expected CPU (1) or CUDA (2)",
+            f"{name} is on DLPack device type {device_type}; expected CPU (1) or CUDA (2)",
         )
+    return devices[device_type], device_id
+
+
+def _export_dlpack(array: Any, stream: int | None) -> Any:
+    """``array.__dlpack__``, asking the producer to order its pending work before the
+    consumer's CUDA ``stream`` (the Python array API's DLPack protocol: 1 is the legacy
+    default stream, 0 is not allowed, so CuPy's 0 goes as 1; ``cupy/_core/core.pyx`` reads
+    it so). Producers older than the ``stream`` keyword are called without it."""
+    if stream is None:
+        return array.__dlpack__()
+    try:
+        return array.__dlpack__(stream=stream or 1)
+    except TypeError:
+        return array.__dlpack__()
+
+
+def _from_dlpack(name: str, array: Any, stream: int | None) -> Operand:
+    """Read a DLPack capsule without consuming it: the producer keeps ownership."""
+    capsule = _export_dlpack(array, stream)
+    # A DLManagedTensor starts with its DLTensor.
+    t = _DLTensor.from_address(_capsule_pointer(capsule, b"dltensor"))
+    device, device_id = _dlpack_place(name, t.device.device_type, t.device.device_id)
     dtype = _DLPACK_DTYPES.get((t.dtype.code, t.dtype.bits)) if t.dtype.lanes == 1 else None
     if dtype is None:
         raise InfiniError(
@@ -126,10 +154,7 @@ def _from_dlpack(name: str, array: Any) -> Operand:
         else TensorDesc.contiguous(dtype, shape).strides
     )
     return Operand(
-        devices[t.device.device_type],
-        t.device.device_id,
-        TensorDesc(dtype, shape, strides),
-        (t.data or 0) + t.byte_offset,
+        device, device_id, TensorDesc(dtype, shape, strides), (t.data or 0) + t.byte_offset
     )
 
 
@@ -162,42 +187,158 @@ def _from_torch(name: str, tensor: Any) -> Operand:
             Status.BAD_TENSOR_DTYPE,
             f"{name} has dtype {tensor.dtype}; expected float16, bfloat16, float32 or float64",
         )
+    device, device_id = _torch_place(name, tensor)
+    desc = TensorDesc(dtypes[tensor.dtype], tuple(tensor.shape), tuple(tensor.stride()))
+    return Operand(device, device_id, desc, tensor.data_ptr())
+
+
+def _torch_place(name: str, tensor: Any) -> tuple[Device, int]:
     devices = {"cpu": Device.CPU, "cuda": Device.NVIDIA}
     if tensor.device.type not in devices:
         raise InfiniError(
             Status.DEVICE_TYPE_NOT_SUPPORTED, f"{name} is on {tensor.device}; expected cpu or cuda"
         )
-    desc = TensorDesc(dtypes[tensor.dtype], tuple(tensor.shape), tuple(tensor.stride()))
-    return Operand(devices[tensor.device.type], tensor.device.index or 0, desc, tensor.data_ptr())
+    return devices[tensor.device.type], tensor.device.index or 0
 
 
 def _is_numpy(array: Any) -> bool:
     return hasattr(array, "__array_interface__")
 
 
-def operand(name: str, array: Any) -> Operand:
-    """Describe ``array``: NumPy, CuPy, torch, or any CUDA-array-interface/DLPack object."""
-    if _is_numpy(array):
-        dtype = getattr(array, "dtype", None)
-        return _from_interface(name, array.__array_interface__, Device.CPU, 0, dtype)
-    if _is_torch(array):
-        return _from_torch(name, array)
-    if hasattr(array, "__cuda_array_interface__"):
-        device = getattr(array, "device", None)
-        return _from_interface(
-            name, array.__cuda_array_interface__, Device.NVIDIA, getattr(device, "id", 0)
-        )
-    if hasattr(array, "__dlpack__"):  # JAX and other producers
-        return _from_dlpack(name, array)
-    raise InfiniError(
+def _is_cupy(array: Any) -> bool:
+    return type(array).__module__.startswith("cupy")
+
+
+def _not_an_array(name: str, array: Any) -> InfiniError:
+    return InfiniError(
         Status.BAD_PARAM,
         f"{name} must be a NumPy, CuPy or torch array, or expose __cuda_array_interface__ or "
         f"__dlpack__; got {type(array).__name__}",
     )
 
 
+def _place(name: str, array: Any) -> tuple[Device, int | None]:
+    """Where ``array`` lives, found without exporting it; the device id is None for a CUDA
+    array interface, whose pointer's owner only CUDA can tell (``_cai_device``)."""
+    if _is_numpy(array):
+        return Device.CPU, 0
+    if _is_torch(array):
+        return _torch_place(name, array)
+    if _is_cupy(array):
+        return Device.NVIDIA, array.device.id
+    if hasattr(array, "__cuda_array_interface__"):
+        return Device.NVIDIA, None
+    if hasattr(array, "__dlpack_device__"):
+        return _dlpack_place(name, *array.__dlpack_device__())
+    if hasattr(array, "__dlpack__"):
+        found = _from_dlpack(name, array, None)
+        return found.device, found.device_id
+    raise _not_an_array(name, array)
+
+
+def _cai_device(array: Any) -> int:
+    """The device owning a CUDA array interface's memory (CuPy arrays know theirs)."""
+    if _is_cupy(array):
+        return array.device.id
+    from .backends.cuda import pointer_device
+
+    return pointer_device(array.__cuda_array_interface__["data"][0] or 0)
+
+
+def common_place(arrays: dict[str, Any]) -> tuple[Device, int]:
+    """The ``(device, device_id)`` every array of ``arrays`` (by name) lives on; BAD_PARAM
+    naming each array's place otherwise. Device types are compared first, so host arrays
+    among device ones are refused without asking CUDA anything."""
+    places = {n: _place(n, a) for n, a in arrays.items()}
+    if len({device for device, _ in places.values()}) == 1:
+        places = {
+            n: (device, _cai_device(arrays[n]) if device_id is None else device_id)
+            for n, (device, device_id) in places.items()
+        }
+    if len(set(places.values())) > 1:
+        where = ", ".join(
+            f"{n} on {device.name}" + ("" if device_id is None else f":{device_id}")
+            for n, (device, device_id) in places.items()
+        )
+        raise InfiniError(Status.BAD_PARAM, f"arrays must share one device; got {where}")
+    device, device_id = next(iter(places.values()))
+    return device, device_id or 0
+
+
+def _cai_stream(name: str, iface: dict) -> int | None:
+    """The producer's stream in a CUDA Array Interface v3 dict (None: nothing to order)."""
+    producer = iface.get("stream")
+    if producer == 0:  # the interface's specification disallows 0 as ambiguous
+        raise InfiniError(
+            Status.BAD_PARAM,
+            f"{name}.__cuda_array_interface__ has stream 0; the protocol allows None, 1, 2 "
+            "or a cudaStream_t",
+        )
+    return producer
+
+
+def operand(name: str, array: Any, stream: int | None = None) -> Operand:
+    """Describe ``array``: NumPy, CuPy, torch, or any CUDA-array-interface/DLPack object.
+
+    ``stream`` is the CUDA stream the call uses ``array`` on (None: on the CPU, or only
+    described): a DLPack producer is handed it, and it waits for a CUDA Array Interface
+    producer's ``stream``."""
+    if _is_numpy(array):
+        dtype = getattr(array, "dtype", None)
+        return _from_interface(name, array.__array_interface__, Device.CPU, 0, dtype)
+    if _is_torch(array):
+        return _from_torch(name, array)
+    if hasattr(array, "__cuda_array_interface__"):
+        # CuPy 14's bfloat16 has typestr "<V2": the array's own dtype names it.
+        dtype = getattr(array, "dtype", None)
+        dtype = dtype if isinstance(dtype, np.dtype) else None
+        iface = array.__cuda_array_interface__
+        device_id = _cai_device(array)
+        found = _from_interface(name, iface, Device.NVIDIA, device_id, dtype)
+        producer = None if _is_cupy(array) else _cai_stream(name, iface)
+        if stream is not None and producer is not None:
+            from .backends.cuda import wait_for
+
+            wait_for(stream, producer, device_id)
+        return found
+    if hasattr(array, "__dlpack__"):  # JAX and other producers
+        return _from_dlpack(name, array, stream)
+    raise _not_an_array(name, array)
+
+
+def allocation_scope(like: Any, stream: int, device_id: int) -> AbstractContextManager:
+    """Where a call allocates: ``device_id`` current and ``stream`` the allocating stream of
+    ``like``'s library. Both caching allocators hand a freed block back only to allocations
+    from the stream it was allocated on (CuPy: one arena per stream; torch: "the caching
+    allocator is aware of only the stream where a tensor was allocated", the
+    ``Tensor.record_stream`` documentation), so memory written on ``stream`` must come from
+    ``stream``, or a block another stream is still using could be handed out."""
+    if _is_numpy(like) or (_is_torch(like) and like.device.type != "cuda"):
+        return nullcontext()
+    if _is_torch(like):
+        import torch
+
+        if stream == torch.cuda.current_stream(like.device).cuda_stream:
+            return nullcontext()
+        return torch.cuda.stream(_torch_stream(stream, like.device.index))
+    from .backends.cuda import stream_scope
+
+    return stream_scope(stream, device_id)
+
+
+@functools.cache
+def _torch_stream(stream: int, device_index: int) -> Any:
+    """torch's object for ``cudaStream_t`` ``stream`` (0: the device's default stream)."""
+    import torch
+
+    if stream == 0:
+        return torch.cuda.default_stream(device_index)
+    return torch.cuda.ExternalStream(stream, device=device_index)
+
+
 def empty_like(like: Any, shape: tuple[int, ...], strides: tuple[int, ...], dtype: DataType) -> Any:
-    """A new array of ``like``'s kind and device with ``shape``, element ``strides``, ``dtype``."""
+    """A new array of ``like``'s kind and device with ``shape``, element ``strides``, ``dtype``
+    (on the GPU: inside ``allocation_scope``)."""
     if _is_torch(like):
         import torch
 
@@ -205,9 +346,9 @@ def empty_like(like: Any, shape: tuple[int, ...], strides: tuple[int, ...], dtyp
     xp: Any = np
     if not _is_numpy(like):
         import cupy as xp
-    storage = (
-        like.dtype if dtype == DataType.BF16 and _is_numpy(like) else FLOAT_TYPES[dtype].storage
-    )
+    # BF16 in ml_dtypes' bfloat16 where ``like`` has it (NumPy, CuPy 14), else as its bits.
+    own = dtype == DataType.BF16 and getattr(like.dtype, "name", None) == "bfloat16"
+    storage = like.dtype if own else FLOAT_TYPES[dtype].storage
     extent = sum((n - 1) * s for n, s in zip(shape, strides, strict=True)) + 1
     base = xp.empty(extent, storage)
     byte_strides = tuple(s * base.itemsize for s in strides)
@@ -227,9 +368,10 @@ def buffer_address(name: str, buffer: Any) -> tuple[int, int]:
     raise InfiniError(Status.BAD_PARAM, f"{name} must be an array, got {type(buffer).__name__}")
 
 
-def workspace_like(like: Any, nbytes: int, stream: int) -> tuple[Any, int]:
-    """``nbytes`` of scratch from ``like``'s own allocator, tied to ``stream`` so that the
-    allocator does not reuse it before the work queued there is done; (None, 0) for 0 bytes."""
+def workspace_like(like: Any, nbytes: int) -> tuple[Any, int]:
+    """``nbytes`` of scratch from ``like``'s own allocator (on the GPU: inside
+    ``allocation_scope``, so that it is not reused before the work queued on the call's
+    stream is done); (None, 0) for 0 bytes."""
     if nbytes == 0:
         return None, 0
     if _is_numpy(like):
@@ -239,14 +381,8 @@ def workspace_like(like: Any, nbytes: int, stream: int) -> tuple[Any, int]:
         import torch
 
         buffer = torch.empty(nbytes, dtype=torch.uint8, device=like.device)
-        on_gpu = like.device.type == "cuda"
-        if on_gpu and stream != torch.cuda.current_stream(like.device).cuda_stream:
-            buffer.record_stream(torch.cuda.ExternalStream(stream, device=like.device))
         return buffer, buffer.data_ptr()
     import cupy
 
-    from .backends.cuda import stream_scope
-
-    with stream_scope(stream, operand("like", like).device_id):
-        buffer = cupy.empty(nbytes, cupy.uint8)
+    buffer = cupy.empty(nbytes, cupy.uint8)
     return buffer, buffer.data.ptr

@@ -276,7 +276,7 @@ def module(directory: Path) -> types.ModuleType:
         MemoryPointer=_MemoryPointer,
         Stream=types.SimpleNamespace(null=nullcontext()),
         ExternalStream=lambda stream, device_id: nullcontext(),
-        get_current_stream=lambda: streams,
+        get_current_stream=lambda device_id=-1: streams,
     )
     fake = types.ModuleType("cupy", "CuPy's kernels run on the host (tests/cupy_on_host.py)")
     fake.cuda = cuda

@@ -3,7 +3,8 @@
 import pytest
 from helpers import gpu_present
 
-from cudnn_bn._cudnn.handle import Handle, thread_handle
+from cudnn_bn._cudnn import handle as handles
+from cudnn_bn._cudnn.handle import Handle
 from cudnn_bn.errors import DeviceNotInitializedError
 
 
@@ -25,8 +26,10 @@ def test_handle_without_driver():
     _assert_not_initialized(caught.value)
 
 
-def test_thread_handle_without_driver_fails_every_time():
+def test_pooled_handle_without_driver_fails_every_time(monkeypatch):
+    monkeypatch.setattr(handles, "_free", {})
     for _ in range(2):
         with pytest.raises(DeviceNotInitializedError) as caught:
-            thread_handle(0)
+            handles.reserve(0)
         _assert_not_initialized(caught.value)
+    assert handles._free == {0: []}  # nothing half-made is pooled

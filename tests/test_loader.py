@@ -5,6 +5,7 @@ case that needs a particular search outcome runs in a fresh Python subprocess.
 """
 
 import ctypes.util
+import importlib.util
 import json
 import os
 import re
@@ -17,6 +18,7 @@ import pytest
 
 import cudnn_bn
 from cudnn_bn._cudnn import loader
+from cudnn_bn.errors import CudnnNotFoundError
 
 REPO = Path(cudnn_bn.__file__).resolve().parents[1]
 
@@ -90,8 +92,12 @@ def build_library(path: Path, source: str) -> Path:
     return path
 
 
-def fake_cudnn(path: Path, version: int) -> Path:
-    source = f"#include <stddef.h>\nsize_t cudnnGetVersion(void) {{ return {version}; }}\n"
+def fake_cudnn(path: Path, version: int, cudart: int = 12080) -> Path:
+    source = (
+        "#include <stddef.h>\n"
+        f"size_t cudnnGetVersion(void) {{ return {version}; }}\n"
+        f"size_t cudnnGetCudartVersion(void) {{ return {cudart}; }}\n"
+    )
     return build_library(path, source)
 
 
@@ -122,7 +128,7 @@ def test_fresh_process_finds_the_wheel(tmp_path):
 
 
 def test_candidates_order():
-    found = list(loader.candidates({"CUDNN_PATH": "/opt/cudnn"}, ["/site", ""]))
+    found = list(loader.candidates({"CUDNN_PATH": "/opt/cudnn"}, ["/site", "/later"]))
     already = [c for c in found if c[0] == "already loaded"]
     assert found[: len(already)] == already, "already-loaded copies come first"
     rest = found[len(already) :]
@@ -131,8 +137,8 @@ def test_candidates_order():
     wheel = [path for kind, path in rest if kind == "wheel"]
     assert wheel[0] == "/site/nvidia/cudnn/lib/libcudnn.so.9"
     assert wheel.index("/site/nvidia/cudnn/lib/libcudnn.so.9") < wheel.index(
-        os.path.join(os.curdir, "nvidia/cudnn/lib/libcudnn.so.9")
-    ), "sys.path order, and an empty entry is the current folder"
+        "/later/nvidia/cudnn/lib/libcudnn.so.9"
+    ), "sys.path order"
     assert ("CUDNN_PATH", "/opt/cudnn/lib/libcudnn.so.9") in rest
     assert rest[-1][0] == "system"
     assert ("system", "libcudnn.so.9") in rest
@@ -155,6 +161,65 @@ def test_fake_wheel_first_on_sys_path(tmp_path):
     lib = fake_cudnn(tmp_path / "nvidia" / "cudnn" / "lib" / "libcudnn.so.9", 90123)
     [info, _] = load_in_child(tmp_path, prefix=[tmp_path])
     assert info == {"path": str(lib.resolve()), "found_via": "wheel", "version": 90123}
+
+
+def test_candidates_skip_the_working_directory():
+    found = list(loader.candidates({}, ["", ".", "site-packages", "/site"]))
+    wheel = [path for kind, path in found if kind == "wheel"]
+    assert wheel and all(path.startswith("/site/") for path in wheel)
+
+
+def test_a_libcudnn_in_the_working_directory_is_not_loaded(tmp_path):
+    """``python -c``/``python script.py`` put the working directory ("" or the script's
+    folder) on sys.path: a ``nvidia/cudnn/lib`` lying there must not hijack the load."""
+    fake_cudnn(tmp_path / "nvidia" / "cudnn" / "lib" / "libcudnn.so.9", 90999)
+    [info, _] = load_in_child(tmp_path, prefix=["", "."])
+    assert info.get("version") != 90999, info
+    assert not info.get("path", "").startswith(str(tmp_path)), info
+
+
+def test_already_loaded_prefers_the_wanted_major(tmp_path):
+    """Two cuDNN majors mapped (another library loaded cuDNN 8 first): cuDNN 9 is taken,
+    also under a versioned file name (a system install's libcudnn.so.9.1.0)."""
+    old = fake_cudnn(tmp_path / "a" / "libcudnn.so.8", 8907)
+    new = fake_cudnn(tmp_path / "b" / "libcudnn.so.9.1.0", 90100, cudart=13000)
+    code = (
+        "import ctypes, json, sys\n"
+        "ctypes.CDLL(sys.argv[1]); ctypes.CDLL(sys.argv[2])\n"
+        "import cudnn_bn\n"
+        "info = cudnn_bn.cudnn_info()\n"
+        "print(json.dumps([info.path, info.found_via, info.version, info.cudart_version]))\n"
+    )
+    result = json.loads(run_child(code, str(old), str(new), cwd=tmp_path))
+    assert result == [str(new), "already loaded", 90100, 13000]
+
+
+def test_cudnn_info_reports_both_cuda_runtimes():
+    info = cudnn_bn.cudnn_info()
+    assert info.cudart_version >= 11000  # the wheel's cuDNN was built for CUDA 11 or later
+    if importlib.util.find_spec("cupy") is not None:
+        assert info.cupy_cudart_version >= 11000
+    assert loader.cuda_version_string(12080) == "12.8"
+
+
+def test_without_libcudnn_the_nvidia_backend_falls_back_to_cupy(monkeypatch):
+    """libcudnn cannot load but CuPy can run: the CuPy engine serves, with a warning."""
+    from cudnn_bn._cudnn import library
+    from cudnn_bn.backends import cuda
+
+    missing = CudnnNotFoundError(cudnn_bn.Status.DEVICE_NOT_INITIALIZED, "no libcudnn here")
+    monkeypatch.setattr(library, "_library", None)
+    monkeypatch.setattr(loader, "_loaded", None)
+    monkeypatch.setattr(loader, "_failure", missing)
+    monkeypatch.setattr(cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(cuda, "device_count", lambda: 1)
+    x = cudnn_bn.TensorDesc.contiguous(cudnn_bn.DataType.F32, (2, 3, 4, 5))
+    c = cudnn_bn.TensorDesc.contiguous(cudnn_bn.DataType.F32, (3,))
+    handle = cudnn_bn.Handle(cudnn_bn.Device.NVIDIA, 0)
+    with pytest.warns(RuntimeWarning, match="runs on CuPy kernels instead: .*no libcudnn here"):
+        desc = cudnn_bn.BatchNormBackwardDescriptor(handle, x, c, c, x, x, c, c, c)
+    with desc:
+        assert desc.engine == "cupy"
 
 
 def test_cudnn_path(tmp_path, no_system_cudnn):

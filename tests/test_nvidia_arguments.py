@@ -47,6 +47,7 @@ from cudnn_stub import (
     expected_bn_mode,
     fast_cases,
     fields,
+    fused_engine,
     in_workspace,
     layout_strides,
     nothing_recorded,
@@ -251,7 +252,7 @@ def test_stream_zero_is_the_legacy_default(stub):
     assert (stub.set_stream.calls, stub.set_stream.stream) == (1, 0)
 
 
-def test_each_thread_uses_its_own_handle(stub):
+def test_threads_take_turns_with_the_pooled_handle(stub):
     with descriptor((2, 3, 4, 5)) as desc:
         compute(desc)
         first = stub.backward.handle
@@ -259,7 +260,7 @@ def test_each_thread_uses_its_own_handle(stub):
         worker.start()
         worker.join()
     assert stub.backward.calls == 2
-    assert stub.backward.handle not in (0, first)
+    assert stub.backward.handle == first != 0  # given back after each compute, not per thread
     assert stub.set_stream.handle == stub.backward.handle
 
 
@@ -370,13 +371,15 @@ def test_engine_choice(stub, engine, shape, dtype, layout, attributes):
             assert (stub.live_tensors.value, stub.backward_query.calls) == (before, 0)
 
 
-def test_eps_below_cudnn8_floor_goes_to_cupy(stub, monkeypatch):
+@pytest.mark.parametrize("eps", [0.0, 1e-6])
+def test_small_eps_goes_to_cudnn_8_unclamped(stub, monkeypatch, eps):
+    """CUDNN_BN_MIN_EPSILON is 0 since cuDNN 7.6 (1e-5 was cuDNN <= 7.4's): no eps floor."""
     cudnn8 = CudnnInfo(path="libcudnn.so.8", found_via="test stub", version=8907)
     monkeypatch.setattr(library_module.cudnn(), "info", cudnn8)
-    with descriptor((2, 3, 4, 5), eps=1e-6) as desc:
-        assert desc.engine == "cupy"
-    with descriptor((2, 3, 4, 5), eps=1e-5) as desc:
+    with descriptor((2, 3, 4, 5), eps=eps) as desc:
         assert desc.engine == "cudnn"
+        compute(desc)
+    assert stub.backward.epsilon == eps
 
 
 # --- a cuDNN failure ------------------------------------------------------------------------
@@ -602,6 +605,7 @@ def test_rebuilding_a_fused_descriptor_destroys_its_activation(stub):
 @pytest.mark.parametrize("case", FUSED_ENGINES.values(), ids=list(FUSED_ENGINES))
 def test_fused_backward_engine(stub, fusion, case):
     engine, shape, dtype, channel_dtype, layout, persistent = case
+    engine = fused_engine(engine, fusion)
     gc.collect()
     live = (stub.live_tensors.value, stub.live_activations.value)
     strides = layout_strides(shape, layout)

@@ -35,6 +35,7 @@ from cudnn_stub import (
     expected_bn_mode,
     fast_cases,
     fields,
+    fused_engine,
     in_workspace,
     layout_strides,
     nothing_recorded,
@@ -287,6 +288,7 @@ def test_add_relu_training_needs_z(stub):
 @pytest.mark.parametrize("case", FUSED_ENGINES.values(), ids=list(FUSED_ENGINES))
 def test_fused_training_engine(stub, fusion, case):
     engine, shape, dtype, channel_dtype, layout, persistent = case
+    engine = fused_engine(engine, fusion)
     gc.collect()
     live = (stub.live_tensors.value, stub.live_activations.value)
     strides = layout_strides(shape, layout)

@@ -1,7 +1,15 @@
-"""cuDNN handles: one per (device, thread), created on first use, stream set per call."""
+"""cuDNN handles: a pool per device that lives as long as the process.
+
+A compute borrows a handle, sets its stream, makes its cuDNN call and gives it back, so
+threads share the pool the way PyTorch's ``DeviceThreadHandlePool`` lets them. Handles are
+made when a descriptor is built (``reserve``), never by a compute unless more computes run
+at once on a device than ever before: ``cudnnCreate`` cannot run while a stream is capturing
+a CUDA graph. Handles are never destroyed: ``cudnnDestroy`` synchronizes the device, which
+would break a graph capture on another thread (and at exit the CUDA context may be gone).
+``list.append``/``list.pop`` are atomic, so borrowing takes no lock.
+"""
 
 import ctypes
-import threading
 
 from .library import cudnn
 from .owned import Owned
@@ -18,13 +26,26 @@ class Handle(Owned):
         super().__init__(ref, lib.cudnnDestroy)
 
 
-_per_thread = threading.local()
+_free: dict[int, list[Handle]] = {}
 
 
-def thread_handle(device_id: int) -> Handle:
-    """This thread's handle for ``device_id``; the caller has made that device current."""
-    handles: dict[int, Handle] = _per_thread.__dict__.setdefault("handles", {})
-    handle = handles.get(device_id)
-    if handle is None or handle.closed:
-        handle = handles[device_id] = Handle()
-    return handle
+def reserve(device_id: int) -> None:
+    """Make sure a free handle for ``device_id`` is pooled; the caller has made that device
+    current. Descriptor creation calls this, so that computes find one."""
+    free = _free.setdefault(device_id, [])
+    if not free:
+        free.append(Handle())
+
+
+def borrow(device_id: int) -> Handle:
+    """A handle for ``device_id`` no one else is using; ``give_back`` it when done. The
+    caller has made that device current."""
+    try:
+        return _free[device_id].pop()
+    except (KeyError, IndexError):
+        return Handle()
+
+
+def give_back(device_id: int, handle: Handle) -> None:
+    """Return a borrowed handle to the pool (it stays alive for the process)."""
+    _free.setdefault(device_id, []).append(handle)

@@ -8,13 +8,15 @@ mapped status and cuDNN's own error strings. ``CUDNN_BN_LOG_API_ARGS=1`` logs ev
 """
 
 import ctypes
+import dataclasses
 import os
 import sys
+import warnings
 from collections.abc import Callable
 from typing import Any
 
 from ..enums import Status
-from ..errors import CudnnSymbolError, InfiniError
+from ..errors import CudnnNotFoundError, CudnnSymbolError, InfiniError
 from .loader import CudnnInfo, load
 from .prototypes import PROTOTYPES, cudnnStatus_t
 from .status import cudnn_status_to_infini
@@ -108,5 +110,32 @@ def cudnn() -> CudnnLibrary:
 
 
 def cudnn_info() -> CudnnInfo:
-    """Which libcudnn this process uses: ``path``, ``found_via``, ``version``."""
-    return cudnn().info
+    """Which libcudnn this process uses: ``path``, ``found_via``, ``version``, the CUDA
+    runtime it was built for (``cudart_version``) and CuPy's (``cupy_cudart_version``)."""
+    return dataclasses.replace(cudnn().info, cupy_cudart_version=_cupy_cudart_version())
+
+
+def _cupy_cudart_version() -> int | None:
+    """``cudaRuntimeGetVersion`` of the runtime CuPy uses (None without CuPy)."""
+    try:
+        import cupy
+
+        return int(cupy.cuda.runtime.runtimeGetVersion())
+    except Exception:  # no CuPy, or a CuPy that cannot start: nothing to report
+        return None
+
+
+def cudnn_loads() -> bool:
+    """Whether libcudnn loads. When it does not, the NVIDIA backend runs every problem on
+    its CuPy engine, saying so with a warning (once per place that asks) rather than
+    failing."""
+    try:
+        cudnn()
+    except CudnnNotFoundError as exc:
+        warnings.warn(
+            f"cuDNN is unavailable, batch norm runs on CuPy kernels instead: {exc}",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+        return False
+    return True

@@ -1,13 +1,18 @@
 """Finding and loading ``libcudnn``, once per process.
 
-Search order: a copy already loaded in the process (PyTorch loads its own), the
-``nvidia-cudnn-cu12``/``-cu13`` wheel (``nvidia/cudnn/lib`` on ``sys.path``), ``$CUDNN_PATH``,
-then the system's dynamic loader. Importing the package never loads anything; the first call
-that needs cuDNN does, and a failure is stored and raised again, listing every place tried.
+Search order: a copy already loaded in the process (PyTorch loads its own; cuDNN 9 before
+cuDNN 8 when several are mapped), the ``nvidia-cudnn-cu12``/``-cu13`` wheel
+(``nvidia/cudnn/lib`` under each absolute ``sys.path`` entry), ``$CUDNN_PATH``, then the
+system's dynamic loader. The empty and relative ``sys.path`` entries (the working directory
+when running from a source tree) are skipped: a ``nvidia/cudnn/lib/libcudnn.so.9`` lying in
+whatever folder the program runs from must not be loaded ahead of the real one. Importing
+the package never loads anything; the first call that needs cuDNN does, and a failure is
+stored and raised again, listing every place tried.
 """
 
 import ctypes
 import os
+import re
 import sys
 import threading
 from collections.abc import Iterator, Mapping, Sequence
@@ -16,16 +21,27 @@ from dataclasses import dataclass
 from ..enums import Status
 from ..errors import CudnnNotFoundError
 
-SONAMES = ("libcudnn.so.9", "libcudnn.so.8")
+SONAMES = ("libcudnn.so.9", "libcudnn.so.8")  # the wanted major first
+_MAPPED = re.compile(r"libcudnn\.so\.(\d+)(\.|$)")  # libcudnn.so.9, libcudnn.so.9.1.0
+
+
+def cuda_version_string(version: int) -> str:
+    """A CUDA runtime version (``major * 1000 + minor * 10``) as ``major.minor``."""
+    return f"{version // 1000}.{version % 1000 // 10}"
 
 
 @dataclass(frozen=True)
 class CudnnInfo:
-    """Which libcudnn was loaded, from where, and its version (``cudnnGetVersion``)."""
+    """Which libcudnn was loaded, from where, and its version (``cudnnGetVersion``);
+    ``cudart_version`` is the CUDA runtime it was built for (``cudnnGetCudartVersion``),
+    ``cupy_cudart_version`` the one CuPy runs on (None without CuPy): their majors must
+    match for cuDNN to run on CuPy's memory and streams."""
 
     path: str
     found_via: str
     version: int
+    cudart_version: int = 0
+    cupy_cudart_version: int | None = None
 
     @property
     def version_string(self) -> str:
@@ -36,17 +52,19 @@ class CudnnInfo:
 
 
 def _already_loaded() -> Iterator[str]:
+    """The libcudnn files mapped into this process, the wanted major version first."""
     try:
         with open("/proc/self/maps") as maps:
             lines = maps.read().splitlines()
     except OSError:
         return
-    seen = set()
+    majors = [soname.rsplit(".", 1)[1] for soname in SONAMES]
+    found: dict[str, str] = {}
     for line in lines:
         path = line.split(maxsplit=5)[-1]
-        if os.path.basename(path) in SONAMES and path not in seen:
-            seen.add(path)
-            yield path
+        if (match := _MAPPED.match(os.path.basename(path))) and match[1] in majors:
+            found.setdefault(path, match[1])
+    yield from sorted(found, key=lambda path: majors.index(found[path]))
 
 
 def candidates(
@@ -62,8 +80,10 @@ def candidates(
     for path in _already_loaded():
         yield "already loaded", path
     for entry in search_path:
+        if not os.path.isabs(entry):  # "" and relative entries: the working directory
+            continue
         for soname in SONAMES:
-            yield "wheel", os.path.join(entry or os.curdir, "nvidia", "cudnn", "lib", soname)
+            yield "wheel", os.path.join(entry, "nvidia", "cudnn", "lib", soname)
     if root := environ.get("CUDNN_PATH"):
         for sub in ("lib", "lib64", ""):
             for soname in SONAMES:
@@ -72,14 +92,21 @@ def candidates(
         yield "system", soname
 
 
-def _try_load(path: str) -> tuple[ctypes.CDLL, int]:
+def _try_load(path: str) -> tuple[ctypes.CDLL, int, int]:
+    """The library at ``path``, its ``cudnnGetVersion`` and ``cudnnGetCudartVersion``."""
     lib = ctypes.CDLL(path)
-    try:
-        get_version = lib.cudnnGetVersion
-    except AttributeError:
-        raise OSError("not a cuDNN library: no cudnnGetVersion") from None
-    get_version.restype, get_version.argtypes = ctypes.c_size_t, []
-    return lib, int(get_version())
+    if not hasattr(lib, "cudnnGetVersion"):
+        raise OSError("not a cuDNN library: no cudnnGetVersion")
+    return lib, _size_t_call(lib, "cudnnGetVersion"), _size_t_call(lib, "cudnnGetCudartVersion")
+
+
+def _size_t_call(lib: ctypes.CDLL, name: str) -> int:
+    """``size_t name(void)`` of ``lib``; 0 where ``lib`` has no such function."""
+    function = getattr(lib, name, None)
+    if function is None:
+        return 0
+    function.restype, function.argtypes = ctypes.c_size_t, []
+    return int(function())
 
 
 def find_and_load(
@@ -94,15 +121,17 @@ def find_and_load(
         if is_file and not os.path.exists(path):
             continue
         try:
-            lib, version = _try_load(path)
+            lib, version, cudart = _try_load(path)
         except OSError as exc:
             tried.append(f"  {found_via}: {path}: {exc}")
             continue
-        return lib, CudnnInfo(path=_resolved(lib, path), found_via=found_via, version=version)
+        info = CudnnInfo(_resolved(lib, path), found_via, version, cudart_version=cudart)
+        return lib, info
     places = [
         "  already loaded in this process: none",
-        f"  wheel: nvidia/cudnn/lib/{{{','.join(SONAMES)}}} under each of {len(search_path)} "
-        "sys.path entries",
+        f"  wheel: nvidia/cudnn/lib/{{{','.join(SONAMES)}}} under each absolute sys.path "
+        f"entry ({sum(os.path.isabs(e) for e in search_path)}; the working directory is not "
+        "searched)",
         f"  CUDNN_PATH: {environ.get('CUDNN_PATH', '(not set)')}",
         "  system: the dynamic loader's search path (LD_LIBRARY_PATH, ldconfig)",
     ]

@@ -59,22 +59,83 @@ class on_device:
             _cupy().cuda.runtime.setDevice(self.previous)
 
 
-def current_stream() -> int:
-    """CuPy's current stream on the current device, as a ``cudaStream_t`` address."""
-    return _cupy().cuda.get_current_stream().ptr
+def current_stream(device_id: int) -> int:
+    """CuPy's current stream on ``device_id`` (each device has its own), as a
+    ``cudaStream_t`` address."""
+    return _cupy().cuda.get_current_stream(device_id).ptr
+
+
+def pointer_device(ptr: int) -> int:
+    """The device owning device address ``ptr`` (``cudaPointerGetAttributes``); the current
+    device for NULL (an empty array has no memory)."""
+    if not ptr:
+        return current_device()
+    cupy = _cupy()
+    attributes = _runtime_call(
+        "cudaPointerGetAttributes", cupy.cuda.runtime.pointerGetAttributes, ptr
+    )
+    if attributes.type == _UNREGISTERED_HOST_MEMORY:
+        raise InfiniError(Status.BAD_PARAM, f"address {ptr:#x} is not CUDA memory")
+    return attributes.device
+
+
+_UNREGISTERED_HOST_MEMORY = 0  # cudaMemoryTypeUnregistered
+# The CUDA runtime's default-stream handles: 0 and cudaStreamLegacy (1) are both the legacy
+# default stream (the CUDA Array Interface and DLPack write it as 1, CuPy as 0).
+_LEGACY_DEFAULT = {0, 1}
+
+
+class _StreamHandle:
+    """A raw ``cudaStream_t`` in the CUDA stream protocol (``__cuda_stream__``), which CuPy
+    14's ``Stream.from_external`` takes (``cupy/cuda/stream.pyx``)."""
+
+    __slots__ = ("ptr",)
+
+    def __init__(self, ptr: int) -> None:
+        self.ptr = ptr
+
+    def __cuda_stream__(self) -> tuple[int, int]:
+        return 0, self.ptr
 
 
 _streams: dict[tuple[int, int], Any] = {}
 
 
-@contextmanager
-def stream_scope(stream: int, device_id: int) -> Iterator[None]:
-    """Make the ``cudaStream_t`` ``stream`` (0: the legacy default) CuPy's current stream."""
-    cupy = _cupy()
+def cupy_stream(stream: int, device_id: int) -> Any:
+    """CuPy's object for the ``cudaStream_t`` ``stream`` of ``device_id`` (0: the legacy
+    default), made once: ``Stream.from_external`` where CuPy has it (14, which deprecates
+    ``ExternalStream``), else ``ExternalStream``. Enter it with ``device_id`` current
+    (``stream_scope``): ``from_external`` records no device and takes the current one."""
     key = (stream, device_id)
     if (wrapped := _streams.get(key)) is None:
-        wrapped = _streams[key] = (
-            cupy.cuda.Stream.null if stream == 0 else cupy.cuda.ExternalStream(stream, device_id)
-        )
-    with wrapped:
+        cuda = _cupy().cuda
+        if stream == 0:
+            wrapped = cuda.Stream.null
+        elif hasattr(cuda.Stream, "from_external"):
+            wrapped = cuda.Stream.from_external(_StreamHandle(stream))
+        else:
+            wrapped = cuda.ExternalStream(stream, device_id)
+        _streams[key] = wrapped
+    return wrapped
+
+
+@contextmanager
+def stream_scope(stream: int, device_id: int) -> Iterator[None]:
+    """Make ``device_id`` current and the ``cudaStream_t`` ``stream`` CuPy's current stream
+    on it: CuPy launches there, and its memory pool serves allocations from that stream's
+    own arena (``cupy/cuda/memory.pyx`` keys arenas by the current stream), so memory the
+    block allocates is never handed out while another stream may still be using it."""
+    with on_device(device_id), cupy_stream(stream, device_id):
         yield
+
+
+def wait_for(stream: int, producer: int, device_id: int) -> None:
+    """Make ``stream`` wait for the work queued on ``producer`` so far, with an event: the
+    host does not block, and ``stream`` may be capturing a CUDA graph."""
+    if producer == stream or {producer, stream} <= _LEGACY_DEFAULT:
+        return
+    cuda = _cupy().cuda
+    with on_device(device_id):
+        event = cuda.Event(block=False, disable_timing=True)
+        event.record(cupy_stream(producer, device_id))
+        cupy_stream(stream, device_id).wait_event(event)

@@ -12,9 +12,9 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any, NamedTuple
 
+from .._cudnn import handle as handles
 from .._cudnn.activation import ActivationDescriptor
 from .._cudnn.enums import BatchNormMode, BatchNormOps, CudnnDataType
-from .._cudnn.handle import thread_handle
 from .._cudnn.library import cudnn
 from .._cudnn.tensor import TensorDescriptor, pad_to_4d
 from ..dtypes import FLOAT_TYPES
@@ -68,6 +68,7 @@ class _CudnnKernel:
         self.ctype = FLOAT_TYPES[x.dtype].cudnn
         self.channels = x.shape[1]
         self._owned: list[Any] = []
+        handles.reserve(device_id)  # here, not in compute: a compute may be graph-captured
         with self.closed_on_error():
             self.activation = self._own(ActivationDescriptor()).ref if fusion != Fusion.BN else None
             self.x_desc = self.data_descriptor(x)
@@ -100,9 +101,13 @@ class _CudnnKernel:
         return self._own(TensorDescriptor.nd(self.ctype, shape, packed)).ref
 
     def query(self, function: str, *args: Any) -> int:
-        """A size from one of cuDNN's ``cudnnGet...Size`` calls on this thread's handle."""
+        """A size from one of cuDNN's ``cudnnGet...Size`` calls, on a pooled handle."""
         size = ctypes.c_size_t()
-        getattr(cudnn(), function)(thread_handle(self.device_id), *args, ctypes.byref(size))
+        handle = handles.borrow(self.device_id)
+        try:
+            getattr(cudnn(), function)(handle, *args, ctypes.byref(size))
+        finally:
+            handles.give_back(self.device_id, handle)
         return size.value
 
     def reserve_query(self) -> int:
@@ -143,11 +148,15 @@ class _CudnnKernel:
             args[index] = workspace + offset
         self.bind_reserve(args, ptrs)
         with cuda.on_device(self.device_id):
-            args[0] = handle = thread_handle(self.device_id).ref
-            self._set_stream(handle, stream)
-            self.staging.read(ptrs, workspace, stream)
-            self._call(*args)
-            self.staging.write(ptrs, workspace, stream)
+            handle = handles.borrow(self.device_id)
+            try:
+                args[0] = handle.ref
+                self._set_stream(handle.ref, stream)
+                self.staging.read(ptrs, workspace, stream)
+                self._call(*args)
+                self.staging.write(ptrs, workspace, stream)
+            finally:
+                handles.give_back(self.device_id, handle)
 
     def close(self) -> None:
         for desc in self._owned:

@@ -1,13 +1,14 @@
 """The NVIDIA backend: cuDNN first, CuPy kernels for the rest; the engine is chosen once.
 
 * ``cudnn`` (``cudnn_engines.py``): F16/F32/F64 data whose operands share one packed layout
-  (NCHW or channels-last) with fewer than 2^31 elements (cuDNN indexes with 32 bits), eps
-  legal for the loaded cuDNN, and, for backward, the train and saved modes. Fused passes
-  (BN+ReLU, BN+Add+ReLU) only where cuDNN's fused kernels run: F16 NHWC data with
-  C % 4 == 0 in SPATIAL_PERSISTENT mode, and a fused backward only from saved statistics.
+  (NCHW or channels-last) with fewer than 2^31 elements (cuDNN indexes with 32 bits), and,
+  for backward, the train and saved modes; any eps (``CUDNN_BN_MIN_EPSILON`` is 0 since
+  cuDNN 7.6). Fused passes (BN+ReLU, BN+Add+ReLU) only where cuDNN's fused kernels run: F16
+  NHWC data in SPATIAL_PERSISTENT mode (BN+Add+ReLU also C % 4 == 0; cuDNN 8.2 lifted that
+  for BN+ReLU), and a fused backward only from saved statistics.
 * ``cupy`` (``cupy_engines.py``): everything else — eval-mode backward (cuDNN has no call
   for it), BF16 data (PyTorch never sends BF16 to cuDNN's batch norm), other strides, huge
-  tensors.
+  tensors; and every problem when libcudnn cannot load (with a warning).
 
 Neither allocates nor synchronizes in ``run``: scratch lives in the caller's workspace.
 """
@@ -15,7 +16,7 @@ Neither allocates nor synchronizes in ``run``: scratch lives in the caller's wor
 from typing import Any
 
 from .._cudnn.enums import BatchNormMode
-from .._cudnn.library import cudnn
+from .._cudnn.library import cudnn_loads
 from ..enums import DataType
 from ..problems import (
     BackwardAttributes,
@@ -46,7 +47,6 @@ CUDNN_MAX_BATCH_TRAINING, CUDNN_MAX_BATCH_INFERENCE = 880801, 65535
 CUDNN_BACKWARD_MODES = (Mode.TRAIN, Mode.SAVED, Mode.SAVED_INVSTD)
 CUDNN_SAVED_MODES = (Mode.SAVED, Mode.SAVED_INVSTD)
 CUDNN_DTYPES = (DataType.F16, DataType.F32, DataType.F64)
-CUDNN8_MIN_EPSILON, CUDNN9_VERSION = 1e-5, 90000
 FUSED_CHANNEL_MULTIPLE, FUSED_NDIM = 4, 4
 
 
@@ -57,7 +57,7 @@ def _layout(desc: TensorDesc) -> str | None:
 
 
 def cudnn_takes(
-    data: list[TensorDesc], eps: float, fusion: Fusion, mode: BatchNormMode, training: bool
+    data: list[TensorDesc], fusion: Fusion, mode: BatchNormMode, training: bool
 ) -> bool:
     """Whether cuDNN's batch-norm calls serve a problem whose ``(N, C, ...)`` operands are
     ``data`` (the input first) exactly. The size limits are PyTorch's guards: fewer than
@@ -71,14 +71,14 @@ def cudnn_takes(
         and x.shape[0] <= (CUDNN_MAX_BATCH_TRAINING if training else CUDNN_MAX_BATCH_INFERENCE)
         and len(layouts) == 1
         and None not in layouts
-        and (eps >= CUDNN8_MIN_EPSILON or cudnn().info.version >= CUDNN9_VERSION)
+        and cudnn_loads()
     ):
         return False
     return fusion == Fusion.BN or (
         x.dtype == DataType.F16
         and x.ndim == FUSED_NDIM
         and layouts == {"NHWC"}
-        and x.shape[1] % FUSED_CHANNEL_MULTIPLE == 0
+        and (fusion != Fusion.BN_ADD_RELU or x.shape[1] % FUSED_CHANNEL_MULTIPLE == 0)
         and mode == BatchNormMode.SPATIAL_PERSISTENT
     )
 
@@ -97,7 +97,7 @@ def BatchNormBackward(
     mode = bn_mode(t.input, True, a.persistent)
     # cuDNN's fused backward reads the forward's saved statistics: no train mode there.
     modes = CUDNN_BACKWARD_MODES if a.fusion == Fusion.BN else CUDNN_SAVED_MODES
-    use_cudnn = a.mode in modes and cudnn_takes(data, a.eps, a.fusion, mode, training=True)
+    use_cudnn = a.mode in modes and cudnn_takes(data, a.fusion, mode, training=True)
     return _build(CudnnBatchNormBackward if use_cudnn else CupyBatchNormBackward, t, a, device_id)
 
 
@@ -107,9 +107,7 @@ def BatchNormForwardTraining(
     """The training-forward engine for this problem on NVIDIA device ``device_id``."""
     a, t = attributes, tensors
     data = [d for d in (t.input, t.output, t.z) if d is not None]
-    use_cudnn = cudnn_takes(
-        data, a.eps, a.fusion, bn_mode(t.input, True, a.persistent), training=True
-    )
+    use_cudnn = cudnn_takes(data, a.fusion, bn_mode(t.input, True, a.persistent), training=True)
     return _build(
         CudnnBatchNormForwardTraining if use_cudnn else CupyBatchNormForwardTraining,
         t,
@@ -124,6 +122,6 @@ def BatchNormForwardInference(
     """The inference-forward engine for this problem on NVIDIA device ``device_id``."""
     t = tensors
     mode = bn_mode(t.input, False, False)
-    use_cudnn = cudnn_takes([t.input, t.output], attributes.eps, Fusion.BN, mode, training=False)
+    use_cudnn = cudnn_takes([t.input, t.output], Fusion.BN, mode, training=False)
     engine = CudnnBatchNormForwardInference if use_cudnn else CupyBatchNormForwardInference
     return _build(engine, t, attributes, device_id)

@@ -1,0 +1,298 @@
+"""Stand-ins for CuPy and torch's CUDA side that record where everything happens.
+
+``FakeCupy`` is a ``cupy`` module for ``sys.modules`` with two devices, a current device, a
+current stream per device (CuPy's stream stack), ``Stream.from_external`` and the deprecated
+``ExternalStream``, events, ``cudaPointerGetAttributes`` over the fake arrays it made, and a
+memory pool that records the device and current stream of every allocation (CuPy's pool
+takes memory from the current stream's arena). ``FakeArray`` looks like a CuPy array to the
+package (``__module__`` is ``cupy``, ``.device.id``, ``.data.ptr``, the CUDA array
+interface). ``fake_torch`` patches torch's stream and allocation calls in the same way.
+Nothing is ever dereferenced: the stub libcudnn (``cudnn_stub.py``) only records pointers.
+
+``RecordingLibrary`` wraps the stub libcudnn and records, for each cuDNN call that matters
+here, the fake current device and the calling thread.
+"""
+
+import itertools
+import threading
+import types
+import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import numpy as np
+
+from cudnn_bn._cudnn.library import CudnnLibrary
+
+DEVICES = 2
+BASE = 0x7100_0000_0000  # fake device addresses, 1 MiB apart, above 2^32
+
+
+class _Pointer:
+    def __init__(self, ptr: int) -> None:
+        self.ptr = ptr
+
+
+class FakeArray:
+    """A strided array on a fake device: what the package reads of a CuPy array."""
+
+    def __init__(self, fake, shape, dtype, ptr, device, strides=None) -> None:
+        self._fake, self.shape, self.dtype = fake, tuple(shape), np.dtype(dtype)
+        self.itemsize, self.ndim = self.dtype.itemsize, len(self.shape)
+        self.strides = strides or tuple(
+            int(np.prod(self.shape[i + 1 :], dtype=int)) * self.itemsize for i in range(self.ndim)
+        )
+        self.data, self.device = _Pointer(ptr), types.SimpleNamespace(id=device)
+        self.nbytes = int(np.prod(self.shape, dtype=int)) * self.itemsize
+
+    def __getitem__(self, index: int) -> "FakeArray":
+        ptr = self.data.ptr + index * self.strides[0]
+        return FakeArray(
+            self._fake, self.shape[1:], self.dtype, ptr, self.device.id, self.strides[1:]
+        )
+
+    @property
+    def __cuda_array_interface__(self) -> dict:
+        """As CuPy exports it: ``stream`` is CuPy's current stream, whatever wrote the data."""
+        typestr = "<V2" if self.dtype.name == "bfloat16" else self.dtype.str
+        stream = self._fake.cuda.get_current_stream(self._fake.device).ptr or 1
+        return {
+            "shape": self.shape,
+            "typestr": typestr,
+            "strides": self.strides,
+            "data": (self.data.ptr, False),
+            "version": 3,
+            "stream": stream,
+        }
+
+
+FakeArray.__module__ = "cupy"  # how the package tells CuPy arrays apart
+
+
+class FakeStream:
+    """CuPy's stream object; ``device_id`` -1 (unknown) takes the current device on entry."""
+
+    def __init__(self, fake, ptr: int, device_id: int = -1) -> None:
+        self._fake, self.ptr, self.device_id = fake, ptr, device_id
+
+    def __enter__(self) -> "FakeStream":
+        device = self._fake.device if self.device_id == -1 else self.device_id
+        if device != self._fake.device:  # CuPy's check_stream_device_match
+            raise RuntimeError(f"stream of device {device} entered on {self._fake.device}")
+        self._fake.stacks[device].append(self.ptr)
+        self._fake.entered.append(device)
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self._fake.stacks[self._fake.entered.pop()].pop()
+
+    def wait_event(self, event: "FakeEvent") -> None:
+        self._fake.log.append(("wait", self._fake.device, self.ptr, event.recorded))
+
+
+class FakeEvent:
+    def __init__(self, fake, block: bool = False, disable_timing: bool = False) -> None:
+        self._fake, self.recorded = fake, None
+
+    def record(self, stream: FakeStream) -> None:
+        self.recorded = stream.ptr
+        self._fake.log.append(("record", self._fake.device, stream.ptr))
+
+
+class FakeCupy(types.ModuleType):
+    """A ``cupy`` with ``DEVICES`` devices whose current streams are ``current[device]``."""
+
+    uint8 = np.uint8
+
+    def __init__(self, current: dict[int, int], *, from_external: bool = True) -> None:
+        super().__init__("cupy", "tests/fake_devices.py")
+        self.device = 0
+        self.stacks = {d: [current.get(d, 0)] for d in range(DEVICES)}
+        self.entered: list[int] = []
+        self.log: list[tuple] = []  # ("alloc", device, stream, nbytes, ptr), events
+        self.owners: dict[int, int] = {}  # allocation base -> device
+        self.external_streams = 0  # ExternalStream objects made (deprecated in CuPy 14)
+        self._addresses = itertools.count(BASE, 0x10_0000)
+        fake = self
+
+        def set_device(device_id: int) -> None:
+            assert 0 <= device_id < DEVICES
+            fake.device = device_id
+
+        def pointer_attributes(ptr: int) -> Any:
+            base = max(b for b in fake.owners if b <= ptr)
+            return types.SimpleNamespace(type=2, device=fake.owners[base])
+
+        def external_stream(ptr: int, device_id: int = -1) -> FakeStream:
+            warnings.warn("ExternalStream is deprecated", DeprecationWarning, stacklevel=2)
+            fake.external_streams += 1
+            return FakeStream(fake, ptr, device_id)
+
+        stream_class = types.SimpleNamespace(null=FakeStream(self, 0))
+        if from_external:
+            stream_class.from_external = lambda obj: FakeStream(self, obj.__cuda_stream__()[1])
+        self.cuda = types.SimpleNamespace(
+            runtime=types.SimpleNamespace(
+                CUDARuntimeError=RuntimeError,
+                getDeviceCount=lambda: DEVICES,
+                getDevice=lambda: fake.device,
+                setDevice=set_device,
+                pointerGetAttributes=pointer_attributes,
+                runtimeGetVersion=lambda: 12080,
+            ),
+            Stream=stream_class,
+            ExternalStream=external_stream,
+            Event=lambda **kw: FakeEvent(fake, **kw),
+            get_current_stream=lambda device_id=-1: FakeStream(
+                fake, fake.stacks[fake.device if device_id == -1 else device_id][-1]
+            ),
+        )
+        self.lib = types.SimpleNamespace(
+            stride_tricks=types.SimpleNamespace(as_strided=self._as_strided)
+        )
+
+    def array(self, shape, device: int = 0, dtype: Any = np.float32) -> FakeArray:
+        """An input array on ``device`` (made outside any call: not logged)."""
+        ptr = next(self._addresses)
+        self.owners[ptr] = device
+        return FakeArray(self, shape, dtype, ptr, device)
+
+    def empty(self, size: int, dtype: Any) -> FakeArray:
+        ptr = next(self._addresses)
+        self.owners[ptr] = self.device
+        array = FakeArray(self, (size,), dtype, ptr, self.device)
+        self.log.append(("alloc", self.device, self.stacks[self.device][-1], array.nbytes, ptr))
+        return array
+
+    @staticmethod
+    def _as_strided(base: FakeArray, shape, strides) -> FakeArray:
+        return FakeArray(base._fake, shape, base.dtype, base.data.ptr, base.device.id, strides)
+
+    def allocations(self) -> list[tuple[int, int]]:
+        """``(device, stream)`` of every allocation so far."""
+        return [entry[1:3] for entry in self.log if entry[0] == "alloc"]
+
+    def events(self) -> list[tuple]:
+        return [entry for entry in self.log if entry[0] != "alloc"]
+
+
+# --- torch -----------------------------------------------------------------------------------
+
+
+class FakeTensor:
+    """What the package reads of a torch CUDA tensor."""
+
+    def __init__(self, shape, strides, dtype, device, ptr) -> None:
+        self.shape, self._strides, self.dtype, self.device = shape, strides, dtype, device
+        self._ptr = ptr
+
+    def stride(self) -> tuple[int, ...]:
+        return self._strides
+
+    def data_ptr(self) -> int:
+        return self._ptr
+
+    def record_stream(self, stream: Any) -> None:
+        """Marks a later reuse (what the package did before allocating on the stream)."""
+
+    def __getitem__(self, index: int) -> "FakeTensor":
+        element = self.dtype.itemsize
+        ptr = self._ptr + index * self._strides[0] * element
+        return FakeTensor(self.shape[1:], self._strides[1:], self.dtype, self.device, ptr)
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+
+FakeTensor.__module__ = "torch"
+
+
+@contextmanager
+def fake_torch(monkeypatch, current: dict[int, int]) -> Iterator[list[tuple]]:
+    """torch's CUDA streams and allocations stood in for: ``current[device]`` is each
+    device's current stream; yields the log of ``(device index, stream)`` per allocation."""
+    import torch
+
+    log: list[tuple] = []
+    stacks = {d: [current.get(d, 0)] for d in range(DEVICES)}
+    addresses = itertools.count(BASE + 0x1000_0000, 0x10_0000)
+
+    class Stream:
+        def __init__(self, stream_ptr: int, device: Any = None) -> None:
+            self.cuda_stream, self.device_index = stream_ptr, device
+
+    @contextmanager
+    def stream(s: Stream) -> Iterator[None]:
+        stacks[s.device_index].append(s.cuda_stream)
+        yield
+        stacks[s.device_index].pop()
+
+    def allocate(shape, strides, device) -> int:
+        log.append((device.index, stacks[device.index][-1]))
+        return next(addresses)
+
+    def empty_strided(shape, strides, *, dtype, device):
+        return FakeTensor(shape, strides, dtype, device, allocate(shape, strides, device))
+
+    def empty(size, *, dtype, device):
+        return FakeTensor((size,), (1,), dtype, device, allocate((size,), (1,), device))
+
+    monkeypatch.setattr(
+        torch.cuda,
+        "current_stream",
+        lambda device=None: types.SimpleNamespace(cuda_stream=stacks[device.index][-1]),
+    )
+    monkeypatch.setattr(torch.cuda, "ExternalStream", Stream)
+    monkeypatch.setattr(torch.cuda, "stream", stream)
+    monkeypatch.setattr(torch, "empty_strided", empty_strided)
+    monkeypatch.setattr(torch, "empty", empty)
+    yield log
+
+
+def torch_tensor(shape, device: int, dtype: Any = None) -> FakeTensor:
+    """A contiguous fake torch CUDA tensor on ``device`` (float32 by default)."""
+    import torch
+
+    strides = tuple(int(np.prod(shape[i + 1 :], dtype=int)) for i in range(len(shape)))
+    where = types.SimpleNamespace(type="cuda", index=device)
+    return FakeTensor(tuple(shape), strides, dtype or torch.float32, where, BASE + 0x2000_0000)
+
+
+# --- cuDNN -----------------------------------------------------------------------------------
+
+RECORDED = (
+    "cudnnCreate",
+    "cudnnDestroy",
+    "cudnnSetStream",
+    "cudnnBatchNormalizationBackwardEx",
+    "cudnnBatchNormalizationForwardTrainingEx",
+    "cudnnBatchNormalizationForwardInference",
+)
+
+
+class RecordingLibrary(CudnnLibrary):
+    """The stub libcudnn, recording ``(function, current device, thread)`` per call of
+    ``RECORDED``; ``device`` reads the fake current device (0 where there is none)."""
+
+    def __init__(self, library: CudnnLibrary, device=lambda: 0) -> None:
+        super().__init__(library._cdll, library.info)
+        self.calls: list[tuple[str, int, str]] = []
+        self._device = device
+
+    def __getattr__(self, name: str) -> Any:
+        func = super().__getattr__(name)
+        if name not in RECORDED:
+            return func
+
+        def recorded(*args: Any) -> Any:
+            self.calls.append((name, self._device(), threading.current_thread().name))
+            return func(*args)
+
+        recorded.__name__ = name
+        setattr(self, name, recorded)
+        return recorded
+
+    def named(self, name: str) -> list[tuple[int, str]]:
+        return [(device, thread) for function, device, thread in self.calls if function == name]

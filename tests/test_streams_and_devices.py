@@ -1,0 +1,328 @@
+"""Where an NVIDIA call allocates, launches and finds its handle, checked without a GPU.
+
+``fake_devices.py`` stands in for CuPy (two devices, a current stream per device, a memory
+pool that records the device and stream of every allocation) and for torch's CUDA streams
+and allocator; the stub libcudnn (``cudnn_stub.py``) records what cuDNN is given, and a
+wrapper of it the device current at each cuDNN call. Every array a call creates must come
+from the call's stream on the operands' device (both caching allocators reuse a block
+without waiting only on the stream it was allocated on), the stream must be the operands'
+device's, producers' streams must be ordered before the call's (DLPack's ``stream=``, the
+CUDA array interface's ``stream``), and cuDNN handles are made with descriptors, never in a
+compute, and never destroyed. ``test_gpu_streams.py`` runs the same on a GPU.
+"""
+
+import ctypes
+import gc
+import sys
+import threading
+import warnings
+
+import ml_dtypes
+import numpy as np
+import pytest
+from cudnn_stub import POINTERS
+from fake_devices import FakeArray, FakeCupy, RecordingLibrary, fake_torch, torch_tensor
+
+import cudnn_bn
+from cudnn_bn import (
+    BatchNormForwardInferenceDescriptor,
+    DataType,
+    Device,
+    Handle,
+    Status,
+    TensorDesc,
+    batch_norm_backward,
+    batch_norm_backward_batched,
+    batch_norm_forward_inference,
+    batch_norm_forward_training,
+)
+from cudnn_bn import arrays as arrays_module
+from cudnn_bn._cudnn import library as library_module
+from cudnn_bn.arrays import _DLDataType, _DLDevice, _DLTensor, operand
+from cudnn_bn.backends import cuda
+from cudnn_bn.errors import InfiniError
+
+SHAPE, C = (2, 3, 4, 5), 3
+CURRENT = {0: 0xA00, 1: 0xA10}  # each fake device's current stream
+CALL_STREAM = 0x5B00
+PRODUCER_STREAM = 0xF00
+# The real CUDA seam; the stub's set-up replaces it with a one-device stand-in.
+REAL_SEAM = {
+    name: getattr(cuda, name) for name in ("stream_scope", "current_device", "device_count")
+}
+
+
+@pytest.fixture
+def fake(stub, monkeypatch):
+    """``FakeCupy`` as ``cupy`` over the stub libcudnn; ``fake.cudnn`` records cuDNN calls."""
+    fake = FakeCupy(CURRENT)
+    monkeypatch.setitem(sys.modules, "cupy", fake)
+    for name, function in REAL_SEAM.items():
+        monkeypatch.setattr(cuda, name, function)
+    monkeypatch.setattr(cuda, "_streams", {})
+    fake.cudnn = RecordingLibrary(library_module._library, lambda: fake.device)
+    monkeypatch.setattr(library_module, "_library", fake.cudnn)
+    arrays_module._torch_stream.cache_clear()
+    cudnn_bn.descriptor_cache.clear()  # nothing built on another test's library
+    yield fake
+    cudnn_bn.descriptor_cache.clear()
+    arrays_module._torch_stream.cache_clear()
+
+
+def problem(make, device: int) -> dict:
+    """Operands of every pass, made by ``make(shape, device)``."""
+    data = {n: make(SHAPE, device) for n in ("input", "grad_output")}
+    return data | {n: make((C,), device) for n in ("weight", "bias", "mean", "var")}
+
+
+def run_all(p: dict, **options) -> None:
+    """Every array-API pass on the operands ``p``: each allocates outputs and workspace."""
+    batch_norm_backward(p["input"], p["grad_output"], p["weight"], None, None, **options)
+    args = (p["input"], p["weight"], p["bias"], p["mean"], p["var"])
+    batch_norm_forward_training(*args, **options)
+    batch_norm_forward_inference(*args, **options)
+
+
+def run_batched(make, device: int, **options) -> None:
+    x, w = make((2, *SHAPE), device), make((C,), device)
+    batch_norm_backward_batched(x, x, w, None, None, **options)
+
+
+# --- finding 1: allocations on the call's stream ------------------------------------------------
+
+
+def test_every_allocation_comes_from_the_call_stream(fake, stub):
+    p = problem(fake.array, 0)
+    run_all(p, stream=CALL_STREAM)
+    run_batched(fake.array, 0, stream=CALL_STREAM)
+    assert len(fake.allocations()) >= 10  # outputs, statistics, reserve and workspaces
+    assert set(fake.allocations()) == {(0, CALL_STREAM)}
+    assert stub.set_stream.stream == CALL_STREAM
+    assert fake.stacks == {d: [s] for d, s in CURRENT.items()}, "current streams restored"
+
+
+def test_every_torch_allocation_comes_from_the_call_stream(fake, monkeypatch):
+    with fake_torch(monkeypatch, CURRENT) as allocations:
+        run_all(problem(torch_tensor, 0), stream=CALL_STREAM)
+        run_batched(torch_tensor, 0, stream=CALL_STREAM)
+    assert len(allocations) >= 10
+    assert set(allocations) == {(0, CALL_STREAM)}
+
+
+# --- finding 2: everything on the operands' device ----------------------------------------------
+
+
+def assert_all_on_device_1(fake, stub) -> None:
+    assert fake.allocations() and set(fake.allocations()) == {(1, CURRENT[1])}
+    assert stub.set_stream.stream == CURRENT[1]  # device 1's current stream, not device 0's
+    launches = [
+        device
+        for name, device, _ in fake.cudnn.calls
+        if name.startswith(("cudnnCreate", "cudnnSetStream", "cudnnBatchNorm"))
+    ]
+    assert launches and set(launches) == {1}  # handles made and calls made on device 1
+    assert fake.device == 0, "the caller's current device is restored"
+
+
+def test_cupy_arrays_on_another_device(fake, stub):
+    run_all(problem(fake.array, 1))
+    run_batched(fake.array, 1)
+    assert_all_on_device_1(fake, stub)
+
+
+def test_torch_tensors_on_another_device(fake, stub, monkeypatch):
+    with fake_torch(monkeypatch, CURRENT) as allocations:
+        run_all(problem(torch_tensor, 1))
+        run_batched(torch_tensor, 1)
+    assert allocations and set(allocations) == {(1, CURRENT[1])}
+    assert stub.set_stream.stream == CURRENT[1]
+
+
+class Foreign:
+    """A CUDA-array-interface producer that is neither CuPy nor torch (Numba, say): its
+    memory is ``array``'s, ``stream`` its interface's ``stream`` entry."""
+
+    def __init__(self, array: FakeArray, stream: int | None = None, dtype=None) -> None:
+        interface = dict(array.__cuda_array_interface__, stream=stream)
+        self.__cuda_array_interface__ = interface
+        if dtype is not None:
+            self.dtype = np.dtype(dtype)
+
+
+def test_array_interface_objects_live_where_their_memory_does(fake, stub):
+    run_all(problem(lambda shape, device: Foreign(fake.array(shape, device=device)), 1))
+    assert_all_on_device_1(fake, stub)
+
+
+def test_a_stream_of_another_device_is_refused(fake):
+    p = problem(fake.array, 0)
+    other = fake.cuda.Stream.from_external(type("S", (), {"__cuda_stream__": lambda s: (0, 7)})())
+    other.device_id = 1
+    with pytest.raises(InfiniError, match="stream is on device 1 but the arrays are on NVIDIA:0"):
+        run_all(p, stream=other)
+    assert fake.allocations() == []
+
+
+# --- finding 3: producers' streams --------------------------------------------------------------
+
+
+def test_array_interface_stream_is_waited_for(fake):
+    make = lambda shape, device: Foreign(fake.array(shape, device=device), PRODUCER_STREAM)  # noqa: E731
+    batch_norm_forward_inference(*_inference_args(make, 1))
+    waits = [e for e in fake.events() if e[0] == "wait"]
+    assert ("record", 1, PRODUCER_STREAM) in fake.events()
+    assert waits and set(waits) == {("wait", 1, CURRENT[1], PRODUCER_STREAM)}
+
+
+def _inference_args(make, device: int) -> tuple:
+    p = problem(make, device)
+    return p["input"], p["weight"], p["bias"], p["mean"], p["var"]
+
+
+@pytest.mark.parametrize(("producer", "call"), [(CALL_STREAM, CALL_STREAM), (1, 0)])
+def test_no_wait_when_the_producer_stream_is_the_call_stream(fake, producer, call):
+    """The same stream needs no event; 1 (cudaStreamLegacy) and 0 are one stream."""
+    make = lambda shape, device: Foreign(fake.array(shape, device=device), producer)  # noqa: E731
+    batch_norm_forward_inference(*_inference_args(make, 0), stream=call)
+    assert fake.events() == []
+
+
+def test_cupy_arrays_carry_no_stream_to_wait_for(fake):
+    """CuPy's interface ``stream`` is only its current stream: waiting on it would cost an
+    event per call (and break a capture on another stream), and order nothing."""
+    batch_norm_forward_inference(*_inference_args(fake.array, 0), stream=CALL_STREAM)
+    assert fake.events() == []
+
+
+def test_array_interface_stream_zero_is_refused(fake):
+    make = lambda shape, device: Foreign(fake.array(shape, device=device), 0)  # noqa: E731
+    with pytest.raises(InfiniError, match="stream 0") as caught:
+        batch_norm_forward_inference(*_inference_args(make, 0))
+    assert caught.value.status == Status.BAD_PARAM
+
+
+_new_capsule = ctypes.pythonapi.PyCapsule_New
+_new_capsule.restype = ctypes.py_object
+_new_capsule.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p]
+
+
+class DLPackProducer:
+    """Exports ``array`` through DLPack (a float32 CUDA DLTensor), recording the ``stream``
+    each ``__dlpack__`` was asked for."""
+
+    def __init__(self, array: FakeArray) -> None:
+        self.device, self.streams = array.device.id, []
+        self._shape = (ctypes.c_int64 * array.ndim)(*array.shape)
+        self._tensor = _DLTensor(
+            data=array.data.ptr,
+            device=_DLDevice(2, self.device),
+            ndim=array.ndim,
+            dtype=_DLDataType(2, 32, 1),
+            shape=self._shape,
+        )
+
+    def __dlpack_device__(self) -> tuple[int, int]:
+        return 2, self.device
+
+    def __dlpack__(self, stream=None):
+        self.streams.append(stream)
+        return _new_capsule(ctypes.addressof(self._tensor), b"dltensor", None)
+
+
+@pytest.mark.parametrize(("stream", "handed"), [(CALL_STREAM, CALL_STREAM), (0, 1), (None, None)])
+def test_dlpack_producers_are_handed_the_call_stream(fake, stream, handed):
+    """The consumer's stream goes to ``__dlpack__`` (0, CuPy's legacy default, as 1, the
+    protocol's name for it); with none given, the current stream of the arrays' device."""
+    producers = _inference_args(lambda shape, device: DLPackProducer(fake.array(shape, device)), 1)
+    batch_norm_forward_inference(*producers, stream=stream)
+    expected = CURRENT[1] if handed is None else handed
+    assert [p.streams for p in producers] == [[expected]] * len(producers)
+    assert set(fake.allocations()) == {(1, CURRENT[1] if stream is None else stream)}
+
+
+# --- finding 4: handles -------------------------------------------------------------------------
+
+
+def inference_descriptor() -> BatchNormForwardInferenceDescriptor:
+    x = TensorDesc.contiguous(DataType.F32, SHAPE)
+    c = TensorDesc.contiguous(DataType.F32, (C,))
+    return BatchNormForwardInferenceDescriptor(Handle(Device.NVIDIA, 0), x, x, c, c, c, c)
+
+
+def infer(desc) -> None:
+    names = ("output", "input", "weight", "bias", "running_mean", "running_var")
+    desc.compute(0, 0, *(POINTERS[n] for n in names), stream=CALL_STREAM)
+
+
+def in_thread(target, *args) -> None:
+    worker = threading.Thread(target=target, args=args)
+    worker.start()
+    worker.join()
+
+
+@pytest.fixture
+def recording(stub, monkeypatch) -> RecordingLibrary:
+    library = RecordingLibrary(library_module._library)
+    monkeypatch.setattr(library_module, "_library", library)
+    return library
+
+
+def test_a_compute_makes_no_handle(recording):
+    """cudnnCreate cannot run while a stream captures a CUDA graph: handles come with the
+    descriptor, and a thread that never built one computes on a pooled one."""
+    with inference_descriptor() as desc:
+        made = recording.named("cudnnCreate")
+        assert made, "the descriptor made a handle"
+        infer(desc)
+        in_thread(infer, desc)
+        in_thread(infer, desc)
+    assert recording.named("cudnnCreate") == made
+    assert len(recording.named("cudnnBatchNormalizationForwardInference")) == 3
+
+
+def test_handles_outlive_their_threads(recording):
+    """cudnnDestroy synchronizes the device, which breaks a graph capture on another thread:
+    a handle is never destroyed, however its first thread ends."""
+
+    def build_and_compute() -> None:
+        with inference_descriptor() as desc:
+            infer(desc)
+
+    in_thread(build_and_compute)
+    in_thread(build_and_compute)
+    gc.collect()
+    assert recording.named("cudnnCreate")
+    assert recording.named("cudnnDestroy") == []
+
+
+# --- finding 11: CuPy 14 --------------------------------------------------------------------
+
+
+def test_cupy_14_streams_come_from_from_external(fake):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", DeprecationWarning)
+        run_all(problem(fake.array, 0), stream=CALL_STREAM)
+    assert fake.external_streams == 0
+
+
+def test_cupy_13_streams_come_from_external_stream(stub, monkeypatch):
+    fake = FakeCupy(CURRENT, from_external=False)
+    monkeypatch.setitem(sys.modules, "cupy", fake)
+    monkeypatch.setattr(cuda, "_streams", {})
+    monkeypatch.setattr(cuda, "stream_scope", REAL_SEAM["stream_scope"])
+    monkeypatch.setattr(cuda, "current_device", REAL_SEAM["current_device"])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        with cuda.stream_scope(CALL_STREAM, 0):
+            assert fake.cuda.get_current_stream().ptr == CALL_STREAM
+    assert fake.external_streams == 1
+
+
+@pytest.mark.parametrize("kind", ["cupy", "array interface"])
+def test_bfloat16_arrays_through_the_array_interface(fake, kind):
+    """CuPy 14's bfloat16 exports typestr "<V2", which names no float: the dtype does."""
+    array = fake.array(SHAPE, dtype=ml_dtypes.bfloat16)
+    assert array.__cuda_array_interface__["typestr"] == "<V2"
+    if kind == "array interface":
+        array = Foreign(array, dtype=ml_dtypes.bfloat16)
+    assert operand("input", array).desc.dtype == DataType.BF16
