@@ -80,7 +80,7 @@ class TorchKind:
         return self.torch.cuda.stream(external)
 
     def host(self, array: Any) -> np.ndarray:
-        return array.detach().to("cpu", self.torch.float64).numpy()
+        return array.detach().to("cpu", self.torch.float64, copy=True).numpy()
 
     def like(self, values: np.ndarray, like: Any) -> Any:
         return self.torch.as_tensor(values).to(device=like.device, dtype=like.dtype)
