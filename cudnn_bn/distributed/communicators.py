@@ -151,7 +151,7 @@ class NcclCommunicator:
 
 
 def _nccl_errors() -> tuple[type[BaseException], ...]:
-    """CuPy's ``NcclError`` where CuPy's NCCL module loads, else none beyond RuntimeError."""
+    """CuPy's ``NcclError`` where CuPy's NCCL module loads, and RuntimeError."""
     try:
         from cupy.cuda.nccl import NcclError
     except ImportError:
