@@ -10,6 +10,7 @@ and their processes are ended if they overrun.
 import functools
 import json
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -78,8 +79,15 @@ def results(engine: str, ranks: int, out: Path) -> tuple[list[dict], str]:
     """Each rank's results of one launch (run once per session), and what it printed."""
     out.mkdir(parents=True, exist_ok=True)
     output = launch(engine, ranks, out)
-    files = [out / f"rank-{rank}.json" for rank in range(ranks)]
-    return [json.loads(f.read_text()) if f.exists() else {} for f in files], output
+    return [_read(out / f"rank-{rank}.json") for rank in range(ranks)], output
+
+
+def _read(path: Path) -> dict:
+    """A rank's results; empty where it never wrote them, or died while writing."""
+    try:
+        return json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError):
+        return {}
 
 
 @pytest.fixture(scope="session")
@@ -117,3 +125,34 @@ def test_measured_numbers_are_reported(launches_dir):
     for key in numbers[0]:
         print(f"{key}: {max(n[key] for n in numbers)}")
     assert max(n["f64 max error"] for n in numbers) < 1e-12
+
+
+# --- the data-parallel example -----------------------------------------------------------------
+
+LOSS_ROW = re.compile(r"\s*(\d+)\s+(\d+\.\d+)")
+
+
+def _loss_table(output: str) -> dict[int, float]:
+    return {
+        int(m.group(1)): float(m.group(2))
+        for line in output.splitlines()
+        if (m := LOSS_ROW.fullmatch(line))
+    }
+
+
+def test_training_example_under_mpiexec_follows_the_single_process_loss_curve():
+    """``mpiexec -n 2 examples/train_distributed.py`` prints the loss curve of
+    ``examples/train_mnist_like.py`` (one process, the same global batches), to rounding."""
+    _requirements("mpi")
+    common = dict(cwd=ROOT, env=_environment(), capture_output=True, text=True, timeout=TIMEOUT)
+    examples = ROOT / "examples"
+    command = [sys.executable, str(examples / "train_distributed.py")]
+    distributed = subprocess.run([mpiexec(), "-n", "2", *command], **common)
+    single = subprocess.run([sys.executable, str(examples / "train_mnist_like.py")], **common)
+    for run in (distributed, single):
+        assert run.returncode == 0 and "PASSED" in run.stdout, run.stdout + run.stderr
+    assert "2 ranks" in distributed.stdout, distributed.stdout
+    curve, expected = _loss_table(distributed.stdout), _loss_table(single.stdout)
+    assert len(expected) > 5 and curve.keys() == expected.keys(), distributed.stdout
+    for step, loss in expected.items():  # printed to 4 decimals
+        assert abs(curve[step] - loss) <= 1.5e-4, (step, curve[step], loss)
