@@ -7,12 +7,14 @@ references over the concatenated global batch (every rank builds the same global
 one seed and takes its slice): PyTorch float64 on the values rounded to the case's dtype,
 and single-process ``cudnn_bn``. ENGINE is ``mpi`` (run under ``mpiexec``; NumPy arrays),
 ``gloo`` (torch.distributed over 127.0.0.1, torch CPU tensors; RANK, WORLD_SIZE and
-MASTER_PORT in the environment), or, on GPUs, ``nccl-torch`` (torch CUDA tensors) and
-``nccl-cupy`` (CuPy arrays on CuPy's NCCL communicator), both under ``mpiexec``.
+MASTER_PORT in the environment), or, on GPUs and under ``mpiexec``, ``mpi-cupy`` (CuPy
+arrays, MPI through the host), ``nccl-torch`` (torch CUDA tensors) and ``nccl-cupy`` (CuPy
+arrays on CuPy's NCCL communicator).
 """
 
 import json
 import os
+import socket
 import sys
 import traceback
 from collections.abc import Callable
@@ -31,15 +33,28 @@ from cudnn_bn.distributed import (
 )
 
 MOMENTUM = 0.1
+KINDS = {  # engine -> the arrays it runs on
+    "mpi": "numpy",
+    "gloo": "torch",
+    "mpi-cupy": "cupy",
+    "nccl-cupy": "cupy",
+    "nccl-torch": "torch",
+}
 TOLERANCE = {"f64": 1e-12, "f32": TOL[torch.float32], "f16": 1e-2, "bf16": 1e-2}
 TAILS = {2: (3,), 3: (3, 5), 4: (3, 4, 5), 5: (3, 2, 3, 4)}  # shape but N, per rank of tensor
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 class Rank:
     """This process's group, its array kind, and conversions between that kind and float64."""
 
     def __init__(self, engine: str) -> None:
-        self.engine = engine
+        self.engine, self.kind = engine, KINDS[engine]
         if engine == "gloo":
             import torch.distributed as dist
 
@@ -58,12 +73,12 @@ class Rank:
         from mpi4py import MPI
 
         world = MPI.COMM_WORLD
-        self.mpi, self.rank, self.size, self.group = world, world.rank, world.size, world
+        self.rank, self.size, self.group = world.rank, world.size, world
         if engine == "nccl-torch":
             import torch.distributed as dist
 
             torch.cuda.set_device(self.rank % torch.cuda.device_count())
-            port = world.bcast(os.environ.get("MASTER_PORT", "29517"))
+            port = world.bcast(_free_port() if self.rank == 0 else None)
             dist.init_process_group(
                 "nccl",
                 init_method=f"tcp://127.0.0.1:{port}",
@@ -71,22 +86,24 @@ class Rank:
                 world_size=self.size,
             )
             self.group = dist.group.WORLD
-        elif engine == "nccl-cupy":
+        elif self.kind == "cupy":
             import cupy
-            from cupy.cuda import nccl
 
             cupy.cuda.Device(self.rank % cupy.cuda.runtime.getDeviceCount()).use()
+        if engine == "nccl-cupy":
+            from cupy.cuda import nccl
+
             uid = world.bcast(nccl.get_unique_id() if self.rank == 0 else None)
             self.group = nccl.NcclCommunicator(self.size, uid, self.rank)
 
     def dtype(self, name: str) -> Any:
-        if self.engine == "mpi":
+        if self.kind == "numpy":
             import ml_dtypes
 
             return {"f64": np.float64, "f32": np.float32, "f16": np.float16}.get(
                 name, ml_dtypes.bfloat16
             )
-        if self.engine == "nccl-cupy":
+        if self.kind == "cupy":
             return {"f64": np.float64, "f32": np.float32, "f16": np.float16}[name]
         return {"f64": torch.float64, "f32": torch.float32, "f16": torch.float16}.get(
             name, torch.bfloat16
@@ -94,9 +111,9 @@ class Rank:
 
     def array(self, values: np.ndarray, dtype: str) -> Any:
         """``values`` as this engine's array of ``dtype`` (on this rank's GPU for NCCL)."""
-        if self.engine == "mpi":
+        if self.kind == "numpy":
             return np.asarray(values).astype(self.dtype(dtype))
-        if self.engine == "nccl-cupy":
+        if self.kind == "cupy":
             import cupy
 
             return cupy.asarray(values).astype(self.dtype(dtype))
@@ -106,7 +123,7 @@ class Rank:
     def host(self, array: Any) -> np.ndarray:
         if isinstance(array, torch.Tensor):
             return array.detach().to("cpu", torch.float64, copy=True).numpy()
-        if self.engine == "nccl-cupy":
+        if self.kind == "cupy":
             import cupy
 
             return cupy.asnumpy(array).astype(np.float64)
@@ -116,7 +133,7 @@ class Rank:
         """The same values with the channel axis innermost in memory."""
         if isinstance(array, torch.Tensor):
             return array.movedim(1, -1).contiguous().movedim(-1, 1)
-        xp = np if self.engine == "mpi" else __import__("cupy")
+        xp = np if self.kind == "numpy" else __import__("cupy")
         return xp.moveaxis(xp.ascontiguousarray(xp.moveaxis(array, 1, -1)), -1, 1)
 
 
@@ -246,7 +263,7 @@ def case_dtypes(me: Rank) -> None:
     """F32, F16 (F16 weight: the sums widen to F32) and BF16 (F32 weight), within the suite's
     tolerances."""
     pairs = [("f32", "f32"), ("f16", "f16"), ("f16", "f32")]
-    if me.engine != "nccl-cupy":  # CuPy has no bfloat16
+    if me.kind != "cupy":  # CuPy has no bfloat16
         pairs += [("bf16", "f32"), ("bf16", "bf16")]
     for data, channel in pairs:
         worst = check_passes(me, (4, 6), split(me.size, True), data, channel, seed=7)
@@ -385,7 +402,7 @@ def case_engine_error(me: Rank) -> None:
     """An engine's own failure surfaces as InfiniError with the engine's message."""
     p = _problem(me)
     args = (p["input"], p["weight"], p["bias"], None, None)
-    if me.engine == "mpi":
+    if me.engine.startswith("mpi"):
         from mpi4py import MPI
 
         message = _expect(

@@ -1,5 +1,6 @@
 """Synchronized batch norm on real engines: ``mpiexec -n 2`` and ``-n 4`` (mpi4py, NumPy
-arrays) and three torch.distributed gloo processes over 127.0.0.1 (torch CPU tensors).
+arrays) and three torch.distributed gloo processes over 127.0.0.1 (torch CPU tensors); on a
+GPU machine (``gpu`` tests) also CuPy arrays over MPI, and NCCL through CuPy and torch.
 
 Each launch runs every case of ``distributed_worker.py`` once on every rank (one launch
 checks many cases, to keep process start-up off the clock); each (launch, case) is one test
@@ -23,7 +24,15 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 WORKER = Path(__file__).resolve().parent / "distributed_worker.py"
 TIMEOUT = 120  # seconds per launch; a normal one takes a few
-LAUNCHES = [("mpi", 2), ("mpi", 4), ("gloo", 3)]
+GPU = pytest.mark.gpu
+LAUNCHES = [
+    pytest.param("mpi", 2, id="mpi-2"),
+    pytest.param("mpi", 4, id="mpi-4"),
+    pytest.param("gloo", 3, id="gloo-3"),
+    pytest.param("mpi-cupy", 2, id="mpi-cupy-2", marks=GPU),  # two ranks may share a GPU
+    pytest.param("nccl-cupy", 2, id="nccl-cupy-2", marks=GPU),  # NCCL: one GPU per rank
+    pytest.param("nccl-torch", 2, id="nccl-torch-2", marks=GPU),
+]
 
 
 def _environment() -> dict[str, str]:
@@ -95,8 +104,13 @@ def launches_dir(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("distributed")
 
 
-def _requirements(engine: str) -> None:
-    if engine == "mpi":
+def _requirements(engine: str, ranks: int = 1) -> None:
+    if engine.startswith("nccl"):
+        import cupy
+
+        if cupy.cuda.runtime.getDeviceCount() < ranks:
+            pytest.skip(f"NCCL needs a GPU per rank: {ranks} ranks")
+    if engine != "gloo":
         pytest.importorskip("mpi4py", reason="the test extra installs mpi4py and mpich")
         if mpiexec() is None:
             pytest.skip("no mpiexec (the test extra's mpich wheel provides one)")
@@ -105,9 +119,9 @@ def _requirements(engine: str) -> None:
 
 
 @pytest.mark.parametrize("case", list(distributed_worker.CASES))
-@pytest.mark.parametrize(("engine", "ranks"), LAUNCHES, ids=[f"{e}-{n}" for e, n in LAUNCHES])
+@pytest.mark.parametrize(("engine", "ranks"), LAUNCHES)
 def test_case_on_every_rank(engine, ranks, case, launches_dir):
-    _requirements(engine)
+    _requirements(engine, ranks)
     per_rank, output = results(engine, ranks, launches_dir / f"{engine}-{ranks}")
     missing = [rank for rank, got in enumerate(per_rank) if case not in got]
     assert not missing, f"ranks {missing} did not report {case!r}; the launch printed:\n{output}"
