@@ -286,3 +286,18 @@ def test_an_nccl_failure_raises_with_its_message_and_writes_nothing(staging_cupy
 def test_groups_go_to_their_adapters(staging_cupy):
     assert communicator(World(2).comm(1), lambda: 0).engine == "NCCL"
     assert communicator(World(2).comm(1), lambda: 0).rank == 1
+
+
+def test_half_sums_are_taken_in_float32(staging_cupy):
+    """F16 data with an F16 weight: ``sum(dy)`` over 70000 values of 1 is past F16's largest
+    finite value (65504); reduced in F16 it would be inf and grad_input NaN."""
+    rng = np.random.default_rng(6)
+    x = rng.standard_normal((70000, 1)).astype(np.float16)
+    dy = np.ones_like(x)
+    w, b = np.ones(1, np.float16), np.zeros(1, np.float16)
+    group = World(1).comm(0)
+    _, mean, invstd = sync_batch_norm_forward_training(x, w, b, None, None, group=group)
+    grad_input, _, grad_bias = sync_batch_norm_backward(x, dy, w, mean, invstd, group=group)
+    assert np.isfinite(grad_input).all()
+    assert np.abs(grad_input.astype(float)).max() < 1e-2  # a constant dy has no gradient
+    assert grad_bias.dtype == np.float16 and np.isinf(grad_bias)  # the caller's dtype: 70000

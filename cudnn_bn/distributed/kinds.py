@@ -36,7 +36,8 @@ class NumpyKind:
         return np.array(array, dtype=np.float64)
 
     def like(self, values: np.ndarray, like: Any) -> Any:
-        return np.asarray(values).astype(like.dtype)
+        with np.errstate(over="ignore"):  # out of range rounds to inf, as a cast does
+            return np.asarray(values).astype(like.dtype)
 
     def float32(self, array: Any) -> Any:
         return array.astype(np.float32)
@@ -54,14 +55,14 @@ class NumpyKind:
         return bool(array.flags.writeable)
 
     def assign(self, target: Any, values: np.ndarray) -> None:
-        target[...] = values.astype(target.dtype)
+        target[...] = self.like(values, target)
 
     def grad_input(self, x: Any, dy: Any, channel: tuple[np.ndarray, ...]) -> Any:
         shape = (1, x.shape[1]) + (1,) * (x.ndim - 2)
         terms = (c.reshape(shape) for c in channel)
         with np.errstate(all="ignore"):  # eps 0 on a constant channel: inf/nan, as the formula
             dx = grad_input_terms(x.astype(np.float64), dy.astype(np.float64), *terms)
-        return dx.astype(x.dtype)
+            return dx.astype(x.dtype)
 
 
 class TorchKind:
