@@ -4,6 +4,7 @@ the CuPy NCCL adapter against a recording stand-in for ``cupy.cuda.nccl.NcclComm
 whose ranks are threads.
 """
 
+import contextlib
 import ctypes
 import sys
 import threading
@@ -188,9 +189,11 @@ def staging_cupy(monkeypatch):
     fake = types.ModuleType("cupy")
     fake.asarray = lambda values: np.array(values, np.float64).view(_DeviceBuffer)
     fake.empty = lambda shape, dtype: np.zeros(shape, dtype).view(_DeviceBuffer)
-    fake.asnumpy = lambda array, stream=None, blocking=True: np.array(array)
+    fake.asnumpy = lambda array: np.array(array)
     fake.cuda = types.SimpleNamespace(
-        get_current_stream=lambda: types.SimpleNamespace(ptr=CURRENT_STREAM)
+        get_current_stream=lambda: types.SimpleNamespace(ptr=CURRENT_STREAM),
+        ExternalStream=lambda ptr: contextlib.nullcontext(),
+        Stream=types.SimpleNamespace(null=contextlib.nullcontext()),
     )
     nccl = types.ModuleType("cupy.cuda.nccl")
     nccl.NcclError = type("NcclError", (Exception,), {})

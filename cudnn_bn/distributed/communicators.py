@@ -118,9 +118,9 @@ class NcclCommunicator:
 
     engine = "NCCL"
 
-    def __init__(self, comm: Any, stream: Callable[[], int], cupy: Any = None) -> None:
-        if cupy is None:
-            import cupy
+    def __init__(self, comm: Any, stream: Callable[[], int]) -> None:
+        import cupy
+
         self._comm, self._stream, self._cupy = comm, stream, cupy
         self._errors_caught = _nccl_errors()
         with self._errors("rank_id/size"):
@@ -130,12 +130,15 @@ class NcclCommunicator:
         return _engine_errors(self.engine, what, self._errors_caught)
 
     def _run(self, what: str, values: np.ndarray, out_shape: tuple[int, ...], call: Any) -> Any:
-        send = self._cupy.asarray(np.ascontiguousarray(values))
-        recv = self._cupy.empty(out_shape, np.float64)
+        """Copy in, collective, copy out: all three queued on the pass's stream, in order."""
         stream = self._stream()
-        with self._errors(what):
-            call(send.data.ptr, recv.data.ptr, values.size, stream)
-        return self._cupy.asnumpy(recv, stream=stream, blocking=True)
+        cuda = self._cupy.cuda
+        with cuda.Stream.null if stream == 0 else cuda.ExternalStream(stream):
+            send = self._cupy.asarray(np.ascontiguousarray(values))
+            recv = self._cupy.empty(out_shape, np.float64)
+            with self._errors(what):
+                call(send.data.ptr, recv.data.ptr, values.size, stream)
+            return self._cupy.asnumpy(recv)  # waits for the stream
 
     def allgather(self, values: np.ndarray) -> np.ndarray:
         def call(send: int, recv: int, count: int, stream: int) -> None:
