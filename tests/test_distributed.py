@@ -70,7 +70,13 @@ def _wait(processes: list[subprocess.Popen]) -> str:
 
 def launch(engine: str, ranks: int, out: Path) -> str:
     """Start the worker on ``ranks`` processes, wait for all, return their output."""
-    common = dict(cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    common = dict(
+        cwd=ROOT,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     if engine == "gloo":
         port, processes = _free_port(), []
         for rank in range(ranks):
@@ -158,7 +164,10 @@ def test_training_example_under_mpiexec_follows_the_single_process_loss_curve():
     """``mpiexec -n 2 examples/train_distributed.py`` prints the loss curve of
     ``examples/train_mnist_like.py`` (one process, the same global batches), to rounding."""
     _requirements("mpi")
-    common = dict(cwd=ROOT, env=_environment(), capture_output=True, text=True, timeout=TIMEOUT)
+    common = dict(
+        cwd=ROOT, env=_environment(), stdin=subprocess.DEVNULL, capture_output=True, text=True
+    )
+    common["timeout"] = TIMEOUT
     examples = ROOT / "examples"
     command = [sys.executable, str(examples / "train_distributed.py")]
     distributed = subprocess.run([mpiexec(), "-n", "2", *command], **common)
