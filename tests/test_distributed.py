@@ -165,9 +165,13 @@ def test_training_example_under_mpiexec_follows_the_single_process_loss_curve():
     ``examples/train_mnist_like.py`` (one process, the same global batches), to rounding."""
     _requirements("mpi")
     common = dict(
-        cwd=ROOT, env=_environment(), stdin=subprocess.DEVNULL, capture_output=True, text=True
+        cwd=ROOT,
+        env=_environment(),
+        stdin=subprocess.DEVNULL,
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT,
     )
-    common["timeout"] = TIMEOUT
     examples = ROOT / "examples"
     command = [sys.executable, str(examples / "train_distributed.py")]
     distributed = subprocess.run([mpiexec(), "-n", "2", *command], **common)
