@@ -12,7 +12,7 @@ CU13_TESTS := tests/test_loader.py tests/test_prototypes.py tests/test_status.py
 	tests/test_descriptors.py tests/test_cudnn_enums.py tests/test_cuda_major.py
 GPU_REPORT ?= benchmarks/results/gpu-tests.md
 
-.PHONY: install test test-cu13 test-gpu lint demo bench gpu-session clean
+.PHONY: install test test-cu13 test-gpu lint demo demo-distributed bench gpu-session clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -44,6 +44,11 @@ lint: $(STAMP)
 demo: $(STAMP)
 	$(PY) examples/batch_norm_backward.py
 	$(PY) examples/train_mnist_like.py
+
+# The demo network trained data-parallel on two processes with synchronized batch norm
+# (one thread each: the two ranks share the machine's cores).
+demo-distributed: $(STAMP)
+	OMP_NUM_THREADS=1 $(VENV)/bin/mpiexec -n 2 $(PY) examples/train_distributed.py
 
 # The GPU benchmark where a GPU is usable, the CPU engine's benchmark otherwise.
 bench: $(STAMP)

@@ -234,6 +234,7 @@ def test_missing_library_raises_at_first_use_every_time(tmp_path, no_system_cudn
     assert first["status"] == second["status"] == cudnn_bn.Status.DEVICE_NOT_INITIALIZED
     for place in ("already loaded", "wheel: nvidia/cudnn/lib", "CUDNN_PATH: (not set)", "system"):
         assert place in first["message"]
+    assert "pip install 'cudnn_bn[cuda12]'" in first["message"]  # the extra that brings it
     assert first["message"] == second["message"]
 
 

@@ -22,6 +22,8 @@ from ..enums import Status
 from ..errors import CudnnNotFoundError
 
 SONAMES = ("libcudnn.so.9", "libcudnn.so.8")  # the wanted major first
+# The extras of pyproject.toml that bring CuPy, the cuDNN wheel and cuda-python.
+INSTALL_HINT = "pip install 'cudnn_bn[cuda12]' (or 'cudnn_bn[cuda13]' for CUDA 13)"
 _MAPPED = re.compile(r"libcudnn\.so\.(\d+)(\.|$)")  # libcudnn.so.9, libcudnn.so.9.1.0
 
 
@@ -140,7 +142,7 @@ def find_and_load(
         "libcudnn could not be loaded. Looked in:\n"
         + "\n".join(places)
         + ("\nFound but failed to load:\n" + "\n".join(tried) if tried else "")
-        + "\nInstall it with `pip install nvidia-cudnn-cu12` (or -cu13), or set CUDNN_PATH.",
+        + f"\nInstall it with {INSTALL_HINT}, or set CUDNN_PATH.",
     )
 
 

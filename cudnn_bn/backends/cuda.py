@@ -8,6 +8,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
+from .._cudnn.loader import INSTALL_HINT
 from ..enums import Status
 from ..errors import InfiniError
 
@@ -17,7 +18,8 @@ def _cupy() -> Any:
         import cupy
     except ImportError as exc:
         raise InfiniError(
-            Status.DEVICE_NOT_INITIALIZED, f"CuPy is needed on NVIDIA devices: {exc}"
+            Status.DEVICE_NOT_INITIALIZED,
+            f"CuPy is needed for arrays on NVIDIA devices ({exc}): {INSTALL_HINT}",
         ) from exc
     return cupy
 
