@@ -176,12 +176,15 @@ class CudnnBatchNormBackward(_CudnnKernel):
             )
             y_desc = self.data_descriptor(t.output) if fused else None
             dz_desc = self.data_descriptor(t.grad_z) if add else None
+            # A plain backward's call has no y, but its size query is given x's descriptor
+            # there, as PyTorch (aten/src/ATen/native/cudnn/BatchNorm.cpp,
+            # cudnn_batch_norm_backward) and CuPy 13 do: cuDNN may size scratch by it.
             cudnn_workspace = self.query(
                 "cudnnGetBatchNormalizationBackwardExWorkspaceSize",
                 self.bn_mode,
                 self.ops,
                 self.x_desc,
-                y_desc,
+                self.x_desc if y_desc is None else y_desc,
                 dy_desc,
                 dz_desc,
                 dx_desc,
