@@ -20,7 +20,8 @@ What CuPy 13 meant by its arguments, and how it maps onto ``cudnn_bn``'s ``(N, C
   (``persistent=True``); ``CUDNN_BATCHNORM_PER_ACTIVATION`` per element over N only, so a
   convolution input becomes ``(N, C*H*W)`` and ``gamma`` and the statistics have ``C*H*W``
   elements in cuDNN's ``(C, H, W)`` order, whatever ``d_layout``. Where x is seen as 2-D the
-  three modes compute the same statistics and cuDNN's PER_ACTIVATION mode is used.
+  three modes compute the same statistics, on the CuPy engine (as PyTorch, no 2-D input is
+  sent to cuDNN).
 - Per-channel arrays may have any shape with the right number of elements (``(C,)``,
   ``(1, C, 1, 1)``, ...). They are used as cuDNN's parameter dtype (float32, or float64 for
   float64 ``x``), as CuPy 13 did; running statistics are written back in place in their own

@@ -354,10 +354,14 @@ ENGINES = {
     "numel 2^31 + 2^16": ("cupy", (2**16, 2**15 + 1), F16, {"channel_dtype": F32}, {}),
     "eps 0 on cuDNN 9": ("cudnn", (2, 3, 4, 5), F32, {}, {"eps": 0.0}),
     # PyTorch's guards: numel < 2^31 - 1, and N <= 880801 in training.
-    "numel 2^31 - 2": ("cudnn", (2, 2**30 - 1), F32, {}, {}),
-    "numel 2^31 - 1": ("cupy", (1, 2**31 - 1), F32, {}, {}),
-    "N 880801": ("cudnn", (880801, 2), F32, {}, {}),
-    "N 880802": ("cupy", (880802, 2), F32, {}, {}),
+    "numel 2^31 - 2": ("cudnn", (2, 1, 2**30 - 1), F32, {}, {}),
+    "numel 2^31 - 1": ("cupy", (1, 1, 2**31 - 1), F32, {}, {}),
+    "N 880801": ("cudnn", (880801, 2, 1), F32, {}, {}),
+    "N 880802": ("cupy", (880802, 2, 1), F32, {}, {}),
+    # PyTorch sends no 2-D input to cuDNN (PER_ACTIVATION: PR 57034, issue 2917).
+    "2-D (6, 3)": ("cupy", (6, 3), F32, {}, {}),
+    "2-D N 131071": ("cupy", (131071, 2), F32, {}, {}),
+    "2-D F16": ("cupy", (6, 4), F16, {"channel_dtype": F32}, {"mode": "saved"}),
 }
 
 

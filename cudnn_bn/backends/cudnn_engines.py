@@ -41,11 +41,9 @@ _ONE_D, _ZERO_D = ctypes.c_double(1.0), ctypes.c_double(0.0)
 
 
 def bn_mode(x: TensorDesc, training: bool, persistent: bool | None) -> BatchNormMode:
-    """PyTorch's choice (``getCudnnBatchNormMode``): PER_ACTIVATION for 2-D input,
+    """PyTorch's choice (``getCudnnBatchNormMode``) for the 3-D to 5-D input cuDNN gets:
     SPATIAL_PERSISTENT for channels-last training (4-D and 5-D), else SPATIAL.
     ``persistent`` True asks for PERSISTENT in training, False forbids it."""
-    if x.ndim == 2:
-        return BatchNormMode.PER_ACTIVATION
     channels_last = x.ndim >= 4 and x.is_channels_last() and not x.is_contiguous()
     wanted = channels_last if persistent is None else persistent
     return BatchNormMode.SPATIAL_PERSISTENT if training and wanted else BatchNormMode.SPATIAL

@@ -1,13 +1,14 @@
 """The NVIDIA backend: cuDNN first, CuPy kernels for the rest; the engine is chosen once.
 
-* ``cudnn`` (``cudnn_engines.py``): F16/F32/F64 data whose operands share one packed layout
-  (NCHW or channels-last) with fewer than 2^31 elements (cuDNN indexes with 32 bits), eps
-  legal for the loaded cuDNN, and, for backward, the train and saved modes. Fused passes
-  (BN+ReLU, BN+Add+ReLU) only where cuDNN's fused kernels run: F16 NHWC data with
-  C % 4 == 0 in SPATIAL_PERSISTENT mode, and a fused backward only from saved statistics.
+* ``cudnn`` (``cudnn_engines.py``): F16/F32/F64 data of 3 to 5 dimensions whose operands
+  share one packed layout (NCHW or channels-last) with fewer than 2^31 elements (cuDNN
+  indexes with 32 bits), eps legal for the loaded cuDNN, and, for backward, the train and
+  saved modes. Fused passes (BN+ReLU, BN+Add+ReLU) only where cuDNN's fused kernels run:
+  F16 NHWC data with C % 4 == 0 in SPATIAL_PERSISTENT mode, and a fused backward only from
+  saved statistics.
 * ``cupy`` (``cupy_engines.py``): everything else — eval-mode backward (cuDNN has no call
-  for it), BF16 data (PyTorch never sends BF16 to cuDNN's batch norm), other strides, huge
-  tensors.
+  for it), BF16 data (PyTorch never sends BF16 to cuDNN's batch norm), 2-D input (cuDNN's
+  PER_ACTIVATION mode, which PyTorch no longer uses), other strides, huge tensors.
 
 Neither allocates nor synchronizes in ``run``: scratch lives in the caller's workspace.
 """
@@ -41,7 +42,7 @@ from .cupy_engines import (
     CupyBatchNormForwardTraining,
 )
 
-CUDNN_MAX_NUMEL = 2**31 - 1
+CUDNN_MAX_NUMEL, MIN_CUDNN_NDIM = 2**31 - 1, 3
 CUDNN_MAX_BATCH_TRAINING, CUDNN_MAX_BATCH_INFERENCE = 880801, 65535
 CUDNN_BACKWARD_MODES = (Mode.TRAIN, Mode.SAVED, Mode.SAVED_INVSTD)
 CUDNN_SAVED_MODES = (Mode.SAVED, Mode.SAVED_INVSTD)
@@ -60,13 +61,17 @@ def cudnn_takes(
     data: list[TensorDesc], eps: float, fusion: Fusion, mode: BatchNormMode, training: bool
 ) -> bool:
     """Whether cuDNN's batch-norm calls serve a problem whose ``(N, C, ...)`` operands are
-    ``data`` (the input first) exactly. The size limits are PyTorch's guards: fewer than
-    2^31 - 1 elements (32-bit indexing), and at most 880801 samples in training, 65535 in
-    inference (cuDNN's grid limits)."""
+    ``data`` (the input first) exactly. The guards are PyTorch's
+    (``_select_batch_norm_backend`` in aten/src/ATen/native/Normalization.cpp): 3-D input or
+    more (2-D would be PER_ACTIVATION, about 12x slower than PyTorch's own kernels and refused
+    by older cuDNN above N = 131070: PyTorch PR 57034, issue 2917), fewer than 2^31 - 1
+    elements (32-bit indexing), and at most 880801 samples in training, 65535 in inference
+    (cuDNN's grid limits)."""
     x = data[0]
     layouts = {_layout(d) for d in data}
     if not (
         x.dtype in CUDNN_DTYPES
+        and x.ndim >= MIN_CUDNN_NDIM
         and x.numel < CUDNN_MAX_NUMEL
         and x.shape[0] <= (CUDNN_MAX_BATCH_TRAINING if training else CUDNN_MAX_BATCH_INFERENCE)
         and len(layouts) == 1
