@@ -199,3 +199,34 @@ def test_a_wrong_kernel_result_fails_here(monkeypatch):
     want = reference(p["input"], p["grad_output"], p["weight"])
     assert not np.allclose(f64(got[2]).numpy(), f64(want[2]).numpy(), rtol=1e-3)
     np.testing.assert_allclose(f64(got[2]).numpy(), 2 * f64(want[2]).numpy(), rtol=1e-5)
+
+
+# --- NaN through the fused ReLU --------------------------------------------------------------
+
+
+@pytest.mark.parametrize("fusion", ["relu", "add_relu"])
+@pytest.mark.parametrize(("data", "channel"), [(F32, F32), (BF16, F32)], ids=str)
+def test_fused_relu_propagates_nan_as_torch(data, channel, fusion):
+    """``relu(NaN)`` is NaN (torch; cuDNN with CUDNN_PROPAGATE_NAN), and its gradient passes
+    ``dy`` where ``y`` is NaN (torch's threshold_backward zeroes only ``y <= 0``)."""
+    p = fused_problem((2, 3, 4, 5), data, channel)
+    if fusion == "relu":
+        p["input"][1, 2, 3, 4] = float("nan")  # every output of channel 2 is NaN
+    else:
+        p["z"][1, 0, 2, 3] = float("nan")  # one output is NaN
+    want_y, want = torch_fused(p, fusion)
+    z = p["z"] if fusion == "add_relu" else None
+    out = batch_norm_forward_training(
+        p["input"], p["weight"], p["bias"], None, None, fusion=fusion, z=z
+    )
+    tol = {"atol": 1e-2, "rtol": 1e-2} if data == BF16 else {"atol": 2e-5, "rtol": 2e-5}
+    assert want_y.isnan().any()
+    torch.testing.assert_close(f64(out[0]), want_y, equal_nan=True, **tol)
+    grads = batch_norm_backward(
+        p["input"], p["grad_output"], p["weight"], None, None,
+        mode="saved", saved_mean=out[1], saved_invstd=out[2],
+        fusion=fusion, output=out[0], bias=p["bias"], reserve=out.reserve,
+    )  # fmt: skip
+    names = ("grad_input", "grad_weight", "grad_bias", "grad_z")[: len(grads)]
+    for name, got in zip(names, grads, strict=True):
+        torch.testing.assert_close(f64(got), want[name], equal_nan=True, **tol)

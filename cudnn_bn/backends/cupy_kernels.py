@@ -3,8 +3,10 @@
 Every kernel reads its operands in their own dtype and strides, computes in ``A`` (float,
 or double for F64 data) and writes in the destination's dtype; BF16 travels as ``uint16``
 bits, converted in the kernel (round to nearest even), so no header beyond CUDA's is needed.
-Fused passes read ``dy`` through the ReLU mask ``y > 0``. Kernels are built once per dtype
-combination and cached.
+Fused passes apply ReLU and read ``dy`` through its mask as torch does: ``relu(NaN)`` is NaN
+(cuDNN's ``CUDNN_PROPAGATE_NAN`` too) and ``dy`` passes where ``y`` is not ``<= 0``
+(``threshold_backward`` in PyTorch's aten/src/ATen/native/Activation.cpp), NaN included.
+Kernels are built once per dtype combination and cached.
 """
 
 import functools
@@ -23,6 +25,7 @@ __device__ __forceinline__ unsigned short bf16_store(float f) {
     u += 0x7fffu + ((u >> 16) & 1u);
     return (unsigned short)(u >> 16);
 }
+template <typename T> __device__ __forceinline__ T relu(T v) { return v < (T)0 ? (T)0 : v; }
 """
 
 
@@ -42,9 +45,10 @@ def store(expr: str, dtype: DataType) -> str:
 
 
 def load_dy(x_dtype: DataType, acc: str, fused: bool) -> str:
-    """``dy`` as the batch norm sees it: through the ReLU mask of ``y`` when fused."""
+    """``dy`` as the batch norm sees it: through the ReLU mask of ``y`` when fused (zero
+    where ``y <= 0``; a NaN ``y`` passes ``dy``, as in torch)."""
     dy = load("dy", x_dtype, acc)
-    return f"({load('y', x_dtype, acc)} > ({acc})0 ? {dy} : ({acc})0)" if fused else dy
+    return f"({load('y', x_dtype, acc)} <= ({acc})0 ? ({acc})0 : {dy})" if fused else dy
 
 
 def _elementwise(params: str, outputs: str, body: str, name: str) -> Any:
@@ -184,7 +188,7 @@ def _masked_grad_kernel(x_dtype: DataType, acc: str) -> Any:
 
 
 def masked_grad(dy: Any, y: Any, x_dtype: DataType, dz: Any) -> None:
-    """``dz = dy where y > 0, else 0``: the gradient through the fused ReLU (the residual's)."""
+    """``dz = 0 where y <= 0, else dy``: the gradient through the fused ReLU (the residual's)."""
     _masked_grad_kernel(x_dtype, acc_type(x_dtype))(dy, y, dz)
 
 
@@ -209,7 +213,7 @@ def _normalize_kernel(x_dtype: DataType, b_dtype: DataType, acc: str, add: bool,
     if add:
         value = f"({value} + {load('z', x_dtype, acc)})"
     if relu:
-        value = f"max({value}, ({acc})0)"
+        value = f"relu({value})"
     return _elementwise(
         "S x, S z, A m, A k, B b",
         "S y",
