@@ -152,8 +152,9 @@ def batch_norm_backward(
 
     ``output_mask`` asks only for some gradients: the others come back as None and are never
     written. ``fusion`` (``"relu"``, ``"add_relu"``) is the backward of a fused forward: it
-    needs that forward's ``output``, ``bias`` and ``reserve``, and with ``"add_relu"`` also
-    returns ``grad_z``, the residual's gradient, as a fourth result. ``persistent=False``
+    needs that forward's ``output`` and ``bias`` and takes its ``reserve`` (without one it
+    runs on the CuPy engine on NVIDIA), and with ``"add_relu"`` also returns ``grad_z``, the
+    residual's gradient, as a fourth result. ``persistent=False``
     forces cuDNN's SPATIAL mode where SPATIAL_PERSISTENT would be used (channels-last).
     """
     return _backward(
@@ -233,7 +234,8 @@ def _backward(
     # Validated values in the key: (1, 1, 1) == (True, True, True) must not hit the cache.
     output_mask = check_output_mask(output_mask)
     persistent = check_flag("persistent", persistent)
-    key = ("backward", tensors, parsed, check_eps(eps), fusion, output_mask, persistent)
+    given = reserve is not None  # a fused backward without one runs where it needs none
+    key = ("backward", tensors, parsed, check_eps(eps), fusion, output_mask, persistent, given)
     descriptor = call.descriptor(
         key,
         lambda handle: BatchNormBackwardDescriptor(
@@ -247,6 +249,7 @@ def _backward(
             fusion=fusion,
             output_mask=output_mask,
             persistent=persistent,
+            reserve=given,
         ),
     )
     names = ("grad_input", "grad_weight", "grad_bias") + (("grad_z",) if wants_z else ())
@@ -302,8 +305,8 @@ def batch_norm_backward_batched(
     ``bias`` and the statistics are ``(C,)``, shared, or ``(B, C)``, one row per problem.
     Returns ``grad_input`` shaped like ``input`` and ``grad_weight``/``grad_bias`` shaped
     ``(B, C)``, written in place problem by problem through one cached descriptor; the other
-    options are ``batch_norm_backward``'s (a fused one takes no reserve: each problem's
-    reserve would differ).
+    options are ``batch_norm_backward``'s (a fused one takes no reserve, each problem's would
+    differ, so it runs where it needs none: the CuPy engine on NVIDIA).
     """
     x = operand("input", input).desc
     if x.ndim < 3:

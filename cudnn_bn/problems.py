@@ -50,13 +50,16 @@ class Fusion(enum.IntEnum):
 class BackwardAttributes:
     """Attributes of batch-norm backward. ``output_mask`` names the gradients wanted
     (grad_input, grad_weight, grad_bias); ``persistent`` None lets the NVIDIA backend use
-    SPATIAL_PERSISTENT where PyTorch does (channels-last), False forces SPATIAL."""
+    SPATIAL_PERSISTENT where PyTorch does (channels-last), False forces SPATIAL. ``reserve``
+    False says compute will get no reserve space (a batched backward has none to give): a
+    fused backward then runs where it needs none (the NVIDIA backend's CuPy engine)."""
 
     eps: float = 1e-5
     mode: Mode = Mode.TRAIN
     fusion: Fusion = Fusion.BN
     output_mask: tuple[bool, bool, bool] = (True, True, True)
     persistent: bool | None = None
+    reserve: bool = True
 
 
 @dataclass(frozen=True)

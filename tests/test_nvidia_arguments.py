@@ -638,6 +638,20 @@ def test_fused_backward_in_train_mode_runs_on_cupy(stub, fusion):
         assert desc.engine == "cupy"
 
 
+@pytest.mark.parametrize("fusion", [*FUSIONS, None])
+def test_a_backward_without_a_reserve(stub, fusion):
+    """cuDNN's fused backward reads the ReLU mask from the forward's reserve space: a fused
+    problem that will get none (a batched backward) goes to the CuPy engine, which reads the
+    mask from y; a plain one stays on cuDNN, which takes no reserve then."""
+    shape = FUSED_SHAPES[0]
+    strides = channels_last(shape)
+    with descriptor(
+        shape, F16, F32, strides=strides, fusion=fusion, mode="saved_invstd", reserve=False
+    ) as desc:
+        assert desc.engine == ("cudnn" if fusion is None else "cupy")
+        assert desc.attributes.reserve is False
+
+
 # --- the C API ------------------------------------------------------------------------------
 
 

@@ -100,9 +100,15 @@ def BatchNormBackward(
     a, t = attributes, tensors
     data = [d for d in (t.input, t.grad_output, t.grad_input, t.output, t.grad_z) if d is not None]
     mode = bn_mode(t.input, True, a.persistent)
-    # cuDNN's fused backward reads the forward's saved statistics: no train mode there.
-    modes = CUDNN_BACKWARD_MODES if a.fusion == Fusion.BN else CUDNN_SAVED_MODES
-    use_cudnn = a.mode in modes and cudnn_takes(data, a.eps, a.fusion, mode, training=True)
+    # cuDNN's fused backward reads the forward's saved statistics (no train mode there) and
+    # its reserve space (the ReLU mask): without one, the CuPy engine reads the mask from y.
+    fused = a.fusion != Fusion.BN
+    modes = CUDNN_SAVED_MODES if fused else CUDNN_BACKWARD_MODES
+    use_cudnn = (
+        a.mode in modes
+        and (a.reserve or not fused)
+        and cudnn_takes(data, a.eps, a.fusion, mode, training=True)
+    )
     return _build(CudnnBatchNormBackward if use_cudnn else CupyBatchNormBackward, t, a, device_id)
 
 

@@ -83,6 +83,7 @@ class BatchNormBackwardDescriptor(OperatorDescriptor):
         fusion: Fusion | str | int | None = Fusion.BN,
         output_mask: tuple[bool, bool, bool] = (True, True, True),
         persistent: bool | None = None,
+        reserve: bool = True,
     ) -> None:
         tensors = BackwardTensors(
             grad_input_desc,
@@ -98,7 +99,7 @@ class BatchNormBackwardDescriptor(OperatorDescriptor):
             grad_z_desc,
         )
         validate_tensors(tensors)
-        attributes = BackwardAttributes(eps, mode, fusion, output_mask, persistent)  # type: ignore[arg-type]
+        attributes = BackwardAttributes(eps, mode, fusion, output_mask, persistent, reserve)  # type: ignore[arg-type]
         super().__init__(handle, tensors, attributes)
 
     def check_attributes(self, attributes: BackwardAttributes) -> BackwardAttributes:
@@ -108,6 +109,7 @@ class BatchNormBackwardDescriptor(OperatorDescriptor):
             fusion=parse_fusion(attributes.fusion),
             output_mask=check_output_mask(attributes.output_mask),
             persistent=check_flag("persistent", attributes.persistent),
+            reserve=check_flag("reserve", attributes.reserve) is not False,
         )
         t = self.tensors
         if checked.mode.reads_statistics:
