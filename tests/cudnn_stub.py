@@ -66,6 +66,12 @@ class StreamCall(ctypes.Structure):
     _fields_ = _fields("calls handle stream")
 
 
+class RuntimeErrorQuery(ctypes.Structure):
+    """``cudnnQueryRuntimeError``'s arguments; ``rstatus`` is an input: what it reports."""
+
+    _fields_ = _fields("calls handle mode tag rstatus")
+
+
 class BackwardWorkspaceQuery(ctypes.Structure):
     """``cudnnGetBatchNormalizationBackwardExWorkspaceSize``'s arguments."""
 
@@ -122,6 +128,7 @@ class ForwardInferenceCall(ctypes.Structure):
 # What the stub records, by the name of its C global (``stub_<name>``) and ``Stub`` attribute.
 RECORDS = {
     "set_stream": StreamCall,
+    "runtime_error": RuntimeErrorQuery,
     "backward_query": BackwardWorkspaceQuery,
     "forward_query": ForwardWorkspaceQuery,
     "reserve_query": ReserveQuery,
@@ -167,6 +174,8 @@ typedef int cudnnBatchNormMode_t;
 typedef int cudnnBatchNormOps_t;
 typedef int cudnnActivationMode_t;
 typedef int cudnnNanPropagation_t;
+typedef int cudnnErrQueryMode_t;
+typedef struct cudnnRuntimeTag_t cudnnRuntimeTag_t;
 typedef void *cudaStream_t;
 typedef struct cudnnContext *cudnnHandle_t;
 typedef struct cudnnTensorStruct *cudnnTensorDescriptor_t;
@@ -184,6 +193,8 @@ cudnnStatus_t cudnnCreate(cudnnHandle_t *handle);
 cudnnStatus_t cudnnDestroy(cudnnHandle_t handle);
 cudnnStatus_t cudnnSetStream(cudnnHandle_t handle, cudaStream_t streamId);
 cudnnStatus_t cudnnGetStream(cudnnHandle_t handle, cudaStream_t *streamId);
+cudnnStatus_t cudnnQueryRuntimeError(cudnnHandle_t handle, cudnnStatus_t *rstatus,
+    cudnnErrQueryMode_t mode, cudnnRuntimeTag_t *tag);
 cudnnStatus_t cudnnCreateTensorDescriptor(cudnnTensorDescriptor_t *tensorDesc);
 cudnnStatus_t cudnnDestroyTensorDescriptor(cudnnTensorDescriptor_t tensorDesc);
 cudnnStatus_t cudnnSetTensorNdDescriptor(cudnnTensorDescriptor_t tensorDesc,
@@ -272,6 +283,7 @@ struct cudnnTensorStruct {
 struct cudnnActivationStruct { int64_t set, mode, nan_opt; double coef; };
 
 StreamCall stub_set_stream;
+RuntimeErrorQuery stub_runtime_error;
 BackwardWorkspaceQuery stub_backward_query;
 ForwardWorkspaceQuery stub_forward_query;
 ReserveQuery stub_reserve_query;
@@ -334,6 +346,16 @@ cudnnStatus_t cudnnSetStream(cudnnHandle_t handle, cudaStream_t streamId) {
 cudnnStatus_t cudnnGetStream(cudnnHandle_t handle, cudaStream_t *streamId) {
     if (handle == NULL || streamId == NULL) return fail(NULL_POINTER);
     *streamId = handle->stream;
+    return 0;
+}
+
+cudnnStatus_t cudnnQueryRuntimeError(cudnnHandle_t handle, cudnnStatus_t *rstatus,
+        cudnnErrQueryMode_t mode, cudnnRuntimeTag_t *tag) {
+    if (handle == NULL || rstatus == NULL) return fail(NULL_POINTER);
+    RuntimeErrorQuery *q = &stub_runtime_error;
+    q->calls++;
+    q->handle = U(handle); q->mode = mode; q->tag = U(tag);
+    *rstatus = (cudnnStatus_t)q->rstatus;
     return 0;
 }
 
@@ -594,6 +616,7 @@ class Stub:
     created and not yet destroyed (``live_tensors``, ``live_activations``)."""
 
     set_stream: StreamCall
+    runtime_error: RuntimeErrorQuery
     backward_query: BackwardWorkspaceQuery
     forward_query: ForwardWorkspaceQuery
     reserve_query: ReserveQuery

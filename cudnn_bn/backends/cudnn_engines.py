@@ -8,12 +8,13 @@ into the workspace), sets the stream, and makes one cuDNN call.
 """
 
 import ctypes
+import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any, NamedTuple
 
 from .._cudnn.activation import ActivationDescriptor
-from .._cudnn.enums import BatchNormMode, BatchNormOps, CudnnDataType
+from .._cudnn.enums import BatchNormMode, BatchNormOps, CudnnDataType, CudnnStatus, ErrQueryMode
 from .._cudnn.handle import thread_handle
 from .._cudnn.library import cudnn
 from .._cudnn.tensor import TensorDescriptor, pad_to_4d
@@ -58,10 +59,19 @@ class _CudnnKernel:
     reserve_size = 0
 
     def __init__(
-        self, x: TensorDesc, training: bool, persistent: bool | None, fusion: Fusion, device_id: int
+        self,
+        x: TensorDesc,
+        training: bool,
+        persistent: bool | None,
+        fusion: Fusion,
+        device_id: int,
+        check_overflow: bool = False,
     ) -> None:
         self.device_id = device_id
         self.bn_mode = bn_mode(x, training, persistent)
+        # Only SPATIAL_PERSISTENT kernels may overflow (cudnn_ops.h); CuPy 13 checked those.
+        persistent_mode = self.bn_mode == BatchNormMode.SPATIAL_PERSISTENT
+        self.check_overflow = check_overflow and persistent_mode
         self.ops = BatchNormOps(fusion)
         self.ctype = FLOAT_TYPES[x.dtype].cudnn
         self.channels = x.shape[1]
@@ -146,6 +156,23 @@ class _CudnnKernel:
             self.staging.read(ptrs, workspace, stream)
             self._call(*args)
             self.staging.write(ptrs, workspace, stream)
+            if self.check_overflow:
+                self.warn_on_overflow(handle)
+
+    def warn_on_overflow(self, handle: Any) -> None:
+        """CuPy 13's ``debug`` check (cupyx/cudnn.pyx): wait for this handle's work
+        (``cudnnQueryRuntimeError``, blocking: it synchronizes) and warn, as CuPy 13 did, if
+        cuDNN flagged a possible numerical overflow in its SPATIAL_PERSISTENT kernels."""
+        rstatus = ctypes.c_int()
+        cudnn().cudnnQueryRuntimeError(handle, ctypes.byref(rstatus), ErrQueryMode.BLOCKING, None)
+        if rstatus.value != CudnnStatus.SUCCESS:
+            name = cudnn().cudnnGetErrorString(rstatus.value).decode(errors="replace")
+            warnings.warn(
+                f"{self.function}: cuDNN reports {name} ({rstatus.value}): a numerical "
+                "overflow may have happened in SPATIAL_PERSISTENT batch normalization",
+                RuntimeWarning,
+                stacklevel=2,
+            )
 
     def close(self) -> None:
         for desc in self._owned:
@@ -164,7 +191,7 @@ class CudnnBatchNormBackward(_CudnnKernel):
         self, tensors: BackwardTensors, attributes: BackwardAttributes, device_id: int
     ) -> None:
         a, t = attributes, tensors
-        super().__init__(t.input, True, a.persistent, a.fusion, device_id)
+        super().__init__(t.input, True, a.persistent, a.fusion, device_id, a.check_overflow)
         self.tensors, self.attributes = t, a
         fused, add = a.fusion != Fusion.BN, a.fusion == Fusion.BN_ADD_RELU
         with self.closed_on_error():
@@ -279,7 +306,7 @@ class CudnnBatchNormForwardTraining(_CudnnKernel):
         self, tensors: ForwardTrainingTensors, attributes: ForwardTrainingAttributes, device_id: int
     ) -> None:
         a, t = attributes, tensors
-        super().__init__(t.input, True, a.persistent, a.fusion, device_id)
+        super().__init__(t.input, True, a.persistent, a.fusion, device_id, a.check_overflow)
         self.tensors, self.attributes = t, a
         add = a.fusion == Fusion.BN_ADD_RELU
         with self.closed_on_error():
