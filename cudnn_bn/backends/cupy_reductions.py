@@ -5,8 +5,8 @@ each block reads its chunk of ``x`` (and ``dy``, ``y``) once, accumulates every 
 needs in double, reduces them across its threads in shared memory, and writes one partial
 per sum to the caller's workspace. Stage 2 (``..._finish``) adds a channel's partials in a
 fixed order and writes the per-channel results. The chunk count grows with the reduced size
-(``plan``), so parallelism no longer comes from the channel count alone, and no thread adds
-more than a bounded run of values serially.
+(``plan``), so parallelism does not come from the channel count alone: a thread adds at most
+``MIN_RUN`` values in a row until the grid reaches ``MAX_BLOCKS`` blocks.
 
 The sums are taken about a per-channel shift ``K``: the channel's first value when the mean
 is being computed, else the given mean. With ``v = x - K`` and ``g`` the gradient as the
@@ -133,11 +133,14 @@ def _load(expr: str, dtype: DataType) -> str:
 
 
 def _storage(dtype: DataType) -> str:
+    """The C type a kernel reads ``dtype`` data as."""
     return STORAGE.get(dtype, "double" if dtype == DataType.F64 else "float")
 
 
-def _sums_source(name: str, x_dtype: DataType, acc: str, fused: bool, kind: str, axes: int,
-                 wide: bool) -> str:  # fmt: skip
+def _sums_source(
+    name: str, x_dtype: DataType, acc: str, fused: bool, kind: str, axes: int, wide: bool
+) -> str:
+    """Stage 1 for ``kind``: ``axes`` merged reduced axes, 64-bit indices if ``wide``."""
     xt, sums = _storage(x_dtype), KINDS[kind]
     operands = ("x", "dy", "y")
     params = [
@@ -215,6 +218,7 @@ RESULTS = {
 
 
 def _finish_source(name: str, x_dtype: DataType, acc: str, kind: str) -> str:
+    """Stage 2 for ``kind``: one thread per channel, ``RESULTS[kind]`` out."""
     xt, sums, results = _storage(x_dtype), KINDS[kind], RESULTS[kind]
     params = [
         "const double *__restrict__ partials",
