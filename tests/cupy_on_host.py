@@ -191,8 +191,6 @@ class ElementwiseKernel:
 # the thread; the launcher resumes every thread of a block in turn, round after round.
 RAW_PROLOGUE = r"""
 #include <coroutine>
-#include <exception>
-#include <vector>
 struct dim3 { unsigned x, y, z; };
 static dim3 threadIdx, blockIdx, blockDim, gridDim;
 struct Thread {
@@ -203,7 +201,7 @@ struct Thread {
         std::suspend_always initial_suspend() noexcept { return {}; }
         std::suspend_always final_suspend() noexcept { return {}; }
         void return_void() {}
-        void unhandled_exception() { std::terminate(); }
+        void unhandled_exception() { __builtin_trap(); }
     };
     std::coroutine_handle<promise_type> handle;
 };
@@ -229,13 +227,13 @@ extern "C" int run(unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned 
     gridDim = {gx, gy, gz};
     blockDim = {bx, by, bz};
     const unsigned long blocks = (unsigned long)gx * gy * gz, threads = (unsigned long)bx * by * bz;
-    std::vector<Thread> block;
+    static Thread block[1024];  /* CUDA's limit on threads per block */
+    if (threads > 1024) return -1;
     for (unsigned long b = 0; b < blocks; ++b) {
         blockIdx = coordinates(b, gridDim);
-        block.clear();
         for (unsigned long t = 0; t < threads; ++t) {
             threadIdx = coordinates(t, blockDim);
-            block.push_back(@NAME@(@ARGS@));
+            block[t] = @NAME@(@ARGS@);
         }
         for (;;) {
             unsigned long finished = 0;
@@ -249,7 +247,7 @@ extern "C" int run(unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned 
             if (finished == threads) break;
             if (finished != 0) return 1;  /* a __syncthreads() some threads never reached */
         }
-        for (Thread &t : block) t.handle.destroy();
+        for (unsigned long t = 0; t < threads; ++t) block[t].handle.destroy();
     }
     return 0;
 }
@@ -315,6 +313,8 @@ class RawKernel:
         status = self.compiler.load(source)(
             *(ctypes.c_uint(v) for v in (*grid3, *block3)), addresses, sizes
         )
+        if status == -1:
+            raise ValueError(f"{self.name}: more than 1024 threads per block")
         if status == 1:
             raise AssertionError(f"{self.name}: threads of a block diverged at __syncthreads()")
         if status:
