@@ -69,7 +69,8 @@ class _CudnnKernel:
     ) -> None:
         self.device_id = device_id
         self.bn_mode = bn_mode(x, training, persistent)
-        # Only SPATIAL_PERSISTENT kernels may overflow (cudnn_ops.h); CuPy 13 checked those.
+        # SPATIAL_PERSISTENT reduces through scaled atomic integers, "with limits on value
+        # range" (cudnn_ops.h): the mode that may overflow, the one CuPy 13 checked.
         persistent_mode = self.bn_mode == BatchNormMode.SPATIAL_PERSISTENT
         self.check_overflow = check_overflow and persistent_mode
         self.ops = BatchNormOps(fusion)
