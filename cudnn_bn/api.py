@@ -157,6 +157,7 @@ def batch_norm_backward(
     bias: Any = None,
     reserve: Any = None,
     persistent: bool | None = None,
+    check_overflow: bool = False,
 ) -> tuple[Any, ...]:
     """``(grad_input, grad_weight, grad_bias)`` of batch norm, as arrays of ``input``'s kind.
 
@@ -168,9 +169,13 @@ def batch_norm_backward(
 
     ``output_mask`` asks only for some gradients: the others come back as None and are never
     written. ``fusion`` (``"relu"``, ``"add_relu"``) is the backward of a fused forward: it
-    needs that forward's ``output``, ``bias`` and ``reserve``, and with ``"add_relu"`` also
-    returns ``grad_z``, the residual's gradient, as a fourth result. ``persistent=False``
+    needs that forward's ``output`` and ``bias`` and takes its ``reserve`` (without one it
+    runs on the CuPy engine on NVIDIA), and with ``"add_relu"`` also returns ``grad_z``, the
+    residual's gradient, as a fourth result. ``persistent=False``
     forces cuDNN's SPATIAL mode where SPATIAL_PERSISTENT would be used (channels-last).
+    ``check_overflow=True`` is a debug aid that synchronizes: after a cuDNN
+    SPATIAL_PERSISTENT pass it waits (``cudnnQueryRuntimeError``) and warns with a
+    ``RuntimeWarning`` if cuDNN reports a numerical overflow, as CuPy 13's ``debug`` did.
     """
     return _backward(
         dict(
@@ -192,6 +197,7 @@ def batch_norm_backward(
         fusion,
         reserve,
         persistent,
+        check_overflow,
     )
 
 
@@ -205,6 +211,7 @@ def _backward(
     fusion_name: str | None,
     reserve: Any,
     persistent: bool | None,
+    check_overflow: bool = False,
 ) -> tuple[Any, ...]:
     """Batch-norm backward writing into ``out`` (arrays by name) or into new arrays."""
     parsed, fusion = parse_mode(mode), parse_fusion(fusion_name)
@@ -249,7 +256,9 @@ def _backward(
     # Validated values in the key: (1, 1, 1) == (True, True, True) must not hit the cache.
     output_mask = check_output_mask(output_mask)
     persistent = check_flag("persistent", persistent)
-    key = ("backward", tensors, parsed, check_eps(eps), fusion, output_mask, persistent)
+    # A fused backward given no reserve runs where it needs none (the CuPy engine).
+    flags = (persistent, reserve is not None, check_flag("check_overflow", check_overflow) is True)
+    key = ("backward", tensors, parsed, check_eps(eps), fusion, output_mask, *flags)
     descriptor = call.descriptor(
         key,
         lambda handle: BatchNormBackwardDescriptor(
@@ -263,6 +272,8 @@ def _backward(
             fusion=fusion,
             output_mask=output_mask,
             persistent=persistent,
+            reserve=flags[1],
+            check_overflow=flags[2],
         ),
     )
     names = ("grad_input", "grad_weight", "grad_bias") + (("grad_z",) if wants_z else ())
@@ -318,8 +329,8 @@ def batch_norm_backward_batched(
     ``bias`` and the statistics are ``(C,)``, shared, or ``(B, C)``, one row per problem.
     Returns ``grad_input`` shaped like ``input`` and ``grad_weight``/``grad_bias`` shaped
     ``(B, C)``, written in place problem by problem through one cached descriptor; the other
-    options are ``batch_norm_backward``'s (a fused one takes no reserve: each problem's
-    reserve would differ).
+    options are ``batch_norm_backward``'s (a fused one takes no reserve, each problem's would
+    differ, so it runs where it needs none: the CuPy engine on NVIDIA).
     """
     call = _Call({"input": input}, stream)  # the batch's device and stream
     x = call.desc("input")
@@ -387,6 +398,7 @@ def batch_norm_forward_training(
     fusion: str | None = None,
     z: Any = None,
     persistent: bool | None = None,
+    check_overflow: bool = False,
 ) -> TrainingOutputs:
     """Training-mode batch norm: ``(output, saved_mean, saved_invstd)`` with ``.reserve``.
 
@@ -397,6 +409,7 @@ def batch_norm_forward_training(
     F16/BF16 input and go straight into ``batch_norm_backward(..., mode="saved",
     saved_mean=..., saved_invstd=..., reserve=outputs.reserve)``. ``fusion`` ``"relu"`` or
     ``"add_relu"`` (with the residual ``z``) gives ``relu(bn(x) [+ z])``.
+    ``check_overflow=True`` is ``batch_norm_backward``'s synchronizing debug aid.
     """
     fused = parse_fusion(fusion)
     call = _Call(
@@ -429,7 +442,8 @@ def batch_norm_forward_training(
     )
     momentum = check_fraction("momentum", momentum)
     persistent = check_flag("persistent", persistent)
-    key = ("forward_training", tensors, check_eps(eps), momentum, fused, persistent)
+    check = check_flag("check_overflow", check_overflow) is True
+    key = ("forward_training", tensors, check_eps(eps), momentum, fused, persistent, check)
     descriptor = call.descriptor(
         key,
         lambda handle: BatchNormForwardTrainingDescriptor(
@@ -440,6 +454,7 @@ def batch_norm_forward_training(
             momentum=momentum,
             fusion=fused,
             persistent=persistent,
+            check_overflow=check,
         ),
     )
     with call.allocating():

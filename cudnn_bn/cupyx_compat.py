@@ -20,13 +20,17 @@ What CuPy 13 meant by its arguments, and how it maps onto ``cudnn_bn``'s ``(N, C
   (``persistent=True``); ``CUDNN_BATCHNORM_PER_ACTIVATION`` per element over N only, so a
   convolution input becomes ``(N, C*H*W)`` and ``gamma`` and the statistics have ``C*H*W``
   elements in cuDNN's ``(C, H, W)`` order, whatever ``d_layout``. Where x is seen as 2-D the
-  three modes compute the same statistics and cuDNN's PER_ACTIVATION mode is used.
+  three modes compute the same statistics, on the CuPy engine (as PyTorch, no 2-D input is
+  sent to cuDNN).
 - Per-channel arrays may have any shape with the right number of elements (``(C,)``,
   ``(1, C, 1, 1)``, ...). They are used as cuDNN's parameter dtype (float32, or float64 for
   float64 ``x``), as CuPy 13 did; running statistics are written back in place in their own
   dtype and shape; saved statistics come back in ``gamma``'s shape and that parameter dtype;
   ``ggamma``/``gbeta`` in ``gamma``'s shape and dtype.
 - ``decay`` is Chainer's: the running update uses ``momentum = 1 - decay``.
+- ``debug=True`` with ``CUDNN_BATCHNORM_SPATIAL_PERSISTENT`` does what CuPy 13 did: after a
+  cuDNN pass, wait for it (``cudnnQueryRuntimeError``, blocking) and warn if cuDNN reports
+  a numerical overflow (``check_overflow=True`` of the array API).
 
 Differences from CuPy 13:
 
@@ -34,9 +38,6 @@ Differences from CuPy 13:
   ``TrainingOutputs.reserve``: a ``uint8`` array of ``x``'s kind, or None when cuDNN needs
   none, not a ``cupy.cuda.MemoryPointer``. Pass it on unchanged as the backward's
   ``reserve_space=``.
-- ``debug`` is accepted and ignored. CuPy 13 used it to call ``cudnnQueryRuntimeError``
-  after a SPATIAL_PERSISTENT pass, to warn of a possible overflow; this package does not
-  bind that call, so no such warning is given.
 - Failures raise ``cudnn_bn.InfiniError`` (with the status and the offending argument)
   instead of ``cupy.cuda.cudnn.CuDNNError``.
 """
@@ -133,6 +134,11 @@ def _problem(x: Any, is_for_conv2d: bool, cudnn_mode: int, d_layout: int) -> _Pr
     )
 
 
+def _overflow_check(debug: bool, cudnn_mode: int) -> bool:
+    """CuPy 13's condition for its overflow check: ``debug`` on a SPATIAL_PERSISTENT pass."""
+    return bool(debug) and cudnn_mode == CUDNN_BATCHNORM_SPATIAL_PERSISTENT
+
+
 def _write(target: Any, flat: Any, problem: _Problem) -> None:
     """Store ``flat`` (cuDNN's order) into ``target`` unless it already is its memory."""
     if buffer_address("target", target) != buffer_address("flat", flat):
@@ -152,6 +158,7 @@ def _forward_training(
     is_for_conv2d: bool,
     cudnn_mode: int,
     d_layout: int,
+    debug: bool,
 ) -> tuple[Any, Any, Any, Any]:
     """``(reserve, y, save_mean, save_inv_std)``; the saved ones are ``mean``/``inv_std``
     when those are given (and filled)."""
@@ -167,6 +174,7 @@ def _forward_training(
         momentum=1.0 - decay,
         eps=eps,
         persistent=problem.persistent,
+        check_overflow=_overflow_check(debug, cudnn_mode),
     )
     for target, flat in zip((running_mean, running_var), running, strict=True):
         if target is not None:
@@ -199,10 +207,10 @@ def batch_normalization_forward_training(
     """Training-mode batch norm: ``y`` when ``mean``/``inv_std`` are given (and filled with
     the batch mean and ``1/sqrt(var + eps)``), else ``(y, save_mean, save_inv_std)``.
     ``running_mean``/``running_var`` are updated in place with factor ``1 - decay``;
-    ``debug`` is ignored (see the module's docstring)."""
+    ``debug`` checks for an overflow (see the module's docstring)."""
     _, y, save_mean, save_inv_std = _forward_training(
         x, gamma, beta, running_mean, running_var, mean, inv_std, eps, decay,
-        is_for_conv2d, cudnn_mode, d_layout,
+        is_for_conv2d, cudnn_mode, d_layout, debug,
     )  # fmt: skip
     return y if mean is not None else (y, save_mean, save_inv_std)
 
@@ -226,7 +234,7 @@ def batch_normalization_forward_training_ex(
     ``(reserve_space, y)`` or ``(reserve_space, y, save_mean, save_inv_std)``."""
     reserve, y, save_mean, save_inv_std = _forward_training(
         x, gamma, beta, running_mean, running_var, mean, inv_std, eps, decay,
-        is_for_conv2d, cudnn_mode, d_layout,
+        is_for_conv2d, cudnn_mode, d_layout, debug,
     )  # fmt: skip
     return (reserve, y) if mean is not None else (reserve, y, save_mean, save_inv_std)
 
@@ -279,6 +287,7 @@ def batch_normalization_backward(
         saved_invstd=problem.param(inv_std),
         reserve=reserve_space,
         persistent=problem.persistent,
+        check_overflow=_overflow_check(debug, cudnn_mode),
     )
     shape = tuple(gamma.shape)
     ggamma, gbeta = (

@@ -50,24 +50,32 @@ class Fusion(enum.IntEnum):
 class BackwardAttributes:
     """Attributes of batch-norm backward. ``output_mask`` names the gradients wanted
     (grad_input, grad_weight, grad_bias); ``persistent`` None lets the NVIDIA backend use
-    SPATIAL_PERSISTENT where PyTorch does (channels-last), False forces SPATIAL."""
+    SPATIAL_PERSISTENT where PyTorch does (channels-last), False forces SPATIAL. ``reserve``
+    False says compute will get no reserve space (a batched backward has none to give): a
+    fused backward then runs where it needs none (the NVIDIA backend's CuPy engine).
+    ``check_overflow``: see ``ForwardTrainingAttributes``."""
 
     eps: float = 1e-5
     mode: Mode = Mode.TRAIN
     fusion: Fusion = Fusion.BN
     output_mask: tuple[bool, bool, bool] = (True, True, True)
     persistent: bool | None = None
+    reserve: bool = True
+    check_overflow: bool = False
 
 
 @dataclass(frozen=True)
 class ForwardTrainingAttributes:
     """Attributes of training-mode forward: ``momentum`` is PyTorch's (and cuDNN's
-    exponential average factor): ``running = (1 - momentum) * running + momentum * batch``."""
+    exponential average factor): ``running = (1 - momentum) * running + momentum * batch``.
+    ``check_overflow`` is a debug aid that synchronizes: after a cuDNN SPATIAL_PERSISTENT
+    pass, wait for it and warn if cuDNN reports a numerical overflow (CuPy 13's ``debug``)."""
 
     eps: float = 1e-5
     momentum: float = 0.1
     fusion: Fusion = Fusion.BN
     persistent: bool | None = None
+    check_overflow: bool = False
 
 
 @dataclass(frozen=True)

@@ -169,12 +169,13 @@ def host_cupy_module(tmp_path_factory):
 def _forget_built_kernels() -> None:
     """Drop the descriptors and kernels built with whichever ``cupy`` was in place."""
     import cudnn_bn
-    from cudnn_bn.backends import cupy_kernels
+    from cudnn_bn.backends import cupy_kernels, cupy_reductions
 
     cudnn_bn.descriptor_cache.clear()
-    for value in vars(cupy_kernels).values():
-        if hasattr(value, "cache_clear"):
-            value.cache_clear()
+    for module in (cupy_kernels, cupy_reductions):
+        for value in vars(module).values():
+            if hasattr(value, "cache_clear"):
+                value.cache_clear()
 
 
 @pytest.fixture

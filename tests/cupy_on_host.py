@@ -1,19 +1,24 @@
 """A stand-in ``cupy`` that runs the CuPy engines' own CUDA C++ kernels on the host.
 
 The NVIDIA backend's CuPy engines use a small part of CuPy: views of raw device memory,
-``ElementwiseKernel``, ``ReductionKernel``, streams and the device calls. Here "device
-memory" is host memory (NumPy buffers, addressed by their integer pointers) and every kernel
-is compiled with ``g++``, its body as written, CUDA's few device builtins shimmed, and run
-over NumPy views with CuPy's broadcasting. Real CuPy (which builds kernel objects without a
-GPU) parses the parameter lists, so a typo there fails here as it would on a GPU.
+``ElementwiseKernel``, ``RawKernel``, streams and the device calls.
+Here "device memory" is host memory (NumPy buffers, addressed by their integer pointers) and
+every kernel is compiled with ``g++``, its body as written, CUDA's few device builtins
+shimmed. Elementwise kernels run over NumPy views with CuPy's broadcasting; real CuPy (which
+builds kernel objects without a GPU) parses their parameter lists, so a typo there fails
+here as it would on a GPU. A ``RawKernel`` runs its grid block by block,
+each block's threads as C++20 coroutines that all reach a ``__syncthreads()`` before any
+passes it (``__shared__`` memory is shared by the block's threads); a barrier some threads
+skip is an error, as it is undefined on a GPU. Every launch is recorded in ``launches``.
 
 This shows, without a GPU, that the engines compute the right thing end to end: the workspace
-slices, views, strides, dtypes and the order of their passes. It cannot show anything about
-CUDA itself (launches, NVRTC, streams, a parallel reduction's order): the ``gpu`` tests do.
+slices, views, strides, dtypes, the order of their passes, the grids they launch. It cannot
+show anything about CUDA itself (NVRTC, streams, warps, real concurrency): the ``gpu`` tests do.
 """
 
 import ctypes
 import hashlib
+import re
 import subprocess
 import types
 from contextlib import nullcontext
@@ -53,8 +58,8 @@ static inline unsigned int __float_as_uint(float f) {
 }
 """
 
-# Offsets of every array operand at a flat index over some of the axes: ``axes`` extents in
-# ``shape``, each operand's byte strides for them in ``strides[operand * axes + axis]``.
+# Offsets of every array operand at a flat index: ``axes`` extents in ``shape``, each
+# operand's byte strides in ``strides[operand * axes + axis]``.
 OFFSETS = r"""
 static void offsets(long index, int axes, const long *shape, int operands, const long *strides,
                     long *out) {
@@ -68,9 +73,8 @@ static void offsets(long index, int axes, const long *shape, int operands, const
 """
 
 ENTRY = (
-    'extern "C" void run(long n_outer, int outer_axes, const long *outer_shape, '
-    "const long *outer_strides, long n_inner, int inner_axes, const long *inner_shape, "
-    "const long *inner_strides, char **base, const double *scalars)"
+    'extern "C" void run(long n, int axes, const long *shape, const long *strides, '
+    "char **base, const double *scalars)"
 )
 
 
@@ -82,12 +86,13 @@ class HostKernels:
         self._loaded: dict[str, ctypes.CDLL] = {}
 
     def load(self, source: str) -> Any:
+        """The ``run`` entry point of ``source``, compiled as C++20."""
         key = hashlib.sha256(source.encode()).hexdigest()[:20]
         if key not in self._loaded:
             src, lib = self.directory / f"{key}.cpp", self.directory / f"{key}.so"
             src.write_text(source)
             result = subprocess.run(
-                ["g++", "-std=c++17", "-O1", "-shared", "-fPIC", "-o", str(lib), str(src)],
+                ["g++", "-std=c++20", "-O1", "-shared", "-fPIC", "-o", str(lib), str(src)],
                 capture_output=True,
                 text=True,
             )
@@ -137,30 +142,15 @@ def _declarations(placeholders: dict[str, str], arrays: list, scalars: list, out
     return "\n".join(lines)
 
 
-def _launch(fn: Any, arrays: list, scalars: list, shape: tuple, inner: tuple) -> None:
-    """Run ``fn`` over ``shape``, the ``inner`` axes reduced; a reduction's output (the last
-    operand) has the kept axes only."""
-    outer = [d for d in range(len(shape)) if d not in inner]
-    outer_shape, inner_shape = [shape[d] for d in outer], [shape[d] for d in inner]
-    outer_strides, inner_strides = [], []
-    for k, (_, array) in enumerate(arrays):
-        if inner and k == len(arrays) - 1:
-            outer_strides += np.broadcast_to(array, outer_shape).strides
-            inner_strides += [0] * len(inner)
-        else:
-            full = np.broadcast_to(array, shape).strides
-            outer_strides += [full[d] for d in outer]
-            inner_strides += [full[d] for d in inner]
+def _launch(fn: Any, arrays: list, scalars: list, shape: tuple) -> None:
+    """Run ``fn`` over every element of ``shape``, the arrays broadcast to it."""
+    strides = [s for _, array in arrays for s in np.broadcast_to(array, shape).strides]
     longs = lambda values: (ctypes.c_long * max(len(values), 1))(*values)  # noqa: E731
     fn(
-        ctypes.c_long(int(np.prod(outer_shape))),
-        len(outer),
-        longs(outer_shape),
-        longs(outer_strides),
-        ctypes.c_long(int(np.prod(inner_shape))),
-        len(inner),
-        longs(inner_shape),
-        longs(inner_strides),
+        ctypes.c_long(int(np.prod(shape))),
+        len(shape),
+        longs(shape),
+        longs(strides),
         (ctypes.c_void_p * len(arrays))(*(a.ctypes.data for _, a in arrays)),
         (ctypes.c_double * max(len(scalars), 1))(*(v for _, v in scalars)),
     )
@@ -188,52 +178,147 @@ class ElementwiseKernel:
                 raise ValueError(f"{param.name}: shape {out.shape}, broadcast shape {shape}")
         outputs = {p.name for p in k.out_params}
         lines = [
-            "for (long i = 0; i < n_outer; ++i) {",
-            f"offsets(i, outer_axes, outer_shape, {len(arrays)}, outer_strides, at);",
+            "for (long i = 0; i < n; ++i) {",
+            f"offsets(i, axes, shape, {len(arrays)}, strides, at);",
             _declarations(placeholders, arrays, scalars, outputs),
             k.operation + ";",
             "}",
         ]
-        _launch(self.compiler.load(_source(k, arrays, lines)), arrays, scalars, shape, ())
+        _launch(self.compiler.load(_source(k, arrays, lines)), arrays, scalars, shape)
 
 
-class ReductionKernel:
-    """``cupy.ReductionKernel``, run on the host: map, reduce and post-map as CuPy names them
-    (``a`` the running value, ``b`` the next), in index order over the reduced axes."""
+# A RawKernel's host program: CUDA's thread model on coroutines. ``__syncthreads()`` suspends
+# the thread; the launcher resumes every thread of a block in turn, round after round.
+RAW_PROLOGUE = r"""
+#include <coroutine>
+struct dim3 { unsigned x, y, z; };
+static dim3 threadIdx, blockIdx, blockDim, gridDim;
+struct Thread {
+    struct promise_type {
+        Thread get_return_object() {
+            return {std::coroutine_handle<promise_type>::from_promise(*this)};
+        }
+        std::suspend_always initial_suspend() noexcept { return {}; }
+        std::suspend_always final_suspend() noexcept { return {}; }
+        void return_void() {}
+        void unhandled_exception() { __builtin_trap(); }
+    };
+    std::coroutine_handle<promise_type> handle;
+};
+struct Barrier {
+    bool await_ready() const noexcept { return false; }
+    void await_suspend(std::coroutine_handle<>) const noexcept {}
+    void await_resume() const noexcept {}
+};
+#define __global__
+#define __shared__ static
+#define __restrict__ __restrict
+#define __syncthreads() co_await Barrier{}
+"""
 
-    def __init__(self, compiler: HostKernels, real: Any) -> None:
-        self.compiler, self.real = compiler, real
+RAW_LAUNCHER = r"""
+static dim3 coordinates(unsigned long i, dim3 extent) {
+    return {(unsigned)(i % extent.x), (unsigned)(i / extent.x % extent.y),
+            (unsigned)(i / extent.x / extent.y)};
+}
+extern "C" int run(unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by,
+                   unsigned bz, void **args, const long *sizes) {
+    @CHECKS@
+    gridDim = {gx, gy, gz};
+    blockDim = {bx, by, bz};
+    const unsigned long blocks = (unsigned long)gx * gy * gz, threads = (unsigned long)bx * by * bz;
+    static Thread block[1024];  /* CUDA's limit on threads per block */
+    if (threads > 1024) return -1;
+    for (unsigned long b = 0; b < blocks; ++b) {
+        blockIdx = coordinates(b, gridDim);
+        for (unsigned long t = 0; t < threads; ++t) {
+            threadIdx = coordinates(t, blockDim);
+            block[t] = @NAME@(@ARGS@);
+        }
+        for (;;) {
+            unsigned long finished = 0;
+            for (unsigned long t = 0; t < threads; ++t) {
+                if (!block[t].handle.done()) {
+                    threadIdx = coordinates(t, blockDim);
+                    block[t].handle.resume();
+                }
+                finished += block[t].handle.done();
+            }
+            if (finished == threads) break;
+            if (finished != 0) return 1;  /* a __syncthreads() some threads never reached */
+        }
+        for (unsigned long t = 0; t < threads; ++t) block[t].handle.destroy();
+    }
+    return 0;
+}
+"""
 
-    def __call__(self, *args: Any, axis: tuple[int, ...], out: np.ndarray) -> None:
-        k = self.real
-        placeholders, arrays, scalars = _bind([*k.in_params, *k.out_params], [*args, out])
-        shape = np.broadcast_shapes(*(a.shape for _, a in arrays[:-1]))
-        kept = tuple(n for d, n in enumerate(shape) if d not in axis)
-        if out.shape != kept:
-            raise ValueError(f"out: shape {out.shape}, reduced shape {kept}")
-        n = len(arrays)
-        declared = _declarations(placeholders, arrays, scalars, {p.name for p in k.out_params})
-        lines = [
-            f"long outer_at[{n}], inner_at[{n}];",
-            f"typedef {k.reduce_type} type_reduce;",
-            "for (long i = 0; i < n_outer; ++i) {",
-            f"offsets(i, outer_axes, outer_shape, {n}, outer_strides, outer_at);",
-            f"type_reduce a = type_reduce({k.identity});",
-            "for (long j = 0; j < n_inner; ++j) {",
-            f"offsets(j, inner_axes, inner_shape, {n}, inner_strides, inner_at);",
-            f"for (int q = 0; q < {n}; ++q) at[q] = outer_at[q] + inner_at[q];",
-            "{",
-            declared,
-            f"type_reduce b = type_reduce({k.map_expr});",
-            f"a = {k.reduce_expr};",
-            "}}",
-            f"for (int q = 0; q < {n}; ++q) at[q] = outer_at[q];",
-            "{",
-            declared,
-            k.post_map_expr + ";",
-            "}}",
-        ]
-        _launch(self.compiler.load(_source(k, arrays, lines)), arrays, scalars, shape, tuple(axis))
+KERNEL = re.compile(r'extern "C" __global__ void (\w+)\(([^)]*)\)\s*\{')
+
+
+def _host_program(code: str, name: str) -> tuple[str, list[str]]:
+    """``code`` with kernel ``name`` made a coroutine, and a launcher for it; the kernel's
+    parameter types in order."""
+    match = next(m for m in KERNEL.finditer(code) if m.group(1) == name)
+    types = []
+    for param in match.group(2).split(","):
+        tokens = param.replace("*", " * ").replace("__restrict__", "").split()
+        types.append(" ".join(tokens[:-1]))
+    depth, end = 1, match.end()
+    while depth:
+        depth += {"{": 1, "}": -1}.get(code[end], 0)
+        end += 1
+    body = code[match.end() : end - 1]
+    kernel = f"static Thread {name}({match.group(2)}) {{{body}\nco_return;\n}}"
+    program = code[: match.start()] + kernel + code[end:]
+    args = ", ".join(f"*({t} *)args[{k}]" for k, t in enumerate(types))
+    checks = " ".join(
+        f"if (sizes[{k}] != (long)sizeof({t})) return {k + 2};" for k, t in enumerate(types)
+    )
+    launcher = RAW_LAUNCHER.replace("@NAME@", name).replace("@ARGS@", args)
+    launcher = launcher.replace("@CHECKS@", checks)
+    return "\n".join([PROLOGUE, RAW_PROLOGUE, program, launcher]), types
+
+
+def _raw_argument(value: Any) -> tuple[Any, int]:
+    """A kernel argument as CUDA passes it (a pointer for an array, the bytes of a scalar,
+    Python numbers as CuPy converts them), and its size."""
+    if isinstance(value, np.ndarray):
+        return ctypes.c_void_p(value.ctypes.data), 8
+    if type(value) in (bool, int, float):
+        value = {bool: np.bool_, int: np.int64, float: np.float64}[type(value)](value)
+    if not isinstance(value, np.generic):
+        raise TypeError(f"unsupported kernel argument {value!r}")
+    raw = value.tobytes()
+    return ctypes.create_string_buffer(raw, len(raw)), len(raw)
+
+
+class RawKernel:
+    """``cupy.RawKernel``, run on the host (see the module's docstring); ``launches`` gets
+    ``(name, grid, block)`` of every launch."""
+
+    def __init__(self, compiler: HostKernels, launches: list, code: str, name: str,
+                 **options: Any) -> None:  # fmt: skip
+        self.compiler, self.launches, self.code, self.name = compiler, launches, code, name
+
+    def __call__(self, grid: tuple, block: tuple, args: tuple, **options: Any) -> None:
+        grid3, block3 = (*grid, 1, 1)[:3], (*block, 1, 1)[:3]
+        self.launches.append((self.name, grid3, block3))
+        source, types = _host_program(self.code, self.name)
+        if len(types) != len(args):
+            raise TypeError(f"{self.name} takes {len(types)} arguments, got {len(args)}")
+        held = [_raw_argument(a) for a in args]
+        addresses = (ctypes.c_void_p * len(held))(*(ctypes.addressof(h) for h, _ in held))
+        sizes = (ctypes.c_long * len(held))(*(n for _, n in held))
+        status = self.compiler.load(source)(
+            *(ctypes.c_uint(v) for v in (*grid3, *block3)), addresses, sizes
+        )
+        if status == -1:
+            raise ValueError(f"{self.name}: more than 1024 threads per block")
+        if status == 1:
+            raise AssertionError(f"{self.name}: threads of a block diverged at __syncthreads()")
+        if status:
+            raise TypeError(f"{self.name}: argument {status - 2} has the wrong size")
 
 
 def _host_ndarray(shape: tuple, dtype: Any, memptr: Any, strides: tuple) -> np.ndarray:
@@ -263,6 +348,7 @@ def module(directory: Path) -> types.ModuleType:
     import cupy as real_cupy
 
     compiler = HostKernels(directory)
+    launches: list = []
     streams = types.SimpleNamespace(ptr=0)
     runtime = types.SimpleNamespace(
         CUDARuntimeError=_RuntimeError,
@@ -284,7 +370,6 @@ def module(directory: Path) -> types.ModuleType:
     fake.ElementwiseKernel = lambda *a, **kw: ElementwiseKernel(
         compiler, real_cupy.ElementwiseKernel(*a, **kw)
     )
-    fake.ReductionKernel = lambda *a, **kw: ReductionKernel(
-        compiler, real_cupy.ReductionKernel(*a, **kw)
-    )
+    fake.RawKernel = lambda code, name, **kw: RawKernel(compiler, launches, code, name, **kw)
+    fake.launches = launches
     return fake

@@ -9,6 +9,7 @@ from cudnn_bn._cudnn.enums import (
     BatchNormOps,
     CudnnDataType,
     CudnnStatus,
+    ErrQueryMode,
     NanPropagation,
 )
 
@@ -19,6 +20,7 @@ ENUMS = {  # Python enum -> (C typedef, prefix its member names drop)
     BatchNormOps: ("cudnnBatchNormOps_t", "CUDNN_BATCHNORM_OPS_"),
     ActivationMode: ("cudnnActivationMode_t", "CUDNN_ACTIVATION_"),
     NanPropagation: ("cudnnNanPropagation_t", "CUDNN_"),
+    ErrQueryMode: ("cudnnErrQueryMode_t", "CUDNN_ERRQUERY_"),
 }
 MEMBERS = [member for enum in ENUMS for member in enum]
 

@@ -30,9 +30,16 @@ from helpers import (
 )
 
 import cudnn_bn
-from cudnn_bn import batch_norm_backward, batch_norm_forward_inference, batch_norm_forward_training
-from cudnn_bn.backends import cupy_kernels, nvidia
+from cudnn_bn import (
+    DataType,
+    TensorDesc,
+    batch_norm_backward,
+    batch_norm_forward_inference,
+    batch_norm_forward_training,
+)
+from cudnn_bn.backends import cupy_reductions, nvidia
 from cudnn_bn.ops import descriptor as descriptor_module
+from cudnn_bn.tensor import contiguous_strides
 
 F16, BF16, F32, F64 = torch.float16, torch.bfloat16, torch.float32, torch.float64
 DTYPES = [(F16, F32), (F16, F16), (BF16, F32), (BF16, BF16), (F32, F32), (F64, F64)]
@@ -192,10 +199,156 @@ def test_fused_round_trip_against_torch(data, channel, shape, fusion):
 
 def test_a_wrong_kernel_result_fails_here(monkeypatch):
     """The stand-in runs the kernels' real bodies: a wrong one gives a wrong gradient."""
-    wrong = cupy_kernels.SUMS | {"dy": "DY * 2"}
-    monkeypatch.setattr(cupy_kernels, "SUMS", wrong)
+    wrong = cupy_reductions.SUMS | {"dy": "g * 2"}
+    monkeypatch.setattr(cupy_reductions, "SUMS", wrong)
     p = {n: convert(v, F32) for n, v in random_values((2, 3, 4)).items()}
     got = batch_norm_backward(p["input"], p["grad_output"], p["weight"], None, None)
     want = reference(p["input"], p["grad_output"], p["weight"])
     assert not np.allclose(f64(got[2]).numpy(), f64(want[2]).numpy(), rtol=1e-3)
     np.testing.assert_allclose(f64(got[2]).numpy(), 2 * f64(want[2]).numpy(), rtol=1e-5)
+
+
+# --- NaN through the fused ReLU --------------------------------------------------------------
+
+
+@pytest.mark.parametrize("fusion", ["relu", "add_relu"])
+@pytest.mark.parametrize(("data", "channel"), [(F32, F32), (BF16, F32)], ids=str)
+def test_fused_relu_propagates_nan_as_torch(data, channel, fusion):
+    """``relu(NaN)`` is NaN (torch; cuDNN with CUDNN_PROPAGATE_NAN), and its gradient passes
+    ``dy`` where ``y`` is NaN (torch's threshold_backward zeroes only ``y <= 0``)."""
+    p = fused_problem((2, 3, 4, 5), data, channel)
+    if fusion == "relu":
+        p["input"][1, 2, 3, 4] = float("nan")  # every output of channel 2 is NaN
+    else:
+        p["z"][1, 0, 2, 3] = float("nan")  # one output is NaN
+    want_y, want = torch_fused(p, fusion)
+    z = p["z"] if fusion == "add_relu" else None
+    out = batch_norm_forward_training(
+        p["input"], p["weight"], p["bias"], None, None, fusion=fusion, z=z
+    )
+    tol = {"atol": 1e-2, "rtol": 1e-2} if data == BF16 else {"atol": 2e-5, "rtol": 2e-5}
+    assert want_y.isnan().any()
+    torch.testing.assert_close(f64(out[0]), want_y, equal_nan=True, **tol)
+    grads = batch_norm_backward(
+        p["input"], p["grad_output"], p["weight"], None, None,
+        mode="saved", saved_mean=out[1], saved_invstd=out[2],
+        fusion=fusion, output=out[0], bias=p["bias"], reserve=out.reserve,
+    )  # fmt: skip
+    names = ("grad_input", "grad_weight", "grad_bias", "grad_z")[: len(grads)]
+    for name, got in zip(names, grads, strict=True):
+        torch.testing.assert_close(f64(got), want[name], equal_nan=True, **tol)
+
+
+# --- the per-channel sums: accuracy and launch shapes ----------------------------------------
+
+LONG = (1000, 2, 10_000)  # 10^7 values per channel
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "channels_last"])
+def test_sums_over_ten_million_values_per_channel(host_cupy, layout):
+    """Mean, variance and the backward's sums over 10^7 F32 values per channel, against
+    PyTorch in float64: double accumulation about a shift, so a large mean (100, deviation 1)
+    costs nothing (F32 accumulation of 10^7 such values is off in the third digit)."""
+    rng = np.random.default_rng(0)
+    x = torch.from_numpy(rng.standard_normal(LONG, np.float32) + np.float32(100.0))
+    dy = torch.from_numpy(rng.standard_normal(LONG, np.float32))
+    if layout == "channels_last":
+        x, dy = (t.transpose(1, 2).contiguous().transpose(1, 2) for t in (x, dy))
+    w, b = torch.full((2,), 1.5), torch.full((2,), 0.25)
+    out = batch_norm_forward_training(x, w, b, None, None)
+    _, mean, invstd = torch.ops.aten.native_batch_norm(
+        f64(x), None, None, None, None, True, 0.0, 1e-5
+    )
+    torch.testing.assert_close(f64(out[1]), mean, rtol=2e-7, atol=0)
+    torch.testing.assert_close(f64(out[2]), invstd, rtol=3e-7, atol=0)
+    grads = batch_norm_backward(x, dy, w, None, None)
+    want = reference(x, dy, w)
+    for got, expected in zip(grads, want, strict=True):
+        assert_close(got, expected, F32)
+    for got, expected in zip(grads[1:], want[1:], strict=True):  # sums of a few thousand
+        torch.testing.assert_close(f64(got), expected, rtol=1e-6, atol=1e-3)
+
+
+def sums_launches(launches: list) -> list[tuple]:
+    """The stage-1 launches of the per-channel sums: (grid, block)."""
+    return [(g, b) for name, g, b in launches if name.startswith("cudnn_bn_sums_")
+            and not name.endswith("_finish")]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("small", "large", "block"),
+    [
+        ((2**12, 16), (2**15, 16), (16, 16, 1)),  # (N, C): channels adjacent, 16 per block
+        ((2, 64, 8, 8), (16, 64, 8, 8), (32, 8, 1)),  # NHWC
+        ((8, 4, 32, 32), (64, 4, 32, 32), (1, 256, 1)),  # NCHW
+    ],
+    ids=["NC", "NHWC", "NCHW"],
+)
+def test_sums_grid_grows_with_the_reduced_size(host_cupy, small, large, block):
+    """Each pass reads its data once (one stage-1 launch), on a grid of (channel tiles,
+    chunks) whose chunk count follows the values per channel, not the channel count."""
+    grids = []
+    for shape in (small, large):
+        values = random_values(shape)
+        x, dy = (convert(values[n], F32) for n in DATA)
+        if block[0] == 32:
+            x, dy = (laid_out(t, "channels_last") for t in (x, dy))
+        w = convert(values["weight"], F32)
+        host_cupy.launches.clear()
+        batch_norm_backward(x, dy, w, None, None)
+        ((grid, launched),) = sums_launches(host_cupy.launches)  # mean, var and both sums
+        assert launched == block
+        assert grid[0] == -(-shape[1] // block[0])
+        grids.append(grid)
+        host_cupy.launches.clear()
+        batch_norm_forward_training(x, w, w, None, None)
+        assert len(sums_launches(host_cupy.launches)) == 1
+    assert grids[1][1] >= 4 * grids[0][1] > 1  # 8x the values: about 8x the chunks
+
+
+ISSUE_SHAPES = {  # (shape, strides): the shapes the old one-block-per-channel grid starved
+    "NHWC (64, 64, 112, 112)": ((64, 64, 112, 112), channels_last((64, 64, 112, 112))),
+    "NCHW (64, 64, 112, 112)": ((64, 64, 112, 112), None),
+    "(10^6, 16)": ((10**6, 16), None),
+}
+
+
+@pytest.mark.parametrize(("shape", "strides"), ISSUE_SHAPES.values(), ids=list(ISSUE_SHAPES))
+def test_sums_plan_fills_a_gpu(shape, strides):
+    """Thousands of blocks, and no thread adding more than 64 values in a row."""
+    x = TensorDesc(DataType.F32, shape, strides or contiguous_strides(shape))
+    plan = cupy_reductions.plan([x, x])
+    assert plan.grid[0] * plan.grid[1] >= 2048
+    assert -(-plan.chunk // plan.block[1]) <= 64
+    assert plan.block[0] * plan.block[1] == cupy_reductions.THREADS
+    assert not plan.wide
+
+
+def test_sums_plan_indexes_in_64_bits_past_2_to_the_31():
+    x = TensorDesc.contiguous(DataType.F16, (2**16, 2**15 + 1))
+    assert cupy_reductions.plan([x]).wide
+
+
+# --- the stand-in's raw kernels: CUDA's block semantics --------------------------------------
+
+
+def test_raw_kernel_threads_meet_at_barriers(host_cupy):
+    code = r"""extern "C" __global__ void rotate(float *out) {
+        __shared__ float seen[8];
+        seen[threadIdx.x] = (float)(blockIdx.x * 10 + threadIdx.x);
+        __syncthreads();
+        out[blockIdx.x * blockDim.x + threadIdx.x] = seen[(threadIdx.x + 1) % blockDim.x];
+    }"""
+    out = np.zeros(16, np.float32)
+    host_cupy.RawKernel(code, "rotate")((2,), (8,), (out,))
+    want = [b * 10 + (t + 1) % 8 for b in range(2) for t in range(8)]
+    np.testing.assert_array_equal(out, np.array(want, np.float32))
+
+
+def test_raw_kernel_divergent_barrier_is_an_error(host_cupy):
+    code = r"""extern "C" __global__ void diverge(float *out) {
+        if (threadIdx.x == 0) __syncthreads();
+        out[threadIdx.x] = 1.0f;
+    }"""
+    with pytest.raises(AssertionError, match="diverged"):
+        host_cupy.RawKernel(code, "diverge")((1,), (4,), (np.zeros(4, np.float32),))

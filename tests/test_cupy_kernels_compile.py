@@ -1,13 +1,13 @@
 """The CuPy engine's CUDA kernels compile, for every dtype combination the engines use.
 
 No GPU is needed: CuPy builds kernel objects without a device, and NVRTC compiles without
-one. Each kernel's body (or a reduction's map and reduce expressions) is compiled inside a
-function that declares its parameters with the concrete types CuPy would substitute for the
-placeholders, against CuPy's own ``float16`` header. What this cannot check, the GPU tests
-do: CuPy's parsing of the parameter lists and the results.
+one. Each elementwise kernel's body is compiled inside a function that declares its
+parameters with the concrete types CuPy would substitute for the placeholders, against
+CuPy's own ``float16`` header; the reductions' raw kernels (``cupy_reductions.py``) compile
+as they are, with no header. What this cannot check, the GPU tests do: CuPy's parsing of the
+parameter lists and the results.
 """
 
-import itertools
 import os
 import sys
 from pathlib import Path
@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from cudnn_bn.backends import cupy_kernels as kern
+from cudnn_bn.backends import cupy_reductions as red
 from cudnn_bn.enums import DataType
 
 F16, BF16, F32, F64 = DataType.F16, DataType.BF16, DataType.F32, DataType.F64
@@ -54,22 +55,13 @@ def compile_source(source: str) -> None:
 
 
 def harness(kernel, types: dict[str, str]) -> str:
-    """A __global__ function declaring ``kernel``'s parameters with concrete ``types`` and
-    running its body (elementwise) or its map/reduce/post-map expressions (reduction)."""
+    """A __global__ function declaring an elementwise ``kernel``'s parameters with concrete
+    ``types`` and running its body."""
     lines = ["#include <cupy/float16.cuh>", kernel.preamble, 'extern "C" __global__ void check() {']
     lines += [f"    typedef {ctype} {placeholder};" for placeholder, ctype in types.items()]
     for param in (*kernel.in_params, *kernel.out_params):
         lines.append(f"    {param.ctype} {param.name} = {param.ctype}();")
-    if hasattr(kernel, "operation"):
-        lines.append(f"    {kernel.operation};")
-    else:
-        lines += [
-            f"    typedef {kernel.reduce_type} type_reduce;",
-            f"    type_reduce a = {kernel.map_expr};",
-            "    type_reduce b = a;",
-            f"    a = {kernel.reduce_expr};",
-            f"    {kernel.post_map_expr};",
-        ]
+    lines.append(f"    {kernel.operation};")
     lines.append("}")
     return "\n".join(lines)
 
@@ -88,12 +80,6 @@ def cases():
         yield f"convert-{tag}", kern._convert_kernel(channel, x), {"S": c, "D": s}
         yield f"convert-back-{tag}", kern._convert_kernel(x, channel), {"S": s, "D": c}
         yield f"invstd-{tag}", kern._invstd_kernel(channel, acc), {"S": c, "A": a}
-        for name, fused in itertools.product(kern.SUMS, (False, True)):
-            yield (
-                f"sum-{name}-{int(fused)}-{tag}",
-                kern._channel_sum_kernel(name, x, acc, fused),
-                {"S": s, "A": a},
-            )
         scratch = F64 if x == F64 else F32  # where a masked-off parameter gradient goes
         for grad in {channel, scratch}:
             kernel = kern._finish_kernel(channel, grad, grad, acc)
@@ -120,6 +106,32 @@ CASES = list(cases())
 @pytest.mark.parametrize(("kernel", "types"), [c[1:] for c in CASES], ids=[c[0] for c in CASES])
 def test_kernel_compiles(kernel, types):
     compile_source(harness(kernel, types))
+
+
+def raw_cases():
+    """Both stages of every reduction kind and dtype; the stage-1 variants (fused, number of
+    merged axes, 64-bit indices) spread over them, each variant compiled at least once."""
+    index = 0
+    for x, acc in ((x, kern.acc_type(x)) for x in (F16, BF16, F32, F64)):
+        for kind in red.KINDS:
+            name = f"cudnn_bn_{kind}_{x.name}"
+            yield f"finish-{kind}-{x.name}", red._finish_source(name, x, acc, kind), name
+            for fused in (False, True) if kind != "statistics" else (False,):
+                axes, wide = 1 + index % 4, bool(index // 4 % 2)
+                index += 1
+                source = red._sums_source(name, x, acc, fused, kind, axes, wide)
+                yield f"sums-{kind}-{int(fused)}-{axes}-{int(wide)}-{x.name}", source, name
+
+
+RAW_CASES = list(raw_cases())
+
+
+@pytest.mark.parametrize(
+    ("source", "name"), [c[1:] for c in RAW_CASES], ids=[c[0] for c in RAW_CASES]
+)
+def test_raw_kernel_compiles(source, name):
+    assert f'extern "C" __global__ void {name}(' in source
+    compile_source(source)
 
 
 def test_a_broken_body_is_caught():

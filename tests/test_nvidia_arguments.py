@@ -209,7 +209,10 @@ def test_fast_path_arguments(stub, shape, dtype, channel_dtype, layout):
         assert (query.handle, query.mode, query.bn_ops) == (call.handle, bn_mode, OPS_BN)
         descs = "x_desc dy_desc dx_desc bn_desc"
         assert fields(query, descs) == fields(call, descs)
-        assert (query.y_desc, query.dz_desc, query.activation_desc) == (0, 0, 0)
+        # A plain call has no y; its size query gets x's descriptor there (PyTorch's
+        # cudnn_batch_norm_backward and CuPy 13 do so), not NULL.
+        assert query.y_desc == call.x_desc
+        assert (query.dz_desc, query.activation_desc) == (0, 0)
         reserve = stub.reserve_query
         assert fields(reserve, "handle mode bn_ops activation_desc x_desc") == (
             call.handle,
@@ -352,10 +355,14 @@ ENGINES = {
     "numel 2^31 + 2^16": ("cupy", (2**16, 2**15 + 1), F16, {"channel_dtype": F32}, {}),
     "eps 0 on cuDNN 9": ("cudnn", (2, 3, 4, 5), F32, {}, {"eps": 0.0}),
     # PyTorch's guards: numel < 2^31 - 1, and N <= 880801 in training.
-    "numel 2^31 - 2": ("cudnn", (2, 2**30 - 1), F32, {}, {}),
-    "numel 2^31 - 1": ("cupy", (1, 2**31 - 1), F32, {}, {}),
-    "N 880801": ("cudnn", (880801, 2), F32, {}, {}),
-    "N 880802": ("cupy", (880802, 2), F32, {}, {}),
+    "numel 2^31 - 2": ("cudnn", (2, 1, 2**30 - 1), F32, {}, {}),
+    "numel 2^31 - 1": ("cupy", (1, 1, 2**31 - 1), F32, {}, {}),
+    "N 880801": ("cudnn", (880801, 2, 1), F32, {}, {}),
+    "N 880802": ("cupy", (880802, 2, 1), F32, {}, {}),
+    # PyTorch sends no 2-D input to cuDNN (PER_ACTIVATION: PR 57034, issue 2917).
+    "2-D (6, 3)": ("cupy", (6, 3), F32, {}, {}),
+    "2-D N 131071": ("cupy", (131071, 2), F32, {}, {}),
+    "2-D F16": ("cupy", (6, 4), F16, {"channel_dtype": F32}, {"mode": "saved"}),
 }
 
 
@@ -633,6 +640,20 @@ def test_fused_backward_in_train_mode_runs_on_cupy(stub, fusion):
     strides = channels_last(shape)
     with descriptor(shape, F16, F32, strides=strides, fusion=fusion, mode="train") as desc:
         assert desc.engine == "cupy"
+
+
+@pytest.mark.parametrize("fusion", [*FUSIONS, None])
+def test_a_backward_without_a_reserve(stub, fusion):
+    """cuDNN's fused backward reads the ReLU mask from the forward's reserve space: a fused
+    problem that will get none (a batched backward) goes to the CuPy engine, which reads the
+    mask from y; a plain one stays on cuDNN, which takes no reserve then."""
+    shape = FUSED_SHAPES[0]
+    strides = channels_last(shape)
+    with descriptor(
+        shape, F16, F32, strides=strides, fusion=fusion, mode="saved_invstd", reserve=False
+    ) as desc:
+        assert desc.engine == ("cudnn" if fusion is None else "cupy")
+        assert desc.attributes.reserve is False
 
 
 # --- the C API ------------------------------------------------------------------------------

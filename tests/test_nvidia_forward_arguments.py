@@ -459,12 +459,22 @@ def test_fast_dtypes_are_the_ones_cudnn_derives(stub):
 @pytest.mark.parametrize(("batch", "engine"), [(65535, "cudnn"), (65536, "cupy")])
 def test_inference_batch_limit(stub, batch, engine):
     """PyTorch's guard for cuDNN's inference kernels: at most 65535 samples."""
-    with inference((batch, 2)) as desc:
+    with inference((batch, 2, 1)) as desc:
         assert desc.engine == engine
 
 
 @pytest.mark.parametrize(("batch", "engine"), [(880801, "cudnn"), (880802, "cupy")])
 def test_training_batch_limit(stub, batch, engine):
     """PyTorch's guard for cuDNN's training kernels: at most 880801 samples."""
-    with training((batch, 2)) as desc:
+    with training((batch, 2, 1)) as desc:
         assert desc.engine == engine
+
+
+@pytest.mark.parametrize("shape", [(6, 3), (131071, 2), (880801, 2)])
+def test_2d_input_goes_to_cupy(stub, shape):
+    """PyTorch sends no 2-D input to cuDNN (its PER_ACTIVATION mode: PR 57034, issue 2917)."""
+    with training(shape) as desc:
+        assert desc.engine == "cupy"
+    with inference(shape) as desc:
+        assert desc.engine == "cupy"
+    assert nothing_recorded(stub)

@@ -12,6 +12,7 @@ from cudnn_bn._cudnn.prototypes import (
     PROTOTYPES,
     cudnnActivationDescriptor_t,
     cudnnHandle_t,
+    cudnnRuntimeTag_p,
     cudnnTensorDescriptor_t,
 )
 
@@ -25,6 +26,7 @@ C_TYPES = {
     "cudnnHandle_t": cudnnHandle_t,
     "cudnnTensorDescriptor_t": cudnnTensorDescriptor_t,
     "cudnnActivationDescriptor_t": cudnnActivationDescriptor_t,
+    "cudnnRuntimeTag_t": cudnnRuntimeTag_p._type_,  # a struct, passed by pointer
     **dict.fromkeys(  # C enums are passed as int
         [
             "cudnnStatus_t",
@@ -33,6 +35,7 @@ C_TYPES = {
             "cudnnBatchNormOps_t",
             "cudnnActivationMode_t",
             "cudnnNanPropagation_t",
+            "cudnnErrQueryMode_t",
         ],
         c_int,
     ),

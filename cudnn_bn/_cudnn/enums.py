@@ -118,6 +118,14 @@ class ActivationMode(enum.IntEnum):
     SWISH = 6
 
 
+class ErrQueryMode(enum.IntEnum):
+    """``cudnnErrQueryMode_t``: how ``cudnnQueryRuntimeError`` waits for the handle's work."""
+
+    RAWCODE = 0
+    NONBLOCKING = 1
+    BLOCKING = 2
+
+
 class NanPropagation(enum.IntEnum):
     """``cudnnNanPropagation_t``."""
 

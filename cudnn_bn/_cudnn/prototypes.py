@@ -18,6 +18,7 @@ cudnnStatus_t = c_int
 cudnnHandle_t = _opaque("cudnnContext")
 cudnnTensorDescriptor_t = _opaque("cudnnTensorStruct")
 cudnnActivationDescriptor_t = _opaque("cudnnActivationStruct")
+cudnnRuntimeTag_p = _opaque("cudnnRuntimeTag_t")  # cudnnRuntimeTag_t * (always NULL)
 cudaStream_t = c_void_p
 # Enum arguments (cudnnDataType_t, cudnnBatchNormMode_t, ...) are C ints.
 enum_t = c_int
@@ -44,6 +45,12 @@ PROTOTYPES: dict[str, tuple[type | None, tuple[type, ...]]] = {
     "cudnnSetStream": (cudnnStatus_t, (_H, cudaStream_t)),
     # cudnnStatus_t cudnnGetStream(cudnnHandle_t handle, cudaStream_t *streamId)
     "cudnnGetStream": (cudnnStatus_t, (_H, POINTER(cudaStream_t))),
+    # cudnnStatus_t cudnnQueryRuntimeError(cudnnHandle_t handle, cudnnStatus_t *rstatus,
+    #     cudnnErrQueryMode_t mode, cudnnRuntimeTag_t *tag)  (deprecated in cuDNN 9, kept)
+    "cudnnQueryRuntimeError": (
+        cudnnStatus_t,
+        (_H, POINTER(cudnnStatus_t), enum_t, cudnnRuntimeTag_p),
+    ),
     # cudnnStatus_t cudnnCreateTensorDescriptor(cudnnTensorDescriptor_t *tensorDesc)
     "cudnnCreateTensorDescriptor": (cudnnStatus_t, (POINTER(_T),)),
     # cudnnStatus_t cudnnDestroyTensorDescriptor(cudnnTensorDescriptor_t tensorDesc)

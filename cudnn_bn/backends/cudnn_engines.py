@@ -8,13 +8,14 @@ into the workspace), sets the stream, and makes one cuDNN call.
 """
 
 import ctypes
+import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any, NamedTuple
 
 from .._cudnn import handle as handles
 from .._cudnn.activation import ActivationDescriptor
-from .._cudnn.enums import BatchNormMode, BatchNormOps, CudnnDataType
+from .._cudnn.enums import BatchNormMode, BatchNormOps, CudnnDataType, CudnnStatus, ErrQueryMode
 from .._cudnn.library import cudnn
 from .._cudnn.tensor import TensorDescriptor, pad_to_4d
 from ..dtypes import FLOAT_TYPES
@@ -41,11 +42,9 @@ _ONE_D, _ZERO_D = ctypes.c_double(1.0), ctypes.c_double(0.0)
 
 
 def bn_mode(x: TensorDesc, training: bool, persistent: bool | None) -> BatchNormMode:
-    """PyTorch's choice (``getCudnnBatchNormMode``): PER_ACTIVATION for 2-D input,
+    """PyTorch's choice (``getCudnnBatchNormMode``) for the 3-D to 5-D input cuDNN gets:
     SPATIAL_PERSISTENT for channels-last training (4-D and 5-D), else SPATIAL.
     ``persistent`` True asks for PERSISTENT in training, False forbids it."""
-    if x.ndim == 2:
-        return BatchNormMode.PER_ACTIVATION
     channels_last = x.ndim >= 4 and x.is_channels_last() and not x.is_contiguous()
     wanted = channels_last if persistent is None else persistent
     return BatchNormMode.SPATIAL_PERSISTENT if training and wanted else BatchNormMode.SPATIAL
@@ -60,10 +59,20 @@ class _CudnnKernel:
     reserve_size = 0
 
     def __init__(
-        self, x: TensorDesc, training: bool, persistent: bool | None, fusion: Fusion, device_id: int
+        self,
+        x: TensorDesc,
+        training: bool,
+        persistent: bool | None,
+        fusion: Fusion,
+        device_id: int,
+        check_overflow: bool = False,
     ) -> None:
         self.device_id = device_id
         self.bn_mode = bn_mode(x, training, persistent)
+        # SPATIAL_PERSISTENT reduces through scaled atomic integers, "with limits on value
+        # range" (cudnn_ops.h): the mode that may overflow, the one CuPy 13 checked.
+        persistent_mode = self.bn_mode == BatchNormMode.SPATIAL_PERSISTENT
+        self.check_overflow = check_overflow and persistent_mode
         self.ops = BatchNormOps(fusion)
         self.ctype = FLOAT_TYPES[x.dtype].cudnn
         self.channels = x.shape[1]
@@ -155,8 +164,25 @@ class _CudnnKernel:
                 self.staging.read(ptrs, workspace, stream)
                 self._call(*args)
                 self.staging.write(ptrs, workspace, stream)
+                if self.check_overflow:
+                    self.warn_on_overflow(handle.ref)
             finally:
                 handles.give_back(self.device_id, handle)
+
+    def warn_on_overflow(self, handle: Any) -> None:
+        """CuPy 13's ``debug`` check (cupyx/cudnn.pyx): wait for this handle's work
+        (``cudnnQueryRuntimeError``, blocking: it synchronizes) and warn, as CuPy 13 did, if
+        cuDNN flagged a possible numerical overflow in its SPATIAL_PERSISTENT kernels."""
+        rstatus = ctypes.c_int()
+        cudnn().cudnnQueryRuntimeError(handle, ctypes.byref(rstatus), ErrQueryMode.BLOCKING, None)
+        if rstatus.value != CudnnStatus.SUCCESS:
+            name = cudnn().cudnnGetErrorString(rstatus.value).decode(errors="replace")
+            warnings.warn(
+                f"{self.function}: cuDNN reports {name} ({rstatus.value}): a numerical "
+                "overflow may have happened in SPATIAL_PERSISTENT batch normalization",
+                RuntimeWarning,
+                stacklevel=2,
+            )
 
     def close(self) -> None:
         for desc in self._owned:
@@ -175,7 +201,7 @@ class CudnnBatchNormBackward(_CudnnKernel):
         self, tensors: BackwardTensors, attributes: BackwardAttributes, device_id: int
     ) -> None:
         a, t = attributes, tensors
-        super().__init__(t.input, True, a.persistent, a.fusion, device_id)
+        super().__init__(t.input, True, a.persistent, a.fusion, device_id, a.check_overflow)
         self.tensors, self.attributes = t, a
         fused, add = a.fusion != Fusion.BN, a.fusion == Fusion.BN_ADD_RELU
         with self.closed_on_error():
@@ -185,12 +211,15 @@ class CudnnBatchNormBackward(_CudnnKernel):
             )
             y_desc = self.data_descriptor(t.output) if fused else None
             dz_desc = self.data_descriptor(t.grad_z) if add else None
+            # A plain backward's call has no y, but its size query is given x's descriptor
+            # there, as PyTorch (aten/src/ATen/native/cudnn/BatchNorm.cpp,
+            # cudnn_batch_norm_backward) and CuPy 13 do: cuDNN may size scratch by it.
             cudnn_workspace = self.query(
                 "cudnnGetBatchNormalizationBackwardExWorkspaceSize",
                 self.bn_mode,
                 self.ops,
                 self.x_desc,
-                y_desc,
+                self.x_desc if y_desc is None else y_desc,
                 dy_desc,
                 dz_desc,
                 dx_desc,
@@ -287,7 +316,7 @@ class CudnnBatchNormForwardTraining(_CudnnKernel):
         self, tensors: ForwardTrainingTensors, attributes: ForwardTrainingAttributes, device_id: int
     ) -> None:
         a, t = attributes, tensors
-        super().__init__(t.input, True, a.persistent, a.fusion, device_id)
+        super().__init__(t.input, True, a.persistent, a.fusion, device_id, a.check_overflow)
         self.tensors, self.attributes = t, a
         add = a.fusion == Fusion.BN_ADD_RELU
         with self.closed_on_error():

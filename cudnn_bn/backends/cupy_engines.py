@@ -1,8 +1,10 @@
 """The CuPy engines: batch norm from per-channel reductions and one elementwise pass.
 
-They serve what cuDNN has no call for (eval-mode backward) or rejects (BF16 data, strides
-that are not one packed layout, 2^31 elements or more, fused passes outside cuDNN's fused
-kernels). Scratch lives in the caller's workspace: one slice per per-channel quantity.
+They serve what cuDNN has no call for (eval-mode backward) or rejects (BF16 data, 2-D input,
+strides that are not one packed layout, 2^31 elements or more, fused passes outside cuDNN's
+fused kernels). Every sum a pass needs comes from one two-stage reduction
+(``cupy_reductions.py``) that reads the data once. Scratch lives in the caller's workspace:
+one slice per per-channel quantity, and the reduction's partial sums.
 """
 
 from typing import Any, NamedTuple
@@ -21,7 +23,8 @@ from ..problems import (
     Fusion,
     Mode,
 )
-from . import cuda
+from ..tensor import TensorDesc
+from . import cuda, cupy_reductions
 from .device_arrays import WorkspaceLayout, device_view
 
 
@@ -57,17 +60,21 @@ class _CupyKernel:
     def dtype(self, name: str) -> DataType:
         return getattr(self.tensors, name).dtype
 
-    def batch_statistics(self, x: Any, mean: Any, var: Any, spare: Any) -> None:
-        """Per-channel mean and biased variance of ``x`` into the (C,) slices ``mean``/``var``."""
-        from . import cupy_kernels as kern
+    def plan_sums(self, kind: str, reduced: list[TensorDesc], fused: bool = False) -> None:
+        """Plan the per-channel sums of ``kind`` over ``reduced`` (x, then dy and y) and
+        keep workspace for their partials."""
+        self.sums_kind, self.sums_fused = kind, fused
+        self.sums = cupy_reductions.plan(reduced)
+        self.layout.add("partials", DataType.F64, self.sums.partials(kind))
+        self.workspace_size = self.layout.size
 
-        data = (x, x, x)
-        kern.channel_sum("x", data, spare.reshape(self.channel_shape), self.x_dtype, False, mean)
-        mean *= 1.0 / self.count
-        kern.channel_sum(
-            "squared_deviation", data, mean.reshape(self.channel_shape), self.x_dtype, False, var
+    def channel_sums(
+        self, data: tuple[Any, Any, Any], mean: Any, partials: Any, outputs: tuple[Any, ...]
+    ) -> None:
+        """The planned sums into ``outputs`` (``cupy_reductions.RESULTS``' order)."""
+        cupy_reductions.channel_sums(
+            self.sums, self.sums_kind, self.x_dtype, self.sums_fused, data, mean, partials, outputs
         )
-        var *= 1.0 / self.count
 
 
 class CupyBatchNormBackward(_CupyKernel):
@@ -90,6 +97,9 @@ class CupyBatchNormBackward(_CupyKernel):
     ) -> None:
         super().__init__(tensors, device_id)
         self.attributes = attributes
+        fused = attributes.fusion != Fusion.BN
+        reduced = [tensors.input, tensors.grad_output] + ([tensors.output] if fused else [])
+        self.plan_sums("both" if attributes.mode == Mode.TRAIN else "gradients", reduced, fused)
 
     def run(self, ptrs: BackwardPointers, workspace: int, stream: int) -> None:
         from . import cupy_kernels as kern
@@ -99,9 +109,10 @@ class CupyBatchNormBackward(_CupyKernel):
         with cuda.on_device(self.device_id), cuda.stream_scope(stream, self.device_id):
             v, ws = self.views(ptrs, workspace)
             data = (v["input"], v["grad_output"], v["output"] if fused else v["grad_output"])
+            sums = (ws["sum_dy"], ws["sum_dy_dev"])
             if a.mode == Mode.TRAIN:
                 # "k" is free until finish_channels: the variance goes there first.
-                self.batch_statistics(v["input"], ws["mean"], ws["k"], ws["a"])
+                self.channel_sums(data, ws["mean"], ws["partials"], (ws["mean"], ws["k"], *sums))
                 kern.invstd_from_var(ws["k"], self.acc, a.eps, ws["invstd"], self.acc_c)
             else:
                 kern.convert(v["running_mean"], self.dtype("running_mean"), ws["mean"], self.acc)
@@ -110,9 +121,7 @@ class CupyBatchNormBackward(_CupyKernel):
                     kern.convert(var, var_dtype, ws["invstd"], self.acc)
                 else:
                     kern.invstd_from_var(var, var_dtype, a.eps, ws["invstd"], self.acc_c)
-            mean = ws["mean"].reshape(self.channel_shape)
-            kern.channel_sum("dy", data, mean, self.x_dtype, fused, ws["sum_dy"])
-            kern.channel_sum("dy_deviation", data, mean, self.x_dtype, fused, ws["sum_dy_dev"])
+                self.channel_sums(data, ws["mean"], ws["partials"], sums)
             wanted = dict(
                 zip(("grad_input", "grad_weight", "grad_bias"), a.output_mask, strict=True)
             )
@@ -140,13 +149,14 @@ class CupyBatchNormBackward(_CupyKernel):
 class CupyBatchNormForwardTraining(_CupyKernel):
     """Training-mode forward: statistics, saved outputs, running update, normalized output."""
 
-    scratch_names = ("mean", "var", "invstd", "k", "spare")
+    scratch_names = ("mean", "var", "invstd", "k")
 
     def __init__(
         self, tensors: ForwardTrainingTensors, attributes: ForwardTrainingAttributes, device_id: int
     ) -> None:
         super().__init__(tensors, device_id)
         self.attributes = attributes
+        self.plan_sums("statistics", [tensors.input])
 
     def run(self, ptrs: ForwardTrainingPointers, workspace: int, stream: int) -> None:
         from . import cupy_kernels as kern
@@ -154,7 +164,8 @@ class CupyBatchNormForwardTraining(_CupyKernel):
         a = self.attributes
         with cuda.on_device(self.device_id), cuda.stream_scope(stream, self.device_id):
             v, ws = self.views(ptrs, workspace)
-            self.batch_statistics(v["input"], ws["mean"], ws["var"], ws["spare"])
+            x = v["input"]
+            self.channel_sums((x, x, x), ws["mean"], ws["partials"], (ws["mean"], ws["var"]))
             kern.invstd_from_var(ws["var"], self.acc, a.eps, ws["invstd"], self.acc_c)
             kern.channel_scale(v["weight"], self.dtype("weight"), ws["invstd"], ws["k"], self.acc_c)
             kern.normalize(

@@ -1,10 +1,14 @@
-"""CUDA kernels (through CuPy) for what cuDNN has no call for or rejects.
+"""CUDA kernels (through CuPy) for what cuDNN has no call for or rejects: the elementwise
+passes and per-channel arithmetic (the per-channel sums are ``cupy_reductions.py``'s).
 
 Every kernel reads its operands in their own dtype and strides, computes in ``A`` (float,
 or double for F64 data) and writes in the destination's dtype; BF16 travels as ``uint16``
-bits, converted in the kernel (round to nearest even), so no header beyond CUDA's is needed.
-Fused passes read ``dy`` through the ReLU mask ``y > 0``. Kernels are built once per dtype
-combination and cached.
+bits, converted in the kernel (round to nearest even), so no header beyond CUDA's is needed
+(the raw reduction kernels read F16 as bits too, through ``f16_load``).
+Fused passes apply ReLU and read ``dy`` through its mask as torch does: ``relu(NaN)`` is NaN
+(cuDNN's ``CUDNN_PROPAGATE_NAN`` too) and ``dy`` passes where ``y`` is not ``<= 0``
+(``threshold_backward`` in PyTorch's aten/src/ATen/native/Activation.cpp), NaN included.
+Kernels are built once per dtype combination and cached.
 """
 
 import functools
@@ -17,12 +21,20 @@ PREAMBLE = r"""
 __device__ __forceinline__ float bf16_load(unsigned short b) {
     return __uint_as_float(((unsigned int)b) << 16);
 }
+__device__ __forceinline__ float f16_load(unsigned short h) {
+    const unsigned int sign = ((unsigned int)h & 0x8000u) << 16, bits = h & 0x7fffu;
+    if (bits >= 0x7c00u) return __uint_as_float(sign | 0x7f800000u | ((bits & 0x3ffu) << 13));
+    if (bits >= 0x0400u) return __uint_as_float(sign | ((bits + (112u << 10)) << 13));
+    const float tiny = (float)bits * 5.9604644775390625e-08f;  /* subnormal: bits * 2^-24 */
+    return sign ? -tiny : tiny;
+}
 __device__ __forceinline__ unsigned short bf16_store(float f) {
     unsigned int u = __float_as_uint(f);
     if ((u & 0x7fffffffu) > 0x7f800000u) return (unsigned short)0x7fc0u;
     u += 0x7fffu + ((u >> 16) & 1u);
     return (unsigned short)(u >> 16);
 }
+template <typename T> __device__ __forceinline__ T relu(T v) { return v < (T)0 ? (T)0 : v; }
 """
 
 
@@ -41,10 +53,16 @@ def store(expr: str, dtype: DataType) -> str:
     return f"bf16_store((float)({expr}))" if dtype == DataType.BF16 else f"({expr})"
 
 
+def relu_masked(dy: str, y: str, acc: str) -> str:
+    """C expression: ``dy`` through the mask of the ReLU whose output is ``y`` (zero where
+    ``y <= 0``; a NaN ``y`` passes ``dy``, as in torch)."""
+    return f"({y} <= ({acc})0 ? ({acc})0 : {dy})"
+
+
 def load_dy(x_dtype: DataType, acc: str, fused: bool) -> str:
     """``dy`` as the batch norm sees it: through the ReLU mask of ``y`` when fused."""
     dy = load("dy", x_dtype, acc)
-    return f"({load('y', x_dtype, acc)} > ({acc})0 ? {dy} : ({acc})0)" if fused else dy
+    return relu_masked(dy, load("y", x_dtype, acc), acc) if fused else dy
 
 
 def _elementwise(params: str, outputs: str, body: str, name: str) -> Any:
@@ -75,48 +93,6 @@ def _invstd_kernel(src: DataType, acc: str) -> Any:
 def invstd_from_var(var: Any, var_dtype: DataType, eps: float, out: Any, acc: str) -> None:
     """``out = 1 / sqrt(var + eps)``, computed in double, stored as ``acc``."""
     _invstd_kernel(var_dtype, acc)(var, eps, out)
-
-
-# Per-channel sums: X and DY are the data read as the compute type, m the channel's mean.
-SUMS = {
-    "x": "X",
-    "squared_deviation": "(X - m) * (X - m)",
-    "dy": "DY",
-    "dy_deviation": "DY * (X - m)",
-}
-
-
-@functools.cache
-def _channel_sum_kernel(name: str, x_dtype: DataType, acc: str, fused: bool) -> Any:
-    import cupy
-
-    body = (
-        SUMS[name].replace("DY", load_dy(x_dtype, acc, fused)).replace("X", load("x", x_dtype, acc))
-    )
-    return cupy.ReductionKernel(
-        "S x, S dy, S y, A m",
-        "A out",
-        body,
-        "a + b",
-        "out = a",
-        "0",
-        f"cudnn_bn_sum_{name}_{x_dtype.name}_{acc}_{int(fused)}",
-        reduce_type=acc,
-        preamble=PREAMBLE,
-    )
-
-
-def channel_sum(
-    name: str, data: tuple[Any, Any, Any], m: Any, x_dtype: DataType, fused: bool, out: Any
-) -> None:
-    """``out[c]`` = the sum of ``SUMS[name]`` over every axis but 1.
-
-    ``data`` is ``(x, dy, y)`` (``dy`` and ``y`` unused by some sums, ``y`` only when
-    ``fused``); ``m`` is the per-channel mean shaped ``(1, C, 1, ...)``.
-    """
-    x = data[0]
-    axes = (0, *range(2, x.ndim))
-    _channel_sum_kernel(name, x_dtype, acc_type(x_dtype), fused)(*data, m, axis=axes, out=out)
 
 
 @functools.cache
@@ -184,7 +160,7 @@ def _masked_grad_kernel(x_dtype: DataType, acc: str) -> Any:
 
 
 def masked_grad(dy: Any, y: Any, x_dtype: DataType, dz: Any) -> None:
-    """``dz = dy where y > 0, else 0``: the gradient through the fused ReLU (the residual's)."""
+    """``dz = 0 where y <= 0, else dy``: the gradient through the fused ReLU (the residual's)."""
     _masked_grad_kernel(x_dtype, acc_type(x_dtype))(dy, y, dz)
 
 
@@ -209,7 +185,7 @@ def _normalize_kernel(x_dtype: DataType, b_dtype: DataType, acc: str, add: bool,
     if add:
         value = f"({value} + {load('z', x_dtype, acc)})"
     if relu:
-        value = f"max({value}, ({acc})0)"
+        value = f"relu({value})"
     return _elementwise(
         "S x, S z, A m, A k, B b",
         "S y",

@@ -1,14 +1,16 @@
 """The NVIDIA backend: cuDNN first, CuPy kernels for the rest; the engine is chosen once.
 
-* ``cudnn`` (``cudnn_engines.py``): F16/F32/F64 data whose operands share one packed layout
-  (NCHW or channels-last) with fewer than 2^31 elements (cuDNN indexes with 32 bits), and,
-  for backward, the train and saved modes; any eps (``CUDNN_BN_MIN_EPSILON`` is 0 since
-  cuDNN 7.6). Fused passes (BN+ReLU, BN+Add+ReLU) only where cuDNN's fused kernels run: F16
-  NHWC data in SPATIAL_PERSISTENT mode (BN+Add+ReLU also C % 4 == 0; cuDNN 8.2 lifted that
-  for BN+ReLU), and a fused backward only from saved statistics.
+* ``cudnn`` (``cudnn_engines.py``): F16/F32/F64 data of 3 to 5 dimensions whose operands
+  share one packed layout (NCHW or channels-last) with fewer than 2^31 elements (cuDNN
+  indexes with 32 bits), and, for backward, the train and saved modes; any eps
+  (``CUDNN_BN_MIN_EPSILON`` is 0 since cuDNN 7.6). Fused passes (BN+ReLU, BN+Add+ReLU) only
+  where cuDNN's fused kernels run: F16 NHWC data in SPATIAL_PERSISTENT mode (BN+Add+ReLU
+  also C % 4 == 0; cuDNN 8.2 lifted that for BN+ReLU), and a fused backward only from saved
+  statistics and the forward's reserve.
 * ``cupy`` (``cupy_engines.py``): everything else — eval-mode backward (cuDNN has no call
-  for it), BF16 data (PyTorch never sends BF16 to cuDNN's batch norm), other strides, huge
-  tensors; and every problem when libcudnn cannot load (with a warning).
+  for it), BF16 data (PyTorch never sends BF16 to cuDNN's batch norm), 2-D input (cuDNN's
+  PER_ACTIVATION mode, which PyTorch no longer uses), other strides, huge tensors; and every
+  problem when libcudnn cannot load (with a warning).
 
 Neither allocates nor synchronizes in ``run``: scratch lives in the caller's workspace.
 """
@@ -42,7 +44,7 @@ from .cupy_engines import (
     CupyBatchNormForwardTraining,
 )
 
-CUDNN_MAX_NUMEL = 2**31 - 1
+CUDNN_MAX_NUMEL, MIN_CUDNN_NDIM = 2**31 - 1, 3
 CUDNN_MAX_BATCH_TRAINING, CUDNN_MAX_BATCH_INFERENCE = 880801, 65535
 CUDNN_BACKWARD_MODES = (Mode.TRAIN, Mode.SAVED, Mode.SAVED_INVSTD)
 CUDNN_SAVED_MODES = (Mode.SAVED, Mode.SAVED_INVSTD)
@@ -60,13 +62,17 @@ def cudnn_takes(
     data: list[TensorDesc], fusion: Fusion, mode: BatchNormMode, training: bool
 ) -> bool:
     """Whether cuDNN's batch-norm calls serve a problem whose ``(N, C, ...)`` operands are
-    ``data`` (the input first) exactly. The size limits are PyTorch's guards: fewer than
-    2^31 - 1 elements (32-bit indexing), and at most 880801 samples in training, 65535 in
-    inference (cuDNN's grid limits)."""
+    ``data`` (the input first) exactly. The guards are PyTorch's
+    (``_select_batch_norm_backend`` in aten/src/ATen/native/Normalization.cpp): 3-D input or
+    more (2-D would be PER_ACTIVATION, about 12x slower than PyTorch's own kernels and refused
+    by older cuDNN above N = 131070: PyTorch PR 57034, issue 2917), fewer than 2^31 - 1
+    elements (32-bit indexing), and at most 880801 samples in training, 65535 in inference
+    (cuDNN's grid limits)."""
     x = data[0]
     layouts = {_layout(d) for d in data}
     if not (
         x.dtype in CUDNN_DTYPES
+        and x.ndim >= MIN_CUDNN_NDIM
         and x.numel < CUDNN_MAX_NUMEL
         and x.shape[0] <= (CUDNN_MAX_BATCH_TRAINING if training else CUDNN_MAX_BATCH_INFERENCE)
         and len(layouts) == 1
@@ -95,9 +101,15 @@ def BatchNormBackward(
     a, t = attributes, tensors
     data = [d for d in (t.input, t.grad_output, t.grad_input, t.output, t.grad_z) if d is not None]
     mode = bn_mode(t.input, True, a.persistent)
-    # cuDNN's fused backward reads the forward's saved statistics: no train mode there.
-    modes = CUDNN_BACKWARD_MODES if a.fusion == Fusion.BN else CUDNN_SAVED_MODES
-    use_cudnn = a.mode in modes and cudnn_takes(data, a.fusion, mode, training=True)
+    # cuDNN's fused backward reads the forward's saved statistics (no train mode there) and
+    # its reserve space (the ReLU mask): without one, the CuPy engine reads the mask from y.
+    fused = a.fusion != Fusion.BN
+    modes = CUDNN_SAVED_MODES if fused else CUDNN_BACKWARD_MODES
+    use_cudnn = (
+        a.mode in modes
+        and (a.reserve or not fused)
+        and cudnn_takes(data, a.fusion, mode, training=True)
+    )
     return _build(CudnnBatchNormBackward if use_cudnn else CupyBatchNormBackward, t, a, device_id)
 
 

@@ -83,6 +83,8 @@ class BatchNormBackwardDescriptor(OperatorDescriptor):
         fusion: Fusion | str | int | None = Fusion.BN,
         output_mask: tuple[bool, bool, bool] = (True, True, True),
         persistent: bool | None = None,
+        reserve: bool = True,
+        check_overflow: bool = False,
     ) -> None:
         tensors = BackwardTensors(
             grad_input_desc,
@@ -98,7 +100,9 @@ class BatchNormBackwardDescriptor(OperatorDescriptor):
             grad_z_desc,
         )
         validate_tensors(tensors)
-        attributes = BackwardAttributes(eps, mode, fusion, output_mask, persistent)  # type: ignore[arg-type]
+        attributes = BackwardAttributes(  # type: ignore[arg-type]
+            eps, mode, fusion, output_mask, persistent, reserve, check_overflow
+        )
         super().__init__(handle, tensors, attributes)
 
     def check_attributes(self, attributes: BackwardAttributes) -> BackwardAttributes:
@@ -108,6 +112,8 @@ class BatchNormBackwardDescriptor(OperatorDescriptor):
             fusion=parse_fusion(attributes.fusion),
             output_mask=check_output_mask(attributes.output_mask),
             persistent=check_flag("persistent", attributes.persistent),
+            reserve=check_flag("reserve", attributes.reserve) is not False,
+            check_overflow=check_flag("check_overflow", attributes.check_overflow) is True,
         )
         t = self.tensors
         if checked.mode.reads_statistics:

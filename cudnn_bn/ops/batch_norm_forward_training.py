@@ -70,6 +70,7 @@ class BatchNormForwardTrainingDescriptor(OperatorDescriptor):
         momentum: float = DEFAULT_MOMENTUM,
         fusion: Fusion | str | int | None = Fusion.BN,
         persistent: bool | None = None,
+        check_overflow: bool = False,
     ) -> None:
         tensors = ForwardTrainingTensors(
             output_desc,
@@ -83,7 +84,7 @@ class BatchNormForwardTrainingDescriptor(OperatorDescriptor):
             z_desc,
         )
         validate_tensors(tensors)
-        attributes = ForwardTrainingAttributes(eps, momentum, fusion, persistent)  # type: ignore[arg-type]
+        attributes = ForwardTrainingAttributes(eps, momentum, fusion, persistent, check_overflow)  # type: ignore[arg-type]
         super().__init__(handle, tensors, attributes)
 
     def check_attributes(self, attributes: ForwardTrainingAttributes) -> ForwardTrainingAttributes:
@@ -92,6 +93,7 @@ class BatchNormForwardTrainingDescriptor(OperatorDescriptor):
             momentum=check_fraction("momentum", attributes.momentum),
             fusion=parse_fusion(attributes.fusion),
             persistent=check_flag("persistent", attributes.persistent),
+            check_overflow=check_flag("check_overflow", attributes.check_overflow) is True,
         )
         if checked.fusion == Fusion.BN_ADD_RELU:
             require("z_desc", self.tensors.z)
