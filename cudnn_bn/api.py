@@ -69,10 +69,11 @@ class _Call:
     def ptr(self, name: str) -> int:
         return self.ops[name].ptr if name in self.ops else 0
 
-    def descriptor(self, key: tuple, build: Callable[[Handle], Any]) -> Any:
-        """The cached descriptor for ``key`` on this call's device, built on a miss."""
+    def descriptor(self, key: tuple, build: Callable[[Handle], Any]) -> AbstractContextManager[Any]:
+        """A lease on the cached descriptor for ``key`` on this call's device, built on a
+        miss: eviction by another thread cannot close it while the lease is held."""
         handle = Handle(self.device, self.device_id)
-        return descriptor_cache.get((self.device, self.device_id, *key), lambda: build(handle))
+        return descriptor_cache.lease((self.device, self.device_id, *key), lambda: build(handle))
 
     def on_device(self) -> AbstractContextManager:
         if self.device == Device.CPU:
@@ -234,25 +235,27 @@ def _backward(
     output_mask = check_output_mask(output_mask)
     persistent = check_flag("persistent", persistent)
     key = ("backward", tensors, parsed, check_eps(eps), fusion, output_mask, persistent)
-    descriptor = call.descriptor(
-        key,
-        lambda handle: BatchNormBackwardDescriptor(
-            handle,
-            *tensors[:8],
-            output_desc=tensors.output,
-            bias_desc=tensors.bias,
-            grad_z_desc=tensors.grad_z,
-            eps=eps,
-            mode=parsed,
-            fusion=fusion,
-            output_mask=output_mask,
-            persistent=persistent,
-        ),
-    )
-    names = ("grad_input", "grad_weight", "grad_bias") + (("grad_z",) if wants_z else ())
-    wanted = (*descriptor.attributes.output_mask, wants_z)
-    reserve_ptr, reserve_size = buffer_address("reserve", reserve)
-    with call.on_device():
+    with (
+        call.descriptor(
+            key,
+            lambda handle: BatchNormBackwardDescriptor(
+                handle,
+                *tensors[:8],
+                output_desc=tensors.output,
+                bias_desc=tensors.bias,
+                grad_z_desc=tensors.grad_z,
+                eps=eps,
+                mode=parsed,
+                fusion=fusion,
+                output_mask=output_mask,
+                persistent=persistent,
+            ),
+        ) as descriptor,
+        call.on_device(),
+    ):
+        names = ("grad_input", "grad_weight", "grad_bias") + (("grad_z",) if wants_z else ())
+        wanted = (*descriptor.attributes.output_mask, wants_z)
+        reserve_ptr, reserve_size = buffer_address("reserve", reserve)
         results, pointers = {}, {}
         for name, needed in zip(names, wanted, strict=False):
             if needed and out is not None:
@@ -414,19 +417,21 @@ def batch_norm_forward_training(
     momentum = check_fraction("momentum", momentum)
     persistent = check_flag("persistent", persistent)
     key = ("forward_training", tensors, check_eps(eps), momentum, fused, persistent)
-    descriptor = call.descriptor(
-        key,
-        lambda handle: BatchNormForwardTrainingDescriptor(
-            handle,
-            *tensors[:8],
-            z_desc=tensors.z,
-            eps=eps,
-            momentum=momentum,
-            fusion=fused,
-            persistent=persistent,
-        ),
-    )
-    with call.on_device():
+    with (
+        call.descriptor(
+            key,
+            lambda handle: BatchNormForwardTrainingDescriptor(
+                handle,
+                *tensors[:8],
+                z_desc=tensors.z,
+                eps=eps,
+                momentum=momentum,
+                fusion=fused,
+                persistent=persistent,
+            ),
+        ) as descriptor,
+        call.on_device(),
+    ):
         (output, output_ptr), (mean, mean_ptr), (invstd, invstd_ptr) = (
             call.empty(tensors.output),
             call.empty(stats),
@@ -473,11 +478,13 @@ def batch_norm_forward_inference(
     names = ("input", "weight", "bias", "running_mean", "running_var")
     x = call.desc("input")
     tensors = ForwardInferenceTensors(_like(x), *(call.desc(n) for n in names))
-    descriptor = call.descriptor(
-        ("forward_inference", tensors, check_eps(eps)),
-        lambda handle: BatchNormForwardInferenceDescriptor(handle, *tensors, eps=eps),
-    )
-    with call.on_device():
+    with (
+        call.descriptor(
+            ("forward_inference", tensors, check_eps(eps)),
+            lambda handle: BatchNormForwardInferenceDescriptor(handle, *tensors, eps=eps),
+        ) as descriptor,
+        call.on_device(),
+    ):
         output, output_ptr = call.empty(tensors.output)
         _workspace, workspace_ptr = call.scratch(descriptor.workspace_size)
         descriptor.compute(
