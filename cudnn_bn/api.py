@@ -9,10 +9,10 @@ from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
-from .arrays import Operand, buffer_address, empty_like, operand, workspace_like
+from .arrays import Operand, buffer_address, check_written, empty_like, operand, workspace_like
 from .descriptor_cache import DescriptorCache
 from .enums import DataType, Device, Status
-from .errors import InfiniError
+from .errors import InfiniError, raises_only_infini_errors
 from .ops.batch_norm_backward import BatchNormBackwardDescriptor, parse_fusion, parse_mode
 from .ops.batch_norm_forward_inference import BatchNormForwardInferenceDescriptor
 from .ops.batch_norm_forward_training import BatchNormForwardTrainingDescriptor
@@ -28,6 +28,17 @@ from .runtime import Handle
 from .tensor import TensorDesc
 
 descriptor_cache = DescriptorCache()
+
+# The operators name tensor descriptors (``input_desc is NULL``); this API's callers pass
+# arrays (``input is None``).
+_array_api = raises_only_infini_errors(
+    {
+        f"{name}_desc": name
+        for tensors in (BackwardTensors, ForwardTrainingTensors, ForwardInferenceTensors)
+        for name in tensors._fields
+    }
+    | {"NULL": "None"}
+)
 
 
 class TrainingOutputs(tuple):
@@ -124,6 +135,7 @@ def _statistics_dtype(x: TensorDesc) -> DataType:
     return DataType.F32 if x.dtype in HALF_DTYPES else x.dtype
 
 
+@_array_api
 def batch_norm_backward(
     input: Any,
     grad_output: Any,
@@ -281,6 +293,24 @@ def _backward(
     return tuple(results.get(name) for name in names)
 
 
+def _check_batch(batch: int, batched: dict[str, Any], shared: dict[str, Any]) -> None:
+    """``batched`` arrays are ``(B, ...)`` and ``shared`` ones ``(C,)`` or ``(B, C)``."""
+    for name, array in batched.items():
+        shape = None if array is None else operand(name, array).desc.shape
+        if shape is not None and shape[:1] != (batch,):
+            raise InfiniError(
+                Status.BAD_TENSOR_SHAPE,
+                f"{name} has shape {shape}; expected ({batch}, N, C, ...) as input",
+            )
+    for name, array in shared.items():
+        shape = None if array is None else operand(name, array).desc.shape
+        if shape is not None and not (len(shape) == 1 or (len(shape) == 2 and shape[0] == batch)):
+            raise InfiniError(
+                Status.BAD_TENSOR_SHAPE, f"{name} has shape {shape}; expected (C,) or ({batch}, C)"
+            )
+
+
+@_array_api
 def batch_norm_backward_batched(
     input: Any,
     grad_output: Any,
@@ -308,6 +338,9 @@ def batch_norm_backward_batched(
     options are ``batch_norm_backward``'s (a fused one takes no reserve: each problem's
     reserve would differ).
     """
+    for name, array in (("input", input), ("grad_output", grad_output), ("weight", weight)):
+        if array is None:
+            raise InfiniError(Status.NULL_POINTER, f"{name} is None")
     x = operand("input", input).desc
     if x.ndim < 3:
         raise InfiniError(
@@ -315,6 +348,16 @@ def batch_norm_backward_batched(
         )
     w = operand("weight", weight).desc
     batch, channels = x.shape[0], x.shape[2]
+    batched = {"input": input, "grad_output": grad_output, "output": output}
+    shared = dict(
+        weight=weight,
+        running_mean=running_mean,
+        running_var=running_var,
+        saved_mean=saved_mean,
+        saved_invstd=saved_invstd,
+        bias=bias,
+    )
+    _check_batch(batch, batched, shared)
     inner = TensorDesc(x.dtype, x.shape[1:], x.strides[1:])
     data = TensorDesc(x.dtype, x.shape, (inner.numel, *_like(inner).strides))
     per_channel = TensorDesc.contiguous(w.dtype, (batch, channels))
@@ -332,19 +375,10 @@ def batch_norm_backward_batched(
     out = {
         n: empty_like(input, d.shape, d.strides, d.dtype) for n, d in shapes.items() if wanted[n]
     }
-    batched = {"input": input, "grad_output": grad_output, "output": output}
-    shared = dict(
-        weight=weight,
-        running_mean=running_mean,
-        running_var=running_var,
-        saved_mean=saved_mean,
-        saved_invstd=saved_invstd,
-        bias=bias,
-    )
     for b in range(batch):
         arrays = {n: (a[b] if a is not None else None) for n, a in batched.items()}
         arrays.update(
-            {n: (a[b] if a is not None and a.ndim == 2 else a) for n, a in shared.items()}
+            {n: (a[b] if a is not None and len(a.shape) == 2 else a) for n, a in shared.items()}
         )
         _backward(
             arrays,
@@ -361,6 +395,7 @@ def batch_norm_backward_batched(
     return tuple(out.get(n) for n in names)
 
 
+@_array_api
 def batch_norm_forward_training(
     input: Any,
     weight: Any,
@@ -396,6 +431,10 @@ def batch_norm_forward_training(
             z=z,
         ),
         stream,
+    )
+    check_written(
+        {n: call.ops[n] for n in ("running_mean", "running_var") if n in call.ops},
+        {n: call.ops[n] for n in ("input", "weight", "bias", "z") if n in call.ops},
     )
     x, w = call.desc("input"), call.desc("weight")
     if x.ndim < 2:
@@ -454,6 +493,7 @@ def batch_norm_forward_training(
     return TrainingOutputs(output, mean, invstd, reserve)
 
 
+@_array_api
 def batch_norm_forward_inference(
     input: Any,
     weight: Any,
