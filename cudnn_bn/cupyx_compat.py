@@ -99,12 +99,15 @@ class _Problem(NamedTuple):
         return [None if a is None else self.param(a) for a in arrays.values()]
 
 
-def _arrays(**arrays: Any) -> dict[str, Operand]:
-    """Operands of the given NumPy or CuPy ``arrays`` (None skipped), on one device."""
+def _arrays(optional: tuple[str, ...] = (), **arrays: Any) -> dict[str, Operand]:
+    """Operands of the NumPy or CuPy ``arrays``, on one device; only ``optional`` ones may
+    be None (and are skipped)."""
     found = {}
     for name, array in arrays.items():
-        if array is None:
+        if array is None and name in optional:
             continue
+        if array is None:
+            raise InfiniError(Status.NULL_POINTER, f"{name} is None")
         found[name] = operand(name, array)
         if not hasattr(array, "astype") or type(array).__module__.startswith("torch"):
             raise InfiniError(
@@ -225,6 +228,7 @@ def _forward_training(
         raise InfiniError(Status.BAD_PARAM, "Both mean and inv_std must be None if one is.")
     momentum = 1.0 - check_fraction("decay", decay)
     ops = _arrays(
+        ("running_mean", "running_var", "mean", "inv_std"),
         x=x, gamma=gamma, beta=beta, running_mean=running_mean, running_var=running_var,
         mean=mean, inv_std=inv_std,
     )  # fmt: skip
@@ -356,9 +360,10 @@ def batch_normalization_backward(
     forward saved; ``reserve_space`` is what ``_ex`` returned (None, or its array)."""
     _arrays(x=x, gamma=gamma, gy=gy, mean=mean, inv_std=inv_std)
     problem = _problem(x, is_for_conv2d, cudnn_mode, d_layout)
-    if gy is None or tuple(gy.shape) != tuple(x.shape):
-        shape = None if gy is None else tuple(gy.shape)
-        raise InfiniError(Status.BAD_TENSOR_SHAPE, f"gy has shape {shape}; expected x's {x.shape}")
+    if tuple(gy.shape) != tuple(x.shape):
+        raise InfiniError(
+            Status.BAD_TENSOR_SHAPE, f"gy has shape {tuple(gy.shape)}; expected x's {x.shape}"
+        )
     weight, saved_mean, saved_invstd = problem.params(gamma=gamma, mean=mean, inv_std=inv_std)
     gx, ggamma, gbeta = batch_norm_backward(
         problem.data(x),
