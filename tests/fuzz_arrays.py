@@ -91,11 +91,12 @@ def snapshot(a) -> object:
 
 
 def f64(a) -> np.ndarray | None:
-    """``a``'s values in float64 if it is a NumPy array or torch tensor of a float dtype."""
+    """``a``'s values, packed in float64, if it is a NumPy array or torch tensor of a float
+    dtype (packed: torch 2.13's CPU backward misreads mixed layouts, see ``fuzz_capi.py``)."""
     if isinstance(a, torch.Tensor) and a.dtype.is_floating_point:
-        return a.numpy().astype(np.float64)
+        return np.array(a.numpy(), np.float64, order="C")
     if isinstance(a, np.ndarray) and a.dtype.kind == "f":
-        return a.astype(np.float64)
+        return np.array(a, np.float64, order="C")
     return None
 
 

@@ -296,7 +296,7 @@ def _array_form(values, form: str, element):
         ctype = element
     if form == "int64" and not all(-(2**63) <= v < 2**63 for v in values):
         ctype = element
-    array = (ctype * max(len(values), 1))(*values)
+    array = (ctype * len(values))(*values)
     return (ctypes.addressof(array) if form == "address" else array), array
 
 
@@ -394,7 +394,9 @@ def fuzz_cycle(data) -> None:
             buffers[name] = Buffer(shape, strides, storage, values.get(name))
         else:
             buffers[name] = Buffer((c,), (p["channel_stride"],), storage, values.get(name))
-    rounded = {n: b.view.astype(np.float64) for n, b in buffers.items()}
+    # Packed copies: torch 2.13's CPU native_batch_norm_backward misreads grad_output whose
+    # layout differs from input's (e.g. strides (6, 3, 1, 1) and (6, 1, 2, 1), shape (1, 2, 3, 1)).
+    rounded = {n: np.array(b.view, np.float64, order="C") for n, b in buffers.items()}
 
     handle = Out(data.draw(good_out_forms), ctypes.c_void_p, 0)
     status = call(capi.infiniopCreateHandle, handle.arg)
