@@ -226,8 +226,12 @@ def _torch_training(v: dict, momentum: float, eps: float) -> list:
     """float64 (output, mean, invstd, running_mean, running_var); aten takes eps 0."""
     names = ("input", "weight", "bias", "running_mean", "running_var")
     t = [None if v[n] is None else torch.from_numpy(v[n].copy()) for n in names]
+    kept = [t[3], t[4]]
+    if (t[3] is None) != (t[4] is None):  # aten wants both or neither: a stand-in
+        c = t[0].shape[1]
+        t[3], t[4] = (torch.zeros(c, dtype=torch.float64) if a is None else a for a in kept)
     y, mean, invstd = torch.ops.aten.native_batch_norm(*t, True, momentum, eps)
-    return [y, mean, invstd, t[3], t[4]]
+    return [y, mean, invstd, *(None if a is None else b for a, b in zip(kept, t[3:], strict=True))]
 
 
 def _inference(v: dict, eps: float) -> list:
