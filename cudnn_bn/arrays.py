@@ -59,14 +59,12 @@ def shares_memory(a: Operand, b: Operand) -> bool:
     (a_low, a_end), (b_low, b_end) = a.byte_range(), b.byte_range()
     if a_low >= b_end or b_low >= a_end:
         return False
-    if a.desc.ndim == b.desc.ndim == 1 and a.desc.strides == b.desc.strides:
-        itemsize = FLOAT_TYPES[a.desc.dtype].itemsize
-        step, size = (
-            abs(a.desc.strides[0]) * itemsize,
-            max(itemsize, FLOAT_TYPES[b.desc.dtype].itemsize),
-        )
-        offset = (b.ptr - a.ptr) % step if step else 0
-        return offset < size or step - offset < size
+    a_size, b_size = (FLOAT_TYPES[op.desc.dtype].itemsize for op in (a, b))
+    if a.desc.ndim == b.desc.ndim == 1:
+        step = abs(a.desc.strides[0]) * a_size
+        if step and step == abs(b.desc.strides[0]) * b_size:
+            offset = (b.ptr - a.ptr) % step  # where b's elements start within a's steps
+            return offset < a_size or step - offset < b_size
     return True
 
 
