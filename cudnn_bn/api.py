@@ -15,6 +15,7 @@ from .arrays import (
     Operand,
     allocation_scope,
     buffer_address,
+    check_written,
     common_place,
     empty_like,
     operand,
@@ -22,7 +23,7 @@ from .arrays import (
 )
 from .descriptor_cache import DescriptorCache
 from .enums import DataType, Device, Status
-from .errors import InfiniError
+from .errors import InfiniError, raises_only_infini_errors
 from .ops.batch_norm_backward import BatchNormBackwardDescriptor, parse_fusion, parse_mode
 from .ops.batch_norm_forward_inference import BatchNormForwardInferenceDescriptor
 from .ops.batch_norm_forward_training import BatchNormForwardTrainingDescriptor
@@ -38,6 +39,17 @@ from .runtime import Handle
 from .tensor import TensorDesc
 
 descriptor_cache = DescriptorCache()
+
+# The operators name tensor descriptors (``input_desc is NULL``); this API's callers pass
+# arrays (``input is None``).
+_array_api = raises_only_infini_errors(
+    {
+        f"{name}_desc": name
+        for tensors in (BackwardTensors, ForwardTrainingTensors, ForwardInferenceTensors)
+        for name in tensors._fields
+    }
+    | {"NULL": "None"}
+)
 
 
 class TrainingOutputs(tuple):
@@ -74,10 +86,11 @@ class _Call:
     def ptr(self, name: str) -> int:
         return self.ops[name].ptr if name in self.ops else 0
 
-    def descriptor(self, key: tuple, build: Callable[[Handle], Any]) -> Any:
-        """The cached descriptor for ``key`` on this call's device, built on a miss."""
+    def descriptor(self, key: tuple, build: Callable[[Handle], Any]) -> AbstractContextManager[Any]:
+        """A lease on the cached descriptor for ``key`` on this call's device, built on a
+        miss: eviction by another thread cannot close it while the lease is held."""
         handle = Handle(self.device, self.device_id)
-        return descriptor_cache.get((self.device, self.device_id, *key), lambda: build(handle))
+        return descriptor_cache.lease((self.device, self.device_id, *key), lambda: build(handle))
 
     def allocating(self) -> AbstractContextManager:
         """The block in which the call allocates and computes: its device current, its
@@ -139,6 +152,7 @@ def _statistics_dtype(x: TensorDesc) -> DataType:
     return DataType.F32 if x.dtype in HALF_DTYPES else x.dtype
 
 
+@_array_api
 def batch_norm_backward(
     input: Any,
     grad_output: Any,
@@ -259,27 +273,29 @@ def _backward(
     # A fused backward given no reserve runs where it needs none (the CuPy engine).
     flags = (persistent, reserve is not None, check_flag("check_overflow", check_overflow) is True)
     key = ("backward", tensors, parsed, check_eps(eps), fusion, output_mask, *flags)
-    descriptor = call.descriptor(
-        key,
-        lambda handle: BatchNormBackwardDescriptor(
-            handle,
-            *tensors[:8],
-            output_desc=tensors.output,
-            bias_desc=tensors.bias,
-            grad_z_desc=tensors.grad_z,
-            eps=eps,
-            mode=parsed,
-            fusion=fusion,
-            output_mask=output_mask,
-            persistent=persistent,
-            reserve=flags[1],
-            check_overflow=flags[2],
-        ),
-    )
-    names = ("grad_input", "grad_weight", "grad_bias") + (("grad_z",) if wants_z else ())
-    wanted = (*descriptor.attributes.output_mask, wants_z)
-    reserve_ptr, reserve_size = buffer_address("reserve", reserve)
-    with call.allocating():
+    with (
+        call.descriptor(
+            key,
+            lambda handle: BatchNormBackwardDescriptor(
+                handle,
+                *tensors[:8],
+                output_desc=tensors.output,
+                bias_desc=tensors.bias,
+                grad_z_desc=tensors.grad_z,
+                eps=eps,
+                mode=parsed,
+                fusion=fusion,
+                output_mask=output_mask,
+                persistent=persistent,
+                reserve=flags[1],
+                check_overflow=flags[2],
+            ),
+        ) as descriptor,
+        call.allocating(),
+    ):
+        names = ("grad_input", "grad_weight", "grad_bias") + (("grad_z",) if wants_z else ())
+        wanted = (*descriptor.attributes.output_mask, wants_z)
+        reserve_ptr, reserve_size = buffer_address("reserve", reserve)
         results, pointers = {}, {}
         for name, needed in zip(names, wanted, strict=False):
             if needed and out is not None:
@@ -305,6 +321,24 @@ def _backward(
     return tuple(results.get(name) for name in names)
 
 
+def _check_batch(batch: int, batched: dict[str, Any], shared: dict[str, Any]) -> None:
+    """``batched`` arrays are ``(B, ...)`` and ``shared`` ones ``(C,)`` or ``(B, C)``."""
+    for name, array in batched.items():
+        shape = None if array is None else operand(name, array).desc.shape
+        if shape is not None and shape[:1] != (batch,):
+            raise InfiniError(
+                Status.BAD_TENSOR_SHAPE,
+                f"{name} has shape {shape}; expected ({batch}, N, C, ...) as input",
+            )
+    for name, array in shared.items():
+        shape = None if array is None else operand(name, array).desc.shape
+        if shape is not None and not (len(shape) == 1 or (len(shape) == 2 and shape[0] == batch)):
+            raise InfiniError(
+                Status.BAD_TENSOR_SHAPE, f"{name} has shape {shape}; expected (C,) or ({batch}, C)"
+            )
+
+
+@_array_api
 def batch_norm_backward_batched(
     input: Any,
     grad_output: Any,
@@ -332,6 +366,9 @@ def batch_norm_backward_batched(
     options are ``batch_norm_backward``'s (a fused one takes no reserve, each problem's would
     differ, so it runs where it needs none: the CuPy engine on NVIDIA).
     """
+    for name, array in (("input", input), ("grad_output", grad_output), ("weight", weight)):
+        if array is None:
+            raise InfiniError(Status.NULL_POINTER, f"{name} is None")
     call = _Call({"input": input}, stream)  # the batch's device and stream
     x = call.desc("input")
     if x.ndim < 3:
@@ -340,6 +377,16 @@ def batch_norm_backward_batched(
         )
     w = operand("weight", weight).desc
     batch, channels = x.shape[0], x.shape[2]
+    batched = {"input": input, "grad_output": grad_output, "output": output}
+    shared = dict(
+        weight=weight,
+        running_mean=running_mean,
+        running_var=running_var,
+        saved_mean=saved_mean,
+        saved_invstd=saved_invstd,
+        bias=bias,
+    )
+    _check_batch(batch, batched, shared)
     inner = TensorDesc(x.dtype, x.shape[1:], x.strides[1:])
     data = TensorDesc(x.dtype, x.shape, (inner.numel, *_like(inner).strides))
     per_channel = TensorDesc.contiguous(w.dtype, (batch, channels))
@@ -356,19 +403,10 @@ def batch_norm_backward_batched(
     )
     with call.allocating():
         out = {n: call.empty(d)[0] for n, d in shapes.items() if wanted[n]}
-    batched = {"input": input, "grad_output": grad_output, "output": output}
-    shared = dict(
-        weight=weight,
-        running_mean=running_mean,
-        running_var=running_var,
-        saved_mean=saved_mean,
-        saved_invstd=saved_invstd,
-        bias=bias,
-    )
     for b in range(batch):
         arrays = {n: (a[b] if a is not None else None) for n, a in batched.items()}
         arrays.update(
-            {n: (a[b] if a is not None and a.ndim == 2 else a) for n, a in shared.items()}
+            {n: (a[b] if a is not None and len(a.shape) == 2 else a) for n, a in shared.items()}
         )
         _backward(
             arrays,
@@ -385,6 +423,7 @@ def batch_norm_backward_batched(
     return tuple(out.get(n) for n in names)
 
 
+@_array_api
 def batch_norm_forward_training(
     input: Any,
     weight: Any,
@@ -423,6 +462,10 @@ def batch_norm_forward_training(
         ),
         stream,
     )
+    check_written(
+        {n: call.ops[n] for n in ("running_mean", "running_var") if n in call.ops},
+        {n: call.ops[n] for n in ("input", "weight", "bias", "z") if n in call.ops},
+    )
     x, w = call.desc("input"), call.desc("weight")
     if x.ndim < 2:
         raise InfiniError(
@@ -444,20 +487,22 @@ def batch_norm_forward_training(
     persistent = check_flag("persistent", persistent)
     check = check_flag("check_overflow", check_overflow) is True
     key = ("forward_training", tensors, check_eps(eps), momentum, fused, persistent, check)
-    descriptor = call.descriptor(
-        key,
-        lambda handle: BatchNormForwardTrainingDescriptor(
-            handle,
-            *tensors[:8],
-            z_desc=tensors.z,
-            eps=eps,
-            momentum=momentum,
-            fusion=fused,
-            persistent=persistent,
-            check_overflow=check,
-        ),
-    )
-    with call.allocating():
+    with (
+        call.descriptor(
+            key,
+            lambda handle: BatchNormForwardTrainingDescriptor(
+                handle,
+                *tensors[:8],
+                z_desc=tensors.z,
+                eps=eps,
+                momentum=momentum,
+                fusion=fused,
+                persistent=persistent,
+                check_overflow=check,
+            ),
+        ) as descriptor,
+        call.allocating(),
+    ):
         (output, output_ptr), (mean, mean_ptr), (invstd, invstd_ptr) = (
             call.empty(tensors.output),
             call.empty(stats),
@@ -480,6 +525,7 @@ def batch_norm_forward_training(
     return TrainingOutputs(output, mean, invstd, reserve)
 
 
+@_array_api
 def batch_norm_forward_inference(
     input: Any,
     weight: Any,
@@ -504,11 +550,13 @@ def batch_norm_forward_inference(
     names = ("input", "weight", "bias", "running_mean", "running_var")
     x = call.desc("input")
     tensors = ForwardInferenceTensors(_like(x), *(call.desc(n) for n in names))
-    descriptor = call.descriptor(
-        ("forward_inference", tensors, check_eps(eps)),
-        lambda handle: BatchNormForwardInferenceDescriptor(handle, *tensors, eps=eps),
-    )
-    with call.allocating():
+    with (
+        call.descriptor(
+            ("forward_inference", tensors, check_eps(eps)),
+            lambda handle: BatchNormForwardInferenceDescriptor(handle, *tensors, eps=eps),
+        ) as descriptor,
+        call.allocating(),
+    ):
         output, output_ptr = call.empty(tensors.output)
         _workspace, workspace_ptr = call.scratch(descriptor.workspace_size)
         descriptor.compute(

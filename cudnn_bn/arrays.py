@@ -40,12 +40,59 @@ _DLPACK_DTYPES = {
 
 @dataclass(frozen=True)
 class Operand:
-    """One array argument: where it lives, its descriptor and its data pointer."""
+    """One array argument: where it lives, its descriptor, its data pointer, and whether its
+    owner marked it read-only (NumPy's ``writeable=False``, the interfaces' read-only flag)."""
 
     device: Device
     device_id: int
     desc: TensorDesc
     ptr: int
+    readonly: bool = False
+
+    def byte_range(self) -> tuple[int, int]:
+        """``[first, end)`` bytes its elements lie in (empty for no elements)."""
+        d = self.desc
+        if d.numel == 0:
+            return self.ptr, self.ptr
+        itemsize = FLOAT_TYPES[d.dtype].itemsize
+        low = sum(min(0, (n - 1) * s) for n, s in zip(d.shape, d.strides, strict=True))
+        high = sum(max(0, (n - 1) * s) for n, s in zip(d.shape, d.strides, strict=True))
+        return self.ptr + low * itemsize, self.ptr + (high + 1) * itemsize
+
+
+def shares_memory(a: Operand, b: Operand) -> bool:
+    """Whether ``a`` and ``b`` may have a byte in common: their byte ranges meet, except
+    for two vectors of one stride whose elements interleave without touching (``buf[0::2]``
+    and ``buf[1::2]``). Conservative on other interleavings."""
+    if (a.device, a.device_id) != (b.device, b.device_id):
+        return False
+    (a_low, a_end), (b_low, b_end) = a.byte_range(), b.byte_range()
+    if a_low >= b_end or b_low >= a_end:
+        return False
+    a_size, b_size = (FLOAT_TYPES[op.desc.dtype].itemsize for op in (a, b))
+    if a.desc.ndim == b.desc.ndim == 1:
+        step = abs(a.desc.strides[0]) * a_size
+        if step and step == abs(b.desc.strides[0]) * b_size:
+            offset = (b.ptr - a.ptr) % step  # where b's elements start within a's steps
+            return offset < a_size or step - offset < b_size
+    return True
+
+
+def check_written(written: dict[str, Operand], read: dict[str, Operand]) -> None:
+    """Arrays a call writes in place: each writable, none sharing memory with another one
+    written or with one the call reads; BAD_PARAM naming both, before anything is written."""
+    for name, op in written.items():
+        if op.readonly:
+            raise InfiniError(Status.BAD_PARAM, f"{name} is read-only, but it is written in place")
+    names = list(written)
+    for i, name in enumerate(names):
+        for other, op in [*((n, written[n]) for n in names[i + 1 :]), *read.items()]:
+            if shares_memory(written[name], op):
+                raise InfiniError(
+                    Status.BAD_PARAM,
+                    f"{name} and {other} share memory; {name} is written in place and must "
+                    "not overlap any other argument",
+                )
 
 
 def _data_type(name: str, dtype: np.dtype) -> DataType:
@@ -80,7 +127,10 @@ def _from_interface(
     shape = tuple(iface["shape"])
     dtype = _data_type(name, np.dtype(iface["typestr"]) if dtype is None else np.dtype(dtype))
     strides = _element_strides(name, shape, iface.get("strides"), FLOAT_TYPES[dtype].itemsize)
-    return Operand(device, device_id, TensorDesc(dtype, shape, strides), int(iface["data"][0] or 0))
+    address, readonly = iface["data"]
+    return Operand(
+        device, device_id, TensorDesc(dtype, shape, strides), int(address or 0), bool(readonly)
+    )
 
 
 class _DLDevice(ctypes.Structure):

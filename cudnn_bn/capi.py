@@ -1,19 +1,26 @@
 """The C API of ``include/`` over ctypes values: every function returns an ``infiniStatus_t``.
 
-Handles and descriptors are opaque pointer-sized integers naming Python objects held here;
-out-parameters are ctypes pointers (``ctypes.byref(c_void_p())``, ``ctypes.byref(c_size_t())``)
-or raw addresses; data pointers are integers, ``c_void_p`` or None. Nothing here raises: an
-error becomes its status, and ``last_error()`` tells what was wrong.
+``PROTOTYPES`` is the headers' declarations, parameter names and C types in order
+(``tests/test_headers.py`` checks it against ``include/``); every function converts its
+arguments by it (``c_arguments``) exactly as ctypes would for that C function: Python
+numbers and ctypes scalars alike, ``byref``/``pointer``/arrays/addresses for pointers.
+Handles and descriptors are opaque pointer-sized values naming Python objects held here,
+chosen outside user space so that a handle passed where an address belongs is refused.
+Nothing here raises: an error (a refused argument, a wrong argument count, a keyword
+argument, which a C function cannot take) becomes its status and ``last_error()`` tells
+what was wrong with which argument. A failed create registers nothing.
 """
 
 import ctypes
 import functools
+import inspect
 import itertools
 import threading
 from collections.abc import Callable
 from typing import Any
 
-from .enums import DataType, Status
+from .c_arguments import converter, host_address
+from .enums import Device, Status
 from .errors import InfiniError
 from .ops.batch_norm_backward import BatchNormBackwardDescriptor
 from .ops.batch_norm_forward_inference import BatchNormForwardInferenceDescriptor
@@ -21,8 +28,75 @@ from .ops.batch_norm_forward_training import BatchNormForwardTrainingDescriptor
 from .runtime import Handle, current_handle, set_device
 from .tensor import TensorDesc, contiguous_strides
 
+_HANDLE, _DESC_OUT = "infiniopHandle_t", "infiniopHandle_t *"
+_TENSOR = "infiniopTensorDescriptor_t"
+
+
+def _operator(
+    name: str, tensors: tuple[str, ...], written: set[str], attributes: tuple, sizes: tuple
+) -> dict[str, tuple[tuple[str, str], ...]]:
+    """The prototypes of one operator's functions (its header in ``include/infiniop/ops``):
+    the ``written`` ones of ``tensors`` are ``void *``, the others ``const void *``."""
+    desc = f"infiniop{name}Descriptor_t"
+    buffers = [p for size in sizes for p in ((size, "void *"), (f"{size}_size", "size_t"))]
+    data = [(t, "void *" if t in written else "const void *") for t in tensors]
+    return {
+        f"infiniopCreate{name}Descriptor": (
+            ("handle", _HANDLE),
+            ("desc_ptr", f"{desc} *"),
+            *((f"{t}_desc", _TENSOR) for t in tensors),
+        ),
+        f"infiniopSet{name}Attributes": (("desc", desc), *attributes),
+        **{
+            f"infiniopGet{name}{size.capitalize()}Size": (("desc", desc), ("size", "size_t *"))
+            for size in sizes
+        },
+        f"infiniop{name}": (("desc", desc), *buffers, *data, ("stream", "void *")),
+        f"infiniopDestroy{name}Descriptor": (("desc", desc),),
+    }
+
+
+_STATS = ("running_mean", "running_var")
+PROTOTYPES: dict[str, tuple[tuple[str, str], ...]] = {
+    "infinirtSetDevice": (("device", "infiniDevice_t"), ("device_id", "int")),
+    "infiniopCreateHandle": (("handle_ptr", _DESC_OUT),),
+    "infiniopDestroyHandle": (("handle", _HANDLE),),
+    "infiniopCreateTensorDescriptor": (
+        ("desc_ptr", "infiniopTensorDescriptor_t *"),
+        ("ndim", "size_t"),
+        ("shape", "size_t const *"),
+        ("strides", "ptrdiff_t const *"),
+        ("dtype", "infiniDtype_t"),
+    ),
+    "infiniopDestroyTensorDescriptor": (("desc", _TENSOR),),
+    **_operator(
+        "BatchNormBackward",
+        ("grad_input", "grad_weight", "grad_bias", "input", "grad_output", "weight", *_STATS),
+        {"grad_input", "grad_weight", "grad_bias"},
+        (("eps", "double"), ("mode", "int")),
+        ("workspace",),
+    ),
+    **_operator(
+        "BatchNormForwardTraining",
+        ("output", "saved_mean", "saved_invstd", "input", "weight", "bias", *_STATS),
+        {"output", "saved_mean", "saved_invstd", "running_mean", "running_var"},
+        (("eps", "double"), ("momentum", "double")),
+        ("workspace", "reserve"),
+    ),
+    **_operator(
+        "BatchNormForwardInference",
+        ("output", "input", "weight", "bias", *_STATS),
+        {"output"},
+        (("eps", "double"),),
+        ("workspace",),
+    ),
+}
+
+MAX_NDIM = 64  # a tensor descriptor's axes: more than any operator takes, bounded for reads
+
 _objects: dict[int, Any] = {}
-_next_id = itertools.count(0x1000, 0x10)
+# Opaque values in the upper (kernel) half of the address space: never a caller's address.
+_next_id = itertools.count(0xFFFF_8000_0000_1000, 0x10)
 _lock = threading.Lock()
 _last_error = threading.local()
 
@@ -32,11 +106,34 @@ def last_error() -> str:
     return getattr(_last_error, "message", "")
 
 
-def _returns_status(func: Callable[..., None]) -> Callable[..., int]:
+def _c_function(func: Callable[..., None]) -> Callable[..., int]:
+    """``func`` as the C function of its prototype: positional arguments converted by
+    ``PROTOTYPES``, the status returned as an int, nothing raised."""
+    name = func.__name__
+    params = PROTOTYPES[name]
+    converters = [(param, converter(c_type)) for param, c_type in params]
+
     @functools.wraps(func)
-    def wrapper(*args: Any) -> int:
+    def wrapper(*args: Any, **kwargs: Any) -> int:
         try:
-            func(*args)
+            if kwargs:
+                raise InfiniError(
+                    Status.BAD_PARAM,
+                    f"{name} takes positional arguments only, as a C function; "
+                    f"got keyword {', '.join(kwargs)}",
+                )
+            if len(args) != len(params):
+                raise InfiniError(
+                    Status.BAD_PARAM,
+                    f"{name} takes {len(params)} arguments "
+                    f"({', '.join(p for p, _ in params)}), got {len(args)}",
+                )
+            func(
+                *(
+                    convert(value, param)
+                    for (param, convert), value in zip(converters, args, strict=True)
+                )
+            )
         except InfiniError as exc:
             _last_error.message = str(exc)
             return int(exc.status)
@@ -46,153 +143,131 @@ def _returns_status(func: Callable[..., None]) -> Callable[..., int]:
         _last_error.message = ""
         return int(Status.SUCCESS)
 
+    wrapper.__signature__ = inspect.Signature(  # type: ignore[attr-defined]
+        [inspect.Parameter(p, inspect.Parameter.POSITIONAL_ONLY) for p, _ in params],
+        return_annotation=int,
+    )
     return wrapper
 
 
-def _address(value: Any) -> int:
-    """An address from an int, None, a ``c_void_p`` or anything with ``.value``."""
-    if value is None:
-        return 0
-    if isinstance(value, int):
-        return value
-    if isinstance(value, ctypes.c_void_p | ctypes.c_size_t):
-        return value.value or 0
-    return int(ctypes.cast(value, ctypes.c_void_p).value or 0)
-
-
-def _store(out: Any, ctype: type, value: int, name: str) -> None:
-    """Write ``value`` through the out-parameter ``out`` (byref, pointer or address)."""
-    if out is None or (isinstance(out, int) and out == 0):
+def _new(out: int, name: str, build: Callable[[], Any]) -> None:
+    """Build an object, register it and write its handle through ``out``; a failure
+    anywhere leaves nothing registered."""
+    if not out:
         raise InfiniError(Status.NULL_POINTER, f"{name} is NULL")
-    if hasattr(out, "_obj"):  # ctypes.byref(...)
-        out._obj.value = value
-    elif isinstance(out, int):
-        ctype.from_address(out).value = value
-    else:
-        ctypes.cast(out, ctypes.POINTER(ctype)).contents.value = value
-
-
-def _register(obj: Any) -> int:
+    obj = build()
     with _lock:
         key = next(_next_id)
         _objects[key] = obj
-    return key
+    ctypes.c_void_p.from_address(out).value = key
 
 
-def _lookup(value: Any, kind: type, name: str) -> Any:
-    key = _address(value)
+def _lookup(key: int, kind: type, name: str, *, release: bool = False) -> Any:
+    """The live ``kind`` object ``key`` names (forgotten when ``release``)."""
     if key == 0:
         raise InfiniError(Status.NULL_POINTER, f"{name} is NULL")
-    obj = _objects.get(key)
+    with _lock:
+        obj = _objects.get(key)
+        if isinstance(obj, kind) and release:
+            del _objects[key]
     if not isinstance(obj, kind):
         raise InfiniError(Status.BAD_PARAM, f"{name} ({key:#x}) is not a live {kind.__name__}")
     return obj
 
 
-def _release(value: Any, kind: type, name: str) -> Any:
-    obj = _lookup(value, kind, name)
-    with _lock:
-        _objects.pop(_address(value), None)
-    return obj
-
-
-def _sequence(values: Any, n: int, name: str) -> tuple[int, ...]:
-    if values is None or values == 0:
-        raise InfiniError(Status.NULL_POINTER, f"{name} is NULL")
-    if isinstance(values, int):
-        values = ctypes.cast(values, ctypes.POINTER(ctypes.c_int64))
-    elif hasattr(values, "__len__") and len(values) != n:
-        raise InfiniError(Status.BAD_PARAM, f"{name} has {len(values)} entries but ndim is {n}")
-    return tuple(int(values[i]) for i in range(n))
-
-
-@_returns_status
+@_c_function
 def infinirtSetDevice(device: int, device_id: int) -> None:
     set_device(device, device_id)
 
 
-@_returns_status
-def infiniopCreateHandle(handle_ptr: Any) -> None:
-    _store(handle_ptr, ctypes.c_void_p, _register(current_handle()), "handle_ptr")
+@_c_function
+def infiniopCreateHandle(handle_ptr: int) -> None:
+    _new(handle_ptr, "handle_ptr", current_handle)
 
 
-@_returns_status
-def infiniopDestroyHandle(handle: Any) -> None:
-    _release(handle, Handle, "handle")
+@_c_function
+def infiniopDestroyHandle(handle: int) -> None:
+    _lookup(handle, Handle, "handle", release=True)
 
 
-@_returns_status
+@_c_function
 def infiniopCreateTensorDescriptor(
-    desc_ptr: Any, ndim: int, shape: Any, strides: Any, dtype: int
+    desc_ptr: int, ndim: int, shape: Any, strides: Any, dtype: int
 ) -> None:
-    if dtype not in DataType._value2member_map_:
-        raise InfiniError(Status.BAD_TENSOR_DTYPE, f"dtype {dtype} is not an infiniDtype_t")
-    if ndim < 0:
-        raise InfiniError(Status.BAD_TENSOR_SHAPE, f"ndim must be >= 0, got {ndim}")
-    dims = _sequence(shape, ndim, "shape") if ndim else ()
-    if any(d < 0 for d in dims):
-        raise InfiniError(Status.BAD_TENSOR_SHAPE, f"shape {dims} has a negative size")
-    steps = (
-        contiguous_strides(dims)
-        if not isinstance(strides, list | tuple) and _address(strides) == 0
-        else (_sequence(strides, ndim, "strides") if ndim else ())
-    )
-    _store(
-        desc_ptr, ctypes.c_void_p, _register(TensorDesc(DataType(dtype), dims, steps)), "desc_ptr"
-    )
+    if not desc_ptr:
+        raise InfiniError(Status.NULL_POINTER, "desc_ptr is NULL")
+    if ndim > MAX_NDIM:
+        raise InfiniError(Status.BAD_TENSOR_SHAPE, f"ndim is {ndim}; at most {MAX_NDIM} axes")
+    if shape is None and ndim:
+        raise InfiniError(Status.NULL_POINTER, f"shape is NULL but ndim is {ndim}")
+    dims = shape(ndim) if shape is not None else ()
+    steps = contiguous_strides(dims) if strides is None else strides(ndim)
+    _new(desc_ptr, "desc_ptr", lambda: TensorDesc.checked(dtype, dims, steps))
 
 
-@_returns_status
-def infiniopDestroyTensorDescriptor(desc: Any) -> None:
-    _release(desc, TensorDesc, "desc")
+@_c_function
+def infiniopDestroyTensorDescriptor(desc: int) -> None:
+    _lookup(desc, TensorDesc, "desc", release=True)
 
 
-def _tensor(value: Any, name: str) -> TensorDesc | None:
-    return None if _address(value) == 0 else _lookup(value, TensorDesc, name)
+def _tensor(value: int, name: str) -> TensorDesc | None:
+    return _lookup(value, TensorDesc, name) if value else None
 
 
-def _create(kind: type, handle: Any, desc_ptr: Any, **tensor_descs: Any) -> None:
+def _create(kind: type, handle: int, desc_ptr: int, **tensor_descs: int) -> None:
     """Create a ``kind`` operator descriptor from tensor descriptors named in C order.
 
     A NULL tensor descriptor reaches the operator as None; the operator says which it needs.
     """
     owner = _lookup(handle, Handle, "handle")
-    if desc_ptr is None or (_address(desc_ptr) == 0 and isinstance(desc_ptr, int)):
+    if not desc_ptr:
         raise InfiniError(Status.NULL_POINTER, "desc_ptr is NULL")
     tensors = [_tensor(value, name) for name, value in tensor_descs.items()]
-    _store(desc_ptr, ctypes.c_void_p, _register(kind(owner, *tensors)), "desc_ptr")
+    _new(desc_ptr, "desc_ptr", lambda: kind(owner, *tensors))
 
 
-def _store_size(desc: Any, kind: type, attribute: str, size: Any) -> None:
+def _store_size(desc: int, kind: type, attribute: str, size: int) -> None:
     """Write a size the ``kind`` descriptor cached (``workspace_size``, ``reserve_size``)."""
-    _store(size, ctypes.c_size_t, getattr(_lookup(desc, kind, "desc"), attribute), "size")
+    value = getattr(_lookup(desc, kind, "desc"), attribute)
+    if not size:
+        raise InfiniError(Status.NULL_POINTER, "size is NULL")
+    ctypes.c_size_t.from_address(size).value = value
 
 
-def _compute(
-    desc: Any, kind: type, workspace: Any, workspace_size: int, *args: Any, stream: Any
-) -> None:
-    """Run a ``kind`` descriptor: ``args`` are data pointers, or sizes given as ints."""
-    descriptor = _lookup(desc, kind, "desc")
-    descriptor.compute(
-        _address(workspace), int(workspace_size), *map(_address, args), _address(stream)
-    )
+def _compute_function(name: str, kind: type) -> Callable[..., int]:
+    """The C function ``name`` that runs a ``kind`` descriptor: its arguments after ``desc``
+    are those of ``kind.compute``, in order. On the CPU every non-NULL data pointer must be
+    a host address (the stream is not read there)."""
+    pointers = [p for p, c_type in PROTOTYPES[name][1:] if c_type.endswith("void *")]
+
+    def compute(desc: int, *args: int) -> None:
+        descriptor = _lookup(desc, kind, "desc")
+        if descriptor.handle.device == Device.CPU:
+            named = dict(zip((p for p, _ in PROTOTYPES[name][1:]), args, strict=True))
+            for param in pointers:
+                if named[param] and param != "stream":
+                    host_address(named[param], param)
+        descriptor.compute(*args)
+
+    compute.__name__ = compute.__qualname__ = name
+    return _c_function(compute)
 
 
 # --- batch-norm backward -----------------------------------------------------------------------
 
 
-@_returns_status
+@_c_function
 def infiniopCreateBatchNormBackwardDescriptor(
-    handle: Any,
-    desc_ptr: Any,
-    grad_input_desc: Any,
-    grad_weight_desc: Any,
-    grad_bias_desc: Any,
-    input_desc: Any,
-    grad_output_desc: Any,
-    weight_desc: Any,
-    running_mean_desc: Any,
-    running_var_desc: Any,
+    handle: int,
+    desc_ptr: int,
+    grad_input_desc: int,
+    grad_weight_desc: int,
+    grad_bias_desc: int,
+    input_desc: int,
+    grad_output_desc: int,
+    weight_desc: int,
+    running_mean_desc: int,
+    running_var_desc: int,
 ) -> None:
     _create(
         BatchNormBackwardDescriptor,
@@ -209,68 +284,41 @@ def infiniopCreateBatchNormBackwardDescriptor(
     )
 
 
-@_returns_status
-def infiniopSetBatchNormBackwardAttributes(desc: Any, eps: float, mode: int) -> None:
+@_c_function
+def infiniopSetBatchNormBackwardAttributes(desc: int, eps: float, mode: int) -> None:
     _lookup(desc, BatchNormBackwardDescriptor, "desc").set_attributes(eps, mode)
 
 
-@_returns_status
-def infiniopGetBatchNormBackwardWorkspaceSize(desc: Any, size: Any) -> None:
+@_c_function
+def infiniopGetBatchNormBackwardWorkspaceSize(desc: int, size: int) -> None:
     _store_size(desc, BatchNormBackwardDescriptor, "workspace_size", size)
 
 
-@_returns_status
-def infiniopBatchNormBackward(
-    desc: Any,
-    workspace: Any,
-    workspace_size: int,
-    grad_input: Any,
-    grad_weight: Any,
-    grad_bias: Any,
-    input: Any,
-    grad_output: Any,
-    weight: Any,
-    running_mean: Any,
-    running_var: Any,
-    stream: Any,
-) -> None:
-    _compute(
-        desc,
-        BatchNormBackwardDescriptor,
-        workspace,
-        workspace_size,
-        grad_input,
-        grad_weight,
-        grad_bias,
-        input,
-        grad_output,
-        weight,
-        running_mean,
-        running_var,
-        stream=stream,
-    )
+infiniopBatchNormBackward = _compute_function(
+    "infiniopBatchNormBackward", BatchNormBackwardDescriptor
+)
 
 
-@_returns_status
-def infiniopDestroyBatchNormBackwardDescriptor(desc: Any) -> None:
-    _release(desc, BatchNormBackwardDescriptor, "desc").destroy()
+@_c_function
+def infiniopDestroyBatchNormBackwardDescriptor(desc: int) -> None:
+    _lookup(desc, BatchNormBackwardDescriptor, "desc", release=True).destroy()
 
 
 # --- batch-norm forward, training --------------------------------------------------------------
 
 
-@_returns_status
+@_c_function
 def infiniopCreateBatchNormForwardTrainingDescriptor(
-    handle: Any,
-    desc_ptr: Any,
-    output_desc: Any,
-    saved_mean_desc: Any,
-    saved_invstd_desc: Any,
-    input_desc: Any,
-    weight_desc: Any,
-    bias_desc: Any,
-    running_mean_desc: Any,
-    running_var_desc: Any,
+    handle: int,
+    desc_ptr: int,
+    output_desc: int,
+    saved_mean_desc: int,
+    saved_invstd_desc: int,
+    input_desc: int,
+    weight_desc: int,
+    bias_desc: int,
+    running_mean_desc: int,
+    running_var_desc: int,
 ) -> None:
     _create(
         BatchNormForwardTrainingDescriptor,
@@ -287,77 +335,46 @@ def infiniopCreateBatchNormForwardTrainingDescriptor(
     )
 
 
-@_returns_status
-def infiniopSetBatchNormForwardTrainingAttributes(desc: Any, eps: float, momentum: float) -> None:
+@_c_function
+def infiniopSetBatchNormForwardTrainingAttributes(desc: int, eps: float, momentum: float) -> None:
     _lookup(desc, BatchNormForwardTrainingDescriptor, "desc").set_attributes(
         eps=eps, momentum=momentum
     )
 
 
-@_returns_status
-def infiniopGetBatchNormForwardTrainingWorkspaceSize(desc: Any, size: Any) -> None:
+@_c_function
+def infiniopGetBatchNormForwardTrainingWorkspaceSize(desc: int, size: int) -> None:
     _store_size(desc, BatchNormForwardTrainingDescriptor, "workspace_size", size)
 
 
-@_returns_status
-def infiniopGetBatchNormForwardTrainingReserveSize(desc: Any, size: Any) -> None:
+@_c_function
+def infiniopGetBatchNormForwardTrainingReserveSize(desc: int, size: int) -> None:
     _store_size(desc, BatchNormForwardTrainingDescriptor, "reserve_size", size)
 
 
-@_returns_status
-def infiniopBatchNormForwardTraining(
-    desc: Any,
-    workspace: Any,
-    workspace_size: int,
-    reserve: Any,
-    reserve_size: int,
-    output: Any,
-    saved_mean: Any,
-    saved_invstd: Any,
-    input: Any,
-    weight: Any,
-    bias: Any,
-    running_mean: Any,
-    running_var: Any,
-    stream: Any,
-) -> None:
-    _compute(
-        desc,
-        BatchNormForwardTrainingDescriptor,
-        workspace,
-        workspace_size,
-        reserve,
-        int(reserve_size),
-        output,
-        saved_mean,
-        saved_invstd,
-        input,
-        weight,
-        bias,
-        running_mean,
-        running_var,
-        stream=stream,
-    )
+infiniopBatchNormForwardTraining = _compute_function(
+    "infiniopBatchNormForwardTraining", BatchNormForwardTrainingDescriptor
+)
 
 
-@_returns_status
-def infiniopDestroyBatchNormForwardTrainingDescriptor(desc: Any) -> None:
-    _release(desc, BatchNormForwardTrainingDescriptor, "desc").destroy()
+@_c_function
+def infiniopDestroyBatchNormForwardTrainingDescriptor(desc: int) -> None:
+    _lookup(desc, BatchNormForwardTrainingDescriptor, "desc", release=True).destroy()
 
 
 # --- batch-norm forward, inference -------------------------------------------------------------
 
 
-@_returns_status
+@_c_function
 def infiniopCreateBatchNormForwardInferenceDescriptor(
-    handle: Any,
-    desc_ptr: Any,
-    output_desc: Any,
-    input_desc: Any,
-    weight_desc: Any,
-    bias_desc: Any,
-    running_mean_desc: Any,
-    running_var_desc: Any,
+    handle: int,
+    desc_ptr: int,
+    output_desc: int,
+    input_desc: int,
+    weight_desc: int,
+    bias_desc: int,
+    running_mean_desc: int,
+    running_var_desc: int,
 ) -> None:
     _create(
         BatchNormForwardInferenceDescriptor,
@@ -372,44 +389,21 @@ def infiniopCreateBatchNormForwardInferenceDescriptor(
     )
 
 
-@_returns_status
-def infiniopSetBatchNormForwardInferenceAttributes(desc: Any, eps: float) -> None:
+@_c_function
+def infiniopSetBatchNormForwardInferenceAttributes(desc: int, eps: float) -> None:
     _lookup(desc, BatchNormForwardInferenceDescriptor, "desc").set_attributes(eps=eps)
 
 
-@_returns_status
-def infiniopGetBatchNormForwardInferenceWorkspaceSize(desc: Any, size: Any) -> None:
+@_c_function
+def infiniopGetBatchNormForwardInferenceWorkspaceSize(desc: int, size: int) -> None:
     _store_size(desc, BatchNormForwardInferenceDescriptor, "workspace_size", size)
 
 
-@_returns_status
-def infiniopBatchNormForwardInference(
-    desc: Any,
-    workspace: Any,
-    workspace_size: int,
-    output: Any,
-    input: Any,
-    weight: Any,
-    bias: Any,
-    running_mean: Any,
-    running_var: Any,
-    stream: Any,
-) -> None:
-    _compute(
-        desc,
-        BatchNormForwardInferenceDescriptor,
-        workspace,
-        workspace_size,
-        output,
-        input,
-        weight,
-        bias,
-        running_mean,
-        running_var,
-        stream=stream,
-    )
+infiniopBatchNormForwardInference = _compute_function(
+    "infiniopBatchNormForwardInference", BatchNormForwardInferenceDescriptor
+)
 
 
-@_returns_status
-def infiniopDestroyBatchNormForwardInferenceDescriptor(desc: Any) -> None:
-    _release(desc, BatchNormForwardInferenceDescriptor, "desc").destroy()
+@_c_function
+def infiniopDestroyBatchNormForwardInferenceDescriptor(desc: int) -> None:
+    _lookup(desc, BatchNormForwardInferenceDescriptor, "desc", release=True).destroy()

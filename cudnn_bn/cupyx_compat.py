@@ -38,10 +38,15 @@ Differences from CuPy 13:
   ``TrainingOutputs.reserve``: a ``uint8`` array of ``x``'s kind, or None when cuDNN needs
   none, not a ``cupy.cuda.MemoryPointer``. Pass it on unchanged as the backward's
   ``reserve_space=``.
-- Failures raise ``cudnn_bn.InfiniError`` (with the status and the offending argument)
-  instead of ``cupy.cuda.cudnn.CuDNNError``.
+- Failures raise ``cudnn_bn.InfiniError`` (with the status and the offending argument,
+  named as here: ``gamma``, ``decay``) instead of ``cupy.cuda.cudnn.CuDNNError``; the
+  BAD_PARAM and shape ones are also ``ValueError``, as CuPy 13's argument errors were.
+  Every argument is checked before anything is written: the arrays written in place
+  (``running_mean``, ``running_var``, ``mean``, ``inv_std``) must be writable, on ``x``'s
+  device, and share no memory with each other or with ``x``, ``gamma``, ``beta``.
 """
 
+import math
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -53,7 +58,10 @@ from .api import (
     batch_norm_forward_inference,
     batch_norm_forward_training,
 )
-from .arrays import buffer_address
+from .arrays import Operand, buffer_address, check_written, operand
+from .enums import Status
+from .errors import InfiniError, raises_only_infini_errors
+from .ops.validation import check_fraction
 
 # cudnnTensorFormat_t
 CUDNN_TENSOR_NCHW = 0
@@ -78,18 +86,61 @@ class _Problem(NamedTuple):
     param: Callable[[Any], Any]
     undo_param: Callable[[Any, tuple[int, ...]], Any]
     persistent: bool | None
+    count: int  # elements of every per-channel array
+
+    def params(self, **arrays: Any) -> list[Any]:
+        """The per-channel ``arrays`` (None stays None) in cuDNN's order and dtype, after
+        checking that each has ``count`` elements."""
+        for name, array in arrays.items():
+            if array is not None and math.prod(array.shape) != self.count:
+                raise InfiniError(
+                    Status.BAD_TENSOR_SHAPE,
+                    f"{name} has shape {tuple(array.shape)}; expected {self.count} elements",
+                )
+        return [None if a is None else self.param(a) for a in arrays.values()]
+
+
+def _arrays(optional: tuple[str, ...] = (), **arrays: Any) -> dict[str, Operand]:
+    """Operands of the NumPy or CuPy ``arrays``, on one device; only ``optional`` ones may
+    be None (and are skipped)."""
+    found = {}
+    for name, array in arrays.items():
+        if array is None and name in optional:
+            continue
+        if array is None:
+            raise InfiniError(Status.NULL_POINTER, f"{name} is None")
+        found[name] = operand(name, array)
+        if not hasattr(array, "astype") or type(array).__module__.startswith("torch"):
+            raise InfiniError(
+                Status.BAD_PARAM,
+                f"{name} must be a NumPy or CuPy array, got {type(array).__name__}",
+            )
+    places = {(op.device, op.device_id) for op in found.values()}
+    if len(places) > 1:
+        where = ", ".join(f"{n} on {op.device.name}:{op.device_id}" for n, op in found.items())
+        raise InfiniError(Status.BAD_PARAM, f"arrays must share one device; got {where}")
+    return found
 
 
 def _problem(x: Any, is_for_conv2d: bool, cudnn_mode: int, d_layout: int) -> _Problem:
     """Map CuPy 13's ``(x, is_for_conv2d, cudnn_mode, d_layout)`` onto cudnn_bn's view."""
-    if cudnn_mode not in BatchNormMode._value2member_map_:
-        raise ValueError(f"unknown cudnn_mode {cudnn_mode!r}; expected 0, 1 or 2")
-    if d_layout not in (CUDNN_TENSOR_NCHW, CUDNN_TENSOR_NHWC):
-        raise ValueError(f"unsupported d_layout {d_layout!r}; expected NCHW (0) or NHWC (1)")
+    if isinstance(cudnn_mode, bool) or cudnn_mode not in BatchNormMode._value2member_map_:
+        raise InfiniError(
+            Status.BAD_PARAM, f"unknown cudnn_mode {cudnn_mode!r}; expected 0, 1 or 2"
+        )
+    if isinstance(d_layout, bool) or d_layout not in (CUDNN_TENSOR_NCHW, CUDNN_TENSOR_NHWC):
+        raise InfiniError(
+            Status.BAD_PARAM, f"unsupported d_layout {d_layout!r}; expected NCHW (0) or NHWC (1)"
+        )
     shape = tuple(x.shape)
     nhwc = is_for_conv2d and d_layout == CUDNN_TENSOR_NHWC
     if nhwc and len(shape) != 4:
-        raise ValueError(f"d_layout=CUDNN_TENSOR_NHWC needs a 4-D x (N, H, W, C), got {shape}")
+        raise InfiniError(
+            Status.BAD_TENSOR_SHAPE,
+            f"d_layout=CUDNN_TENSOR_NHWC needs a 4-D x (N, H, W, C), got {shape}",
+        )
+    if not shape or math.prod(shape) == 0 or (is_for_conv2d and len(shape) < 2):
+        raise InfiniError(Status.BAD_TENSOR_SHAPE, f"x has shape {shape}; expected (N, C, ...)")
     # cuDNN's parameter dtype: float64 for float64 input, float32 otherwise.
     dtype = np.dtype(np.float64 if np.dtype(x.dtype) == np.float64 else np.float32)
 
@@ -103,8 +154,10 @@ def _problem(x: Any, is_for_conv2d: bool, cudnn_mode: int, d_layout: int) -> _Pr
         return p.reshape(to)
 
     if not is_for_conv2d:
-        channels = shape[-1] if shape else 1
-        return _Problem(lambda a: a.reshape(-1, channels), to_shape, param, undo_param, None)
+        channels = shape[-1]
+        return _Problem(
+            lambda a: a.reshape(-1, channels), to_shape, param, undo_param, None, channels
+        )
     if cudnn_mode != CUDNN_BATCHNORM_PER_ACTIVATION:
         persistent = cudnn_mode == CUDNN_BATCHNORM_SPATIAL_PERSISTENT
         if nhwc:  # (N, H, W, C) as an (N, C, H, W) view with channels-last strides
@@ -114,14 +167,16 @@ def _problem(x: Any, is_for_conv2d: bool, cudnn_mode: int, d_layout: int) -> _Pr
                 param,
                 undo_param,
                 persistent,
+                shape[3],
             )
-        return _Problem(lambda a: a, lambda a: a, param, undo_param, persistent)
+        return _Problem(lambda a: a, lambda a: a, param, undo_param, persistent, shape[1])
 
     def flat(a: Any) -> Any:
         return a.reshape(shape[0], -1)
 
+    count = math.prod(shape[1:])
     if not nhwc:
-        return _Problem(flat, to_shape, param, undo_param, None)
+        return _Problem(flat, to_shape, param, undo_param, None, count)
     # Per activation on (N, H, W, C): x's elements are in (H, W, C) order, cuDNN's parameters
     # (its derived 1xCxHxW descriptor) in (C, H, W) order.
     _, h, w, c = shape
@@ -131,12 +186,26 @@ def _problem(x: Any, is_for_conv2d: bool, cudnn_mode: int, d_layout: int) -> _Pr
         lambda p: param(p.reshape(c, h, w).transpose(1, 2, 0)),
         lambda p, to: p.reshape(h, w, c).transpose(2, 0, 1).reshape(to),
         None,
+        count,
     )
 
 
 def _overflow_check(debug: bool, cudnn_mode: int) -> bool:
     """CuPy 13's condition for its overflow check: ``debug`` on a SPATIAL_PERSISTENT pass."""
     return bool(debug) and cudnn_mode == CUDNN_BATCHNORM_SPATIAL_PERSISTENT
+
+
+_training_api = raises_only_infini_errors(
+    {"input": "x", "weight": "gamma", "bias": "beta", "momentum": "decay"}
+)
+_inference_api = raises_only_infini_errors(
+    {"input": "x", "weight": "gamma", "bias": "beta", "running_mean": "mean", "running_var": "var"}
+)
+_backward_api = raises_only_infini_errors(
+    {"input": "x", "grad_output": "gy", "weight": "gamma"}
+    | {"saved_mean": "mean", "saved_invstd": "inv_std", "running_mean": "mean"}
+    | {"running_var": "inv_std"}
+)
 
 
 def _write(target: Any, flat: Any, problem: _Problem) -> None:
@@ -161,17 +230,35 @@ def _forward_training(
     debug: bool,
 ) -> tuple[Any, Any, Any, Any]:
     """``(reserve, y, save_mean, save_inv_std)``; the saved ones are ``mean``/``inv_std``
-    when those are given (and filled)."""
+    when those are given (and filled). Everything is checked before anything is written."""
     if (mean is None) != (inv_std is None):
-        raise ValueError("Both mean and inv_std must be None if one is.")
+        raise InfiniError(Status.BAD_PARAM, "Both mean and inv_std must be None if one is.")
+    momentum = 1.0 - check_fraction("decay", decay)
+    ops = _arrays(
+        ("running_mean", "running_var", "mean", "inv_std"),
+        x=x, gamma=gamma, beta=beta, running_mean=running_mean, running_var=running_var,
+        mean=mean, inv_std=inv_std,
+    )  # fmt: skip
     problem = _problem(x, is_for_conv2d, cudnn_mode, d_layout)
-    running = [None if r is None else problem.param(r) for r in (running_mean, running_var)]
+    for name, saved in (("mean", mean), ("inv_std", inv_std)):
+        if saved is not None and tuple(saved.shape) != tuple(gamma.shape):
+            raise InfiniError(
+                Status.BAD_TENSOR_SHAPE,
+                f"{name} has shape {tuple(saved.shape)}; expected gamma's {tuple(gamma.shape)}",
+            )
+    check_written(
+        {n: ops[n] for n in ("running_mean", "running_var", "mean", "inv_std") if n in ops},
+        {n: ops[n] for n in ("x", "gamma", "beta")},
+    )
+    weight, bias, *running = problem.params(
+        gamma=gamma, beta=beta, running_mean=running_mean, running_var=running_var
+    )
     outputs = batch_norm_forward_training(
         problem.data(x),
-        problem.param(gamma),
-        problem.param(beta),
+        weight,
+        bias,
         *running,
-        momentum=1.0 - decay,
+        momentum=momentum,
         eps=eps,
         persistent=problem.persistent,
         check_overflow=_overflow_check(debug, cudnn_mode),
@@ -189,6 +276,7 @@ def _forward_training(
     return outputs.reserve, problem.undo_data(y), save_mean, save_inv_std
 
 
+@_training_api
 def batch_normalization_forward_training(
     x: Any,
     gamma: Any,
@@ -215,6 +303,7 @@ def batch_normalization_forward_training(
     return y if mean is not None else (y, save_mean, save_inv_std)
 
 
+@_training_api
 def batch_normalization_forward_training_ex(
     x: Any,
     gamma: Any,
@@ -239,6 +328,7 @@ def batch_normalization_forward_training_ex(
     return (reserve, y) if mean is not None else (reserve, y, save_mean, save_inv_std)
 
 
+@_inference_api
 def batch_normalization_forward_inference(
     x: Any,
     gamma: Any,
@@ -251,13 +341,15 @@ def batch_normalization_forward_inference(
     d_layout: int = CUDNN_TENSOR_NCHW,
 ) -> Any:
     """Inference-mode batch norm with the fixed statistics ``mean``/``var``: ``y``."""
+    _arrays(x=x, gamma=gamma, beta=beta, mean=mean, var=var)
     problem = _problem(x, is_for_conv2d, cudnn_mode, d_layout)
     y = batch_norm_forward_inference(
-        problem.data(x), *(problem.param(p) for p in (gamma, beta, mean, var)), eps=eps
+        problem.data(x), *problem.params(gamma=gamma, beta=beta, mean=mean, var=var), eps=eps
     )
     return problem.undo_data(y)
 
 
+@_backward_api
 def batch_normalization_backward(
     x: Any,
     gamma: Any,
@@ -274,17 +366,23 @@ def batch_normalization_backward(
 ) -> tuple[Any, Any, Any]:
     """``(gx, ggamma, gbeta)`` of training-mode batch norm from the ``mean``/``inv_std`` its
     forward saved; ``reserve_space`` is what ``_ex`` returned (None, or its array)."""
+    _arrays(x=x, gamma=gamma, gy=gy, mean=mean, inv_std=inv_std)
     problem = _problem(x, is_for_conv2d, cudnn_mode, d_layout)
+    if tuple(gy.shape) != tuple(x.shape):
+        raise InfiniError(
+            Status.BAD_TENSOR_SHAPE, f"gy has shape {tuple(gy.shape)}; expected x's {x.shape}"
+        )
+    weight, saved_mean, saved_invstd = problem.params(gamma=gamma, mean=mean, inv_std=inv_std)
     gx, ggamma, gbeta = batch_norm_backward(
         problem.data(x),
         problem.data(gy),
-        problem.param(gamma),
+        weight,
         None,
         None,
         eps=eps,
         mode="saved",
-        saved_mean=problem.param(mean),
-        saved_invstd=problem.param(inv_std),
+        saved_mean=saved_mean,
+        saved_invstd=saved_invstd,
         reserve=reserve_space,
         persistent=problem.persistent,
         check_overflow=_overflow_check(debug, cudnn_mode),

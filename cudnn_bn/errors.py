@@ -1,12 +1,22 @@
 """``InfiniError`` and one subclass per non-success ``Status``.
 
 ``InfiniError(status, message)`` returns the subclass for ``status``, so callers can raise by
-status and catch by class (``except BadParamError``) or by ``.status``.
+status and catch by class (``except BadParamError``) or by ``.status``. Statuses with a
+natural Python builtin also derive from it (BAD_PARAM and the shape/stride ones from
+``ValueError``, BAD_TENSOR_DTYPE from ``TypeError``), so code written to catch those keeps
+working. ``raises_only_infini_errors`` keeps a public entry point to that contract and
+spells argument names in its messages as that entry point's caller does.
 """
 
-from typing import ClassVar
+import functools
+import re
+from collections.abc import Callable, Mapping
+from typing import ClassVar, ParamSpec, TypeVar
 
 from .enums import Status
+
+P = ParamSpec("P")
+R = TypeVar("R")
 
 
 class InfiniError(Exception):
@@ -86,3 +96,36 @@ class CudnnNotFoundError(DeviceNotInitializedError):
 
 class CudnnSymbolError(NotImplementedInfiniError):
     """The loaded libcudnn does not export a function this package needs."""
+
+
+def raises_only_infini_errors(
+    spelling: Mapping[str, str],
+) -> Callable[[Callable[P, R]], Callable[P, R]]:
+    """Decorate a public entry point: an ``InfiniError`` from below gets its message's words
+    renamed by ``spelling`` (whole words: the operators' names to the caller's, e.g.
+    ``"weight_desc" -> "gamma"``), keeping its class; any other exception, which would be a
+    bug of this package, becomes INTERNAL_ERROR, so callers catch one type."""
+    pattern = re.compile(
+        r"\b(" + "|".join(sorted(map(re.escape, spelling), key=len)[::-1]) + r")\b"
+    )
+
+    def decorate(func: Callable[P, R]) -> Callable[P, R]:
+        @functools.wraps(func)
+        def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
+            try:
+                return func(*args, **kwargs)
+            except InfiniError as exc:
+                message = str(exc).partition(": ")[2]
+                spelled = pattern.sub(lambda m: spelling[m[0]], message) if spelling else message
+                if spelled == message:
+                    raise
+                raise type(exc)(exc.status, spelled) from exc
+            except Exception as exc:
+                raise InfiniError(
+                    Status.INTERNAL_ERROR,
+                    f"unexpected {type(exc).__name__} in {func.__name__}: {exc}",
+                ) from exc
+
+        return wrapper
+
+    return decorate

@@ -10,18 +10,32 @@ from typing import Any
 import numpy as np
 
 from .enums import Status
-from .errors import InfiniError
-from .ops.validation import check_eps
+from .errors import InfiniError, raises_only_infini_errors
+from .ops.validation import check_eps, check_flag
 
 
-def _namespace(array: Any) -> Any:
+def _namespace(name: str, array: Any) -> Any:
+    """NumPy or CuPy, whichever ``array`` belongs to; anything else is BAD_PARAM."""
     if isinstance(array, np.ndarray):
         return np
-    import cupy
+    if type(array).__module__.startswith("cupy"):
+        import cupy
 
-    return cupy.get_array_module(array)
+        return cupy
+    raise InfiniError(
+        Status.BAD_PARAM, f"{name} must be a NumPy or CuPy array, got {type(array).__name__}"
+    )
 
 
+def _check_float(name: str, array: Any) -> None:
+    if np.dtype(array.dtype).kind != "f":
+        raise InfiniError(
+            Status.BAD_TENSOR_DTYPE,
+            f"{name} has dtype {array.dtype}; expected a floating dtype (it would be truncated)",
+        )
+
+
+@raises_only_infini_errors({})
 def fold_conv_bn(
     conv_weight: Any,
     conv_bias: Any,
@@ -37,12 +51,15 @@ def fold_conv_bn(
     Output channels are axis 0 of ``conv_weight`` (axis 1 for a transposed convolution,
     whose weight is ``(in, out, *kernel)``; grouped transposed convolutions are not
     foldable this way and are rejected by the shape check). ``conv_bias``, ``bn_weight``
-    and ``bn_bias`` may be None (zero, one, zero). Arrays are NumPy or CuPy; results match
-    ``conv_weight``'s dtype, computed in at least float32.
+    and ``bn_bias`` may be None (zero, one, zero). Arrays are NumPy or CuPy (all of one),
+    of floating dtypes; results match ``conv_weight``'s dtype, computed in at least
+    float32. A negative ``running_var`` entry is refused (BAD_PARAM): its square root
+    would be NaN.
     """
     eps = check_eps(eps)
-    xp = _namespace(conv_weight)
-    axis = 1 if transpose else 0
+    xp = _namespace("conv_weight", conv_weight)
+    _check_float("conv_weight", conv_weight)
+    axis = 1 if check_flag("transpose", transpose) else 0
     if conv_weight.ndim < 2:
         raise InfiniError(
             Status.BAD_TENSOR_SHAPE,
@@ -54,6 +71,11 @@ def fold_conv_bn(
     def per_channel(name: str, value: Any, default: float) -> Any:
         if value is None:
             return xp.full(channels, default, compute)
+        if _namespace(name, value) is not xp:
+            raise InfiniError(
+                Status.BAD_PARAM, f"{name} and conv_weight must both be NumPy or both CuPy"
+            )
+        _check_float(name, value)
         if tuple(value.shape) != (channels,):
             raise InfiniError(
                 Status.BAD_TENSOR_SHAPE,
@@ -65,6 +87,10 @@ def fold_conv_bn(
 
     mean = per_channel("running_mean", running_mean, 0.0)
     var = per_channel("running_var", running_var, 1.0)
+    if bool((var < 0).any()):
+        raise InfiniError(
+            Status.BAD_PARAM, "running_var has negative entries; a variance is never negative"
+        )
     scale = per_channel("bn_weight", bn_weight, 1.0) / xp.sqrt(var + eps)
     shift = per_channel("bn_bias", bn_bias, 0.0)
     bias = per_channel("conv_bias", conv_bias, 0.0)

@@ -48,13 +48,28 @@ _current = threading.local()
 
 
 def set_device(device: int, device_id: int) -> None:
-    """Make ``(device, device_id)`` this thread's current device (``infinirtSetDevice``)."""
-    _current.handle = check_device(device, device_id)
+    """Make ``(device, device_id)`` this thread's current device (``infinirtSetDevice``).
+
+    On failure the thread has no usable current device until a later call succeeds:
+    ``current_handle`` raises the same error rather than hand out a handle for the device
+    that was current before (a caller who ignored the status must not compute elsewhere).
+    """
+    try:
+        _current.handle = check_device(device, device_id)
+    except InfiniError as exc:
+        _current.handle = exc
+        raise
 
 
 def current_handle() -> Handle:
-    """A handle for this thread's current device (``infiniopCreateHandle``)."""
-    return getattr(_current, "handle", Handle(Device.CPU, 0))
+    """A handle for this thread's current device (``infiniopCreateHandle``); raises the
+    error of the last ``set_device`` if it failed."""
+    current = getattr(_current, "handle", Handle(Device.CPU, 0))
+    if isinstance(current, InfiniError):
+        raise InfiniError(
+            current.status, f"the last infinirtSetDevice failed: {str(current).partition(': ')[2]}"
+        )
+    return current
 
 
 def nvidia_available() -> bool:

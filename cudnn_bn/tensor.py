@@ -7,7 +7,17 @@ operator's validation needs: contiguity, channels-last order, and overlap.
 import math
 from dataclasses import dataclass
 
-from .enums import DataType
+from .enums import DataType, Status
+from .errors import InfiniError
+
+# Bytes per element of every infiniDtype_t (include/infinicore.h); INVALID has none.
+ITEMSIZE = {
+    DataType.BYTE: 1, DataType.BOOL: 1, DataType.I8: 1, DataType.I16: 2, DataType.I32: 4,
+    DataType.I64: 8, DataType.U8: 1, DataType.U16: 2, DataType.U32: 4, DataType.U64: 8,
+    DataType.F8: 1, DataType.F16: 2, DataType.F32: 4, DataType.F64: 8, DataType.C16: 2,
+    DataType.C32: 4, DataType.C64: 8, DataType.C128: 16, DataType.BF16: 2,
+}  # fmt: skip
+MAX_BYTES = (1 << 63) - 1  # the largest ptrdiff_t: no buffer or byte offset exceeds it
 
 
 def contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
@@ -26,6 +36,34 @@ class TensorDesc:
     dtype: DataType
     shape: tuple[int, ...]
     strides: tuple[int, ...]
+
+    @classmethod
+    def checked(cls, dtype: int, shape: tuple[int, ...], strides: tuple[int, ...]) -> "TensorDesc":
+        """A descriptor some buffer can hold, as ``infiniopCreateTensorDescriptor`` takes it:
+        a real dtype (BAD_TENSOR_DTYPE), sizes whose product in bytes fits a ``ptrdiff_t``
+        (BAD_TENSOR_SHAPE), strides whose farthest element does too (BAD_TENSOR_STRIDES)."""
+        if dtype not in ITEMSIZE:
+            name = DataType(dtype).name if dtype in DataType._value2member_map_ else dtype
+            raise InfiniError(Status.BAD_TENSOR_DTYPE, f"dtype {name} is not an element type")
+        itemsize = ITEMSIZE[DataType(dtype)]
+        if any(not 0 <= n <= MAX_BYTES for n in shape):
+            raise InfiniError(
+                Status.BAD_TENSOR_SHAPE, f"shape {shape} has a size outside [0, 2**63)"
+            )
+        if any(not -MAX_BYTES - 1 <= s <= MAX_BYTES for s in strides):
+            raise InfiniError(Status.BAD_TENSOR_STRIDES, f"strides {strides} do not fit ptrdiff_t")
+        if math.prod(shape) * itemsize > MAX_BYTES:
+            raise InfiniError(
+                Status.BAD_TENSOR_SHAPE, f"shape {shape} holds more bytes than any buffer can"
+            )
+        if 0 not in shape:
+            reach = sum((n - 1) * abs(s) for n, s in zip(shape, strides, strict=True))
+            if (reach + 1) * itemsize > MAX_BYTES:
+                raise InfiniError(
+                    Status.BAD_TENSOR_STRIDES,
+                    f"strides {strides} reach beyond any buffer for shape {shape}",
+                )
+        return cls(DataType(dtype), tuple(shape), tuple(strides))
 
     @classmethod
     def contiguous(cls, dtype: DataType, shape: tuple[int, ...]) -> "TensorDesc":

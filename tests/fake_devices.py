@@ -251,13 +251,17 @@ def fake_torch(monkeypatch, current: dict[int, int]) -> Iterator[list[tuple]]:
     yield log
 
 
+# Distinct addresses for the fake tensors: the array API refuses outputs that share memory.
+_TENSORS = itertools.count(BASE + 0x2000_0000, 0x10_0000)
+
+
 def torch_tensor(shape, device: int, dtype: Any = None) -> FakeTensor:
     """A contiguous fake torch CUDA tensor on ``device`` (float32 by default)."""
     import torch
 
     strides = tuple(int(np.prod(shape[i + 1 :], dtype=int)) for i in range(len(shape)))
     where = types.SimpleNamespace(type="cuda", index=device)
-    return FakeTensor(tuple(shape), strides, dtype or torch.float32, where, BASE + 0x2000_0000)
+    return FakeTensor(tuple(shape), strides, dtype or torch.float32, where, next(_TENSORS))
 
 
 # --- cuDNN -----------------------------------------------------------------------------------

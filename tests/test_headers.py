@@ -161,3 +161,13 @@ def test_functions_have_c_linkage_in_cxx(tmp_path):
     nm = subprocess.run(["nm", "--undefined-only", str(obj)], capture_output=True, text=True)
     undefined = {line.split()[-1] for line in nm.stdout.splitlines() if line.strip()}
     assert set(names) <= undefined, nm.stdout
+
+
+def test_capi_prototypes_are_the_headers():
+    """``capi.PROTOTYPES``, which converts every argument, is the headers' declarations:
+    names and C types in order."""
+    capi = importlib.import_module("cudnn_bn.capi")
+    declared = {
+        f.name: tuple((p.name, p.type) for p in f.params) for f in infini_functions().values()
+    }
+    assert declared == capi.PROTOTYPES

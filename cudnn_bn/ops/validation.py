@@ -3,8 +3,11 @@
 import enum
 import math
 import numbers
+import operator
 from collections.abc import Mapping
 from typing import Any, NamedTuple, TypeVar
+
+import numpy as np
 
 from ..enums import DataType, Status
 from ..errors import InfiniError
@@ -151,29 +154,37 @@ def parse_enum(name: str, value: object, names: Mapping[Any, E], enum_type: type
         return value
     if (isinstance(value, str) or value is None) and value in names:
         return names[value]
-    if (
-        isinstance(value, int)
-        and not isinstance(value, bool)
-        and value in enum_type._value2member_map_
-    ):
-        return enum_type(value)
+    if _is_integer(value) and operator.index(value) in enum_type._value2member_map_:
+        return enum_type(operator.index(value))
     choices = ", ".join(map(repr, names))
     raise InfiniError(
         Status.BAD_PARAM, f"{name} must be one of {choices} (or its C value), got {value!r}"
     )
 
 
+def _is_integer(value: object) -> bool:
+    """A Python or NumPy integer, not a bool."""
+    return isinstance(value, int | np.integer) and not isinstance(value, bool)
+
+
+def _as_bool(value: object) -> bool | None:
+    """``value`` as a Python bool if it is a Python or NumPy bool, else None."""
+    return bool(value) if isinstance(value, bool | np.bool_) else None
+
+
 def check_flag(name: str, value: object) -> bool | None:
-    """True, False or None (automatic); anything else is BAD_PARAM."""
-    if value is None or isinstance(value, bool):
-        return value
+    """True, False (Python or NumPy) or None (automatic); anything else is BAD_PARAM."""
+    if value is None:
+        return None
+    if (flag := _as_bool(value)) is not None:
+        return flag
     raise InfiniError(Status.BAD_PARAM, f"{name} must be True, False or None, got {value!r}")
 
 
 def check_output_mask(mask: object) -> tuple[bool, bool, bool]:
     """Three booleans: which of (grad_input, grad_weight, grad_bias) to compute."""
-    values = tuple(mask) if isinstance(mask, list | tuple) else ()
-    if len(values) != 3 or not all(isinstance(v, bool) for v in values):
+    values = tuple(_as_bool(v) for v in mask) if isinstance(mask, list | tuple) else ()
+    if len(values) != 3 or None in values:
         raise InfiniError(
             Status.BAD_PARAM,
             "output_mask must be three booleans (grad_input, grad_weight, grad_bias), "

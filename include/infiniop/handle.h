@@ -22,7 +22,9 @@ typedef struct InfiniopHandle *infiniopHandle_t;
  *
  * @param handle_ptr Out: receives the new handle. Must not be NULL.
  * @return INFINI_STATUS_SUCCESS;
- *         INFINI_STATUS_NULL_POINTER if handle_ptr is NULL.
+ *         INFINI_STATUS_NULL_POINTER if handle_ptr is NULL;
+ *         the status of the calling thread's last infinirtSetDevice() if that call failed
+ *         (no handle is created for the device that was current before it).
  */
 infiniStatus_t infiniopCreateHandle(infiniopHandle_t *handle_ptr);
 

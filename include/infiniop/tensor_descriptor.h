@@ -30,7 +30,13 @@ typedef struct InfiniopTensorDescriptor *infiniopTensorDescriptor_t;
  * @param dtype    Element type.
  * @return INFINI_STATUS_SUCCESS;
  *         INFINI_STATUS_NULL_POINTER if desc_ptr is NULL, or shape is NULL and ndim > 0;
- *         INFINI_STATUS_BAD_TENSOR_DTYPE if dtype is not an infiniDtype_t value.
+ *         INFINI_STATUS_BAD_TENSOR_DTYPE if dtype is INFINI_DTYPE_INVALID or not an
+ *         infiniDtype_t value;
+ *         INFINI_STATUS_BAD_TENSOR_SHAPE if ndim exceeds 64, a size is 2^63 or more, or the
+ *         tensor holds more bytes than a ptrdiff_t counts;
+ *         INFINI_STATUS_BAD_TENSOR_STRIDES if a stride reaches an element more than a
+ *         ptrdiff_t's bytes away;
+ *         INFINI_STATUS_BAD_PARAM if desc_ptr is not writable memory for a descriptor.
  */
 infiniStatus_t infiniopCreateTensorDescriptor(infiniopTensorDescriptor_t *desc_ptr,
                                               size_t ndim,

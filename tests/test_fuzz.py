@@ -1,0 +1,20 @@
+"""Fuzzing in the suite: the C API and the array APIs, each in a child process (``fuzzing``).
+
+``fuzz_capi.py`` and ``fuzz_arrays.py`` say what they draw and what they check. Here each
+runs for a few seconds (``FUZZ_SECONDS`` shares a longer time between them) and must finish
+with no crash, no escaped exception, no undocumented status, no half-write, no leak and no
+wrong result. The counts are printed (``pytest -s``) for the record.
+"""
+
+import pytest
+
+pytest.importorskip("hypothesis")  # a test extra; the GPU machine may not have it
+from fuzzing import VIOLATIONS, budget, run_child
+
+
+@pytest.mark.parametrize(("target", "seconds"), [("fuzz_capi", 12.0), ("fuzz_arrays", 15.0)])
+def test_fuzz(target, seconds):
+    counts = run_child(target, budget(seconds))
+    print(f"{target}: {counts}")
+    assert {v: counts.get(v, 0) for v in VIOLATIONS} == dict.fromkeys(VIOLATIONS, 0), counts
+    assert counts["examples"] > 0
