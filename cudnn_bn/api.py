@@ -175,7 +175,7 @@ def batch_norm_backward(
 ) -> tuple[Any, ...]:
     """``(grad_input, grad_weight, grad_bias)`` of batch norm, as arrays of ``input``'s kind.
 
-    ``mode`` picks the statistics (DESIGN.md): ``"train"`` recomputes the batch mean and biased
+    ``mode`` picks the statistics: ``"train"`` recomputes the batch mean and biased
     variance from ``input`` (``running_*`` are checked, not read, and may be None);
     ``"saved"`` reads ``running_mean``/``running_var`` as the batch mean and biased variance,
     or takes ``saved_mean``/``saved_invstd`` exactly as a forward pass saved them;

@@ -1,4 +1,4 @@
-"""Folding an evaluation-mode batch norm into the convolution before it (``seeds/003``).
+"""Folding an evaluation-mode batch norm into the convolution before it, as PyTorch folds it.
 
 ``bn(conv(x))`` with fixed statistics is one convolution with
 ``weight * (bn_weight / sqrt(running_var + eps))`` per output channel and a matching bias,

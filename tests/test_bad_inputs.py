@@ -1,4 +1,4 @@
-"""Every bad input of DESIGN.md, through both the array API and the C API, on the CPU device.
+"""Every bad input of the contract, through both the array API and the C API, on the CPU device.
 
 One table of cases. Each case says the status it must produce, which argument the message
 must name, and how it spoils a good problem: for the array API (``batch_norm_backward``

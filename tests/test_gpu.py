@@ -127,8 +127,9 @@ def used_engine() -> str:
 
 
 def expected_engine(mode: str, dtype: torch.dtype, layout: str, ndim: int) -> str:
-    """DESIGN.md: cuDNN for train/saved on 3-D to 5-D F16/F32/F64 in one packed layout, else
-    CuPy (2-D input included: PyTorch sends none to cuDNN)."""
+    """The engine choice of ``cudnn_bn/backends/nvidia.py``: cuDNN for train/saved on 3-D
+    to 5-D F16/F32/F64 in one packed layout, else CuPy (2-D input included: PyTorch sends none
+    to cuDNN)."""
     packed = layout in ("contiguous", "channels_last")
     return "cudnn" if mode != "eval" and dtype != BF16 and packed and ndim > 2 else "cupy"
 

@@ -2,8 +2,9 @@
 
 Every test is marked ``gpu`` and skipped, with the reason, where there is no usable GPU
 (``tests/conftest.py``, which also lists each of them in the GPU report). Test ids end with
-the engine DESIGN.md promises for the problem (``cudnn`` or ``cupy``), and each test asserts
-that the cached descriptor (``cudnn_bn.descriptor_cache``) really chose it.
+the engine ``cudnn_bn/backends/nvidia.py`` promises for the problem (``cudnn`` or
+``cupy``), and each test asserts that the cached descriptor (``cudnn_bn.descriptor_cache``)
+really chose it.
 
 Data is made in float64, rounded to its dtype on the device by torch and laid out with the
 strides under test (``helpers.py``'s), then handed over as CuPy arrays (views of
@@ -200,8 +201,9 @@ def layouts(shape):
 
 
 def expected_engine(dtype: torch.dtype, layout: str, ndim: int) -> str:
-    """DESIGN.md: cuDNN for 3-D to 5-D F16/F32/F64 in one packed layout; CuPy for BF16, other
-    strides and 2-D input (PyTorch sends none to cuDNN)."""
+    """The engine choice of ``cudnn_bn/backends/nvidia.py``: cuDNN for 3-D to 5-D
+    F16/F32/F64 in one packed layout; CuPy for BF16, other strides and 2-D input (PyTorch
+    sends none to cuDNN)."""
     return "cupy" if dtype == BF16 or layout == "padded" or ndim == 2 else "cudnn"
 
 

@@ -1,11 +1,11 @@
 """CUDA graph capture of every operator's ``compute``, on both engines of the NVIDIA backend.
 
-DESIGN.md: compute "does not allocate and does not synchronize, so it can be captured in a
-CUDA graph". Each test builds a descriptor for CuPy buffers it allocates up front (outputs,
-workspace, reserve), runs ``compute`` once eagerly on a non-default, non-blocking CuPy
-stream, captures the same call (``stream.begin_capture()`` ... ``end_capture()``), zeroes
-the outputs and replays the graph. An engine that cannot be captured makes the test fail
-with its error: that is a bug, not a reason to skip.
+``cudnn_bn/backends/nvidia.py``: no engine "allocates nor synchronizes in ``run``", so a
+compute can be captured in a CUDA graph. Each test builds a descriptor for CuPy buffers it
+allocates up front (outputs, workspace, reserve), runs ``compute`` once eagerly on a
+non-default, non-blocking CuPy stream, captures the same call (``stream.begin_capture()`` ...
+``end_capture()``), zeroes the outputs and replays the graph. An engine that cannot be
+captured makes the test fail with its error: that is a bug, not a reason to skip.
 
 The replay runs the very kernels the eager call ran, with the same launch configuration on
 the same data, so results are compared for exact equality: cuDNN's batch-norm kernels in

@@ -25,7 +25,7 @@ ENUMS = [  # (C typedef, member prefix, Python enum)
 ]
 
 
-# DESIGN.md's C API, the operator spec (seeds/004) and the forward passes: name -> parameter
+# The C API, InfiniCore's batch-norm backward operator and the forward passes: name -> parameter
 # names, in order.
 def _operator(name: str, order: tuple[str, ...], attributes: list[str], sizes: list[str]) -> dict:
     """An operator's five (or six) functions: create, set attributes, size queries, compute
@@ -40,7 +40,7 @@ def _operator(name: str, order: tuple[str, ...], attributes: list[str], sizes: l
     }
 
 
-# DESIGN.md's C API, the operator spec (seeds/004) and the forward passes: name -> parameter
+# The C API, InfiniCore's batch-norm backward operator and the forward passes: name -> parameter
 # names, in order (the tensors in the spec's orders, ``helpers``' *_ORDER).
 SPEC_SIGNATURES = {
     "infinirtSetDevice": ["device", "device_id"],
@@ -55,7 +55,7 @@ SPEC_SIGNATURES = {
     **_operator("BatchNormForwardInference", INFERENCE_ORDER, ["eps"], ["Workspace"]),
 }
 
-# The headers of the C contract (DESIGN.md), relative to include/.
+# The headers of the C contract, relative to include/.
 HEADERS = {
     "infinicore.h",
     "infinirt.h",

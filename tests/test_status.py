@@ -1,4 +1,4 @@
-"""cuDNN status codes to ``Status`` (DESIGN.md's table), and ``InfiniError`` by status."""
+"""cuDNN status codes to ``Status`` (``cudnn_bn/_cudnn/status.py``), ``InfiniError`` by status."""
 
 import pickle
 
@@ -10,7 +10,7 @@ from cudnn_bn.errors import CudnnNotFoundError, DeviceNotInitializedError
 
 S = Status
 
-# DESIGN.md, "cuDNN status to infiniStatus_t", row by row (cuDNN 9 codes).
+# The mapping, row by row (cuDNN 9 codes).
 CUDNN9 = {
     0: S.SUCCESS,
     1001: S.DEVICE_NOT_INITIALIZED,  # NOT_INITIALIZED

@@ -1,4 +1,4 @@
-"""BatchNormBackward: the operator of the spec (``seeds/004``) and ``include/infiniop/ops``.
+"""BatchNormBackward: InfiniCore's operator, as ``include/infiniop/ops/batch_norm_backward.h``.
 
 Beyond the spec's tensors, the descriptor takes the fused forward's ``output`` and ``bias``
 and a ``grad_z`` output (``Fusion`` BN_RELU / BN_ADD_RELU), and an ``output_mask`` of the
