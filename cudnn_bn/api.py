@@ -107,6 +107,13 @@ class _Call:
         return workspace_like(self.like, nbytes)
 
 
+def resolve_stream(stream: Any, like: Any) -> int:
+    """The ``cudaStream_t`` address a call on ``like``'s device runs on for ``stream=``
+    (0 on the CPU), as every array-API pass resolves it: for code that composes passes."""
+    device, device_id = common_place({"input": like})
+    return _stream(stream, like, device, device_id)
+
+
 def _stream(stream: Any, like: Any, device: Device, device_id: int) -> int:
     """A ``cudaStream_t`` address from an int, a CuPy or torch stream, a ``__cuda_stream__``
     object, or the current stream of the arrays' device (torch's for torch tensors, else

@@ -326,3 +326,13 @@ def test_bfloat16_arrays_through_the_array_interface(fake, kind):
     if kind == "array interface":
         array = Foreign(array, dtype=ml_dtypes.bfloat16)
     assert operand("input", array).desc.dtype == DataType.BF16
+
+
+def test_resolve_stream_is_the_call_stream_of_the_arrays_device(fake):
+    """What code composing passes (``cudnn_bn.distributed``) runs on: the array API's stream."""
+    from cudnn_bn.api import resolve_stream
+
+    x = fake.array(SHAPE, 1)
+    assert resolve_stream(None, x) == CURRENT[1]
+    assert resolve_stream(CALL_STREAM, x) == CALL_STREAM
+    assert resolve_stream(None, np.zeros(SHAPE)) == 0

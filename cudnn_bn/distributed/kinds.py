@@ -13,9 +13,9 @@ from typing import Any
 
 import numpy as np
 
-from ..api import _stream
+from ..api import resolve_stream
 from ..arrays import operand
-from ..enums import Device, Status
+from ..enums import Status
 from ..errors import InfiniError
 
 
@@ -77,7 +77,7 @@ class TorchKind:
     def scope(self, stream: Any, like: Any) -> AbstractContextManager:
         if stream is None or like.device.type != "cuda":
             return nullcontext()
-        external = self.torch.cuda.ExternalStream(_stream(stream, like, Device.NVIDIA))
+        external = self.torch.cuda.ExternalStream(resolve_stream(stream, like))
         return self.torch.cuda.stream(external)
 
     def host(self, array: Any) -> np.ndarray:
@@ -142,7 +142,7 @@ class CupyKind:
     def scope(self, stream: Any, like: Any) -> AbstractContextManager:
         from ..backends.cuda import stream_scope
 
-        return stream_scope(_stream(stream, like, Device.NVIDIA), like.device.id)
+        return stream_scope(resolve_stream(stream, like), like.device.id)
 
     def host(self, array: Any) -> np.ndarray:
         return self.cupy.asnumpy(array).astype(np.float64)

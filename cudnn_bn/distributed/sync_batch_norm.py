@@ -25,9 +25,10 @@ from ..api import (
     batch_norm_backward,
     batch_norm_forward_inference,
     batch_norm_forward_training,
+    resolve_stream,
 )
 from ..arrays import operand
-from ..enums import Device, Status
+from ..enums import Status
 from ..errors import InfiniError
 from ..ops.validation import HALF_DTYPES, check_eps, check_fraction, check_output_mask
 from .agreement import check_agreement, combine, counts, header
@@ -75,9 +76,7 @@ def _run(comm: Communicator, local: Any, pass_name: str, params: str) -> tuple[A
 
 def _stream_for(stream: Any, like: Any) -> Any:
     """The pass's ``cudaStream_t`` address, asked for only by a GPU communicator."""
-    from ..api import _stream
-
-    return lambda: _stream(stream, like, Device.NVIDIA)
+    return lambda: resolve_stream(stream, like)
 
 
 @dataclass
