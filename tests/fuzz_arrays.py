@@ -202,10 +202,11 @@ def call(entry: str, args: dict, s: dict) -> list:
     if entry == "inference":
         return [cudnn_bn.batch_norm_forward_inference(x, w, b, rm, rv, eps=eps)]
     if entry == "cupyx_training":
-        y = cupyx.batch_normalization_forward_training(
+        out = cupyx.batch_normalization_forward_training(
             x, w, b, rm, rv, sm, si, eps, _decay(s["momentum"]), True, spatial, False
         )
-        return [y, sm, si, rm, rv]
+        # CuPy 13: y alone when mean/inv_std are given (and filled), else all three
+        return [*out, rm, rv] if sm is None and si is None else [out, sm, si, rm, rv]
     if entry == "cupyx_inference":
         return [cupyx.batch_normalization_forward_inference(x, w, b, rm, rv, eps, True, spatial)]
     if entry == "cupyx_backward":
