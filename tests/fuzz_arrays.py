@@ -258,9 +258,11 @@ def expected(entry: str, v: dict, s: dict) -> list:
             v["input"], v["grad_output"], v["weight"], mode="saved",
             mean=v["saved_mean"], invstd=v["saved_invstd"],
         ))  # fmt: skip
-    if entry == "batched":
-        one = reference(v["input"], v["grad_output"], v["weight"], eps=eps)
-        return [torch.stack([g] * s["batch"]) for g in one]
+    if entry == "batched":  # weight (C,) is shared, (B, C) one row per problem
+        w = v["weight"]
+        rows = [reference(v["input"], v["grad_output"], w[b] if w.ndim == 2 else w, eps=eps)
+                for b in range(s["batch"])]  # fmt: skip
+        return [torch.stack(list(g)) for g in zip(*rows, strict=True)]
     if entry == "training":
         return _torch_training(v, float(s["momentum"]), eps)
     if entry == "cupyx_training":
