@@ -100,9 +100,13 @@ def f64(a) -> np.ndarray | None:
     return None
 
 
-def close(got, want, tol: float, name: str) -> None:
+def close(got, want, tol: float, name: str, any_shape: bool = False) -> None:
+    """``got`` within ``tol`` of ``want``; ``any_shape``: a per-channel result may come in
+    any shape of as many elements (CuPy 13's, that of ``gamma``)."""
     got = f64(got)
     want = want.numpy() if isinstance(want, torch.Tensor) else np.asarray(want, np.float64)
+    if any_shape and got is not None and got.size == want.size:
+        want = want.reshape(got.shape)
     if got is None or got.shape != want.shape:
         raise violation("wrong", f"{name}: got {got!r}, torch has shape {want.shape}")
     if not np.allclose(got, want, atol=tol, rtol=tol, equal_nan=True):
@@ -198,10 +202,11 @@ def call(entry: str, args: dict, s: dict) -> list:
     if entry == "inference":
         return [cudnn_bn.batch_norm_forward_inference(x, w, b, rm, rv, eps=eps)]
     if entry == "cupyx_training":
-        y = cupyx.batch_normalization_forward_training(
+        out = cupyx.batch_normalization_forward_training(
             x, w, b, rm, rv, sm, si, eps, _decay(s["momentum"]), True, spatial, False
         )
-        return [y, sm, si, rm, rv]
+        # CuPy 13: y alone when mean/inv_std are given (and filled), else all three
+        return [*out, rm, rv] if sm is None and si is None else [out, sm, si, rm, rv]
     if entry == "cupyx_inference":
         return [cupyx.batch_normalization_forward_inference(x, w, b, rm, rv, eps, True, spatial)]
     if entry == "cupyx_backward":
@@ -253,9 +258,11 @@ def expected(entry: str, v: dict, s: dict) -> list:
             v["input"], v["grad_output"], v["weight"], mode="saved",
             mean=v["saved_mean"], invstd=v["saved_invstd"],
         ))  # fmt: skip
-    if entry == "batched":
-        one = reference(v["input"], v["grad_output"], v["weight"], eps=eps)
-        return [torch.stack([g] * s["batch"]) for g in one]
+    if entry == "batched":  # weight (C,) is shared, (B, C) one row per problem
+        w = v["weight"]
+        rows = [reference(v["input"], v["grad_output"], w[b] if w.ndim == 2 else w, eps=eps)
+                for b in range(s["batch"])]  # fmt: skip
+        return [torch.stack(list(g)) for g in zip(*rows, strict=True)]
     if entry == "training":
         return _torch_training(v, float(s["momentum"]), eps)
     if entry == "cupyx_training":
@@ -328,7 +335,13 @@ def fuzz(entry, problem) -> None:
         raise violation("wrong", f"{entry} accepted {missing} that are not float arrays")
     if any(values[n] is None for n in USES[entry]) and entry not in WRITTEN:
         return  # an optional argument left out that the reference needs; nothing to check
-    want = expected(entry, values, scalars)
+    cupy13 = entry.startswith("cupyx")  # per-channel arrays of any shape (cupyx_compat.py)
+    data = ("input", "grad_output")
+    flat = {
+        n: a.reshape(-1) if cupy13 and a is not None and n not in data else a
+        for n, a in values.items()
+    }
+    want = expected(entry, flat, scalars)
     kind = torch.Tensor if isinstance(args["input"], torch.Tensor) else np.ndarray
     tol = tolerance(args, USES[entry] + WRITTEN.get(entry, ()))
     for i, (g, w) in enumerate(zip(got, want, strict=True)):
@@ -338,7 +351,7 @@ def fuzz(entry, problem) -> None:
             continue
         if i < 3 and entry not in ("fold", "cupyx_training") and not isinstance(g, kind):
             raise violation("wrong", f"{entry} result {i} is a {type(g).__name__}")
-        close(g, w, tol, f"{entry} result {i}")
+        close(g, w, tol, f"{entry} result {i}", any_shape=cupy13)
     COUNTS["results_checked"] += 1
 
 
