@@ -33,10 +33,13 @@ TOL = {
 
 
 def f64(array) -> torch.Tensor:
-    """A float64 torch copy of a NumPy array or torch tensor (any float dtype)."""
+    """A packed float64 torch copy of a NumPy array or torch tensor (any float dtype).
+
+    Packed: torch 2.13's CPU ``native_batch_norm_backward`` gives a wrong ``grad_input`` when
+    ``input`` and ``grad_output`` have different memory layouts (found by the fuzz tests)."""
     if isinstance(array, torch.Tensor):
-        return array.detach().to(torch.float64)
-    return torch.from_numpy(np.array(array, dtype=np.float64))
+        return array.detach().to(torch.float64).contiguous()
+    return torch.from_numpy(np.ascontiguousarray(array, dtype=np.float64))
 
 
 def reference(x, dy, w, *, mode="train", eps=1e-5, mean=None, var=None, invstd=None):
