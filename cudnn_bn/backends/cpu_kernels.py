@@ -1,0 +1,578 @@
+"""The CPU engine's compiled passes: numba kernels over raw host pointers.
+
+Each batch-norm pass is one call: it reads the per-channel operands, walks the data once
+for the per-channel sums (float64 accumulators; shifted by a per-channel value so that a
+constant channel sums to exactly zero), derives per-channel coefficients, walks the data a
+second time to write the result (one read of each operand, one write), and writes the
+per-channel results last. Work is split into items (a channel and a run of rows, or a run
+of rows with every channel when channels are innermost) that run in parallel when the
+caller asks for more than one chunk; one chunk runs serially with no thread start-up,
+which is what small problems want. Data tensors are walked as ``cpu_layout.Layout`` says.
+
+F16 and BF16 have no numba type: the kernels see their bits (``uint16`` for F16, ``int16``
+for BF16, so the dtype alone picks the conversion) and convert element by element: exact
+reads, and one round-to-nearest-even write from float64 (BF16 through float32, as torch).
+Per-channel operands may have another dtype than the data (F32 for half data); they are
+read and written through a runtime dtype code, since they are small.
+
+Compiled with ``cache=True``: the first call of each data dtype compiles once per machine
+(see benchmarks/bench_cpu.py's report for the cold cost). References: numba's
+"Automatic parallelization with @jit" (``prange``) and "Notes on caching"; NumPy's
+``npy_double_to_half`` (``numpy/_core/src/npymath/halffloat.cpp``) for the F16 rounding.
+"""
+
+import numba
+import numpy as np
+from numba import prange, types
+from numba.core import cgutils
+from numba.extending import intrinsic, overload
+
+from ..enums import DataType
+
+F16, F32, F64, BF16 = (int(d) for d in (DataType.F16, DataType.F32, DataType.F64, DataType.BF16))
+ROW_DIMS = 4  # cpu_layout.ROW_DIMS: geometry is (C, inner, rows, channels_inner, *row_dims)
+SUMS = 4  # sum(x - k), sum((x - k)^2), sum(dy), sum(dy * (x - k))
+REASSOC = {"reassoc"}  # lets LLVM vectorize the float64 sums; no nnan/ninf: nan stays nan
+OPTIONS = {"cache": True, "error_model": "numpy"}  # numpy: 1/0 is inf, not an exception
+jit = numba.njit(**OPTIONS)
+
+
+# --- memory --------------------------------------------------------------------------------
+
+
+@intrinsic
+def _pointer(typingctx, address):
+    """The void pointer at integer ``address``."""
+
+    def codegen(context, builder, signature, args):
+        return builder.inttoptr(args[0], cgutils.voidptr_t)
+
+    return types.voidptr(address), codegen
+
+
+@jit
+def flat(address, span, like):
+    """A 1-D view of ``span`` elements of ``like``'s dtype at ``address`` (no copy)."""
+    return numba.carray(_pointer(address), (span,), like.dtype)
+
+
+# --- element conversions -----------------------------------------------------------------
+
+
+@jit
+def _f16_to_f64(stored):
+    h = np.int64(stored) & 0xFFFF
+    exponent, mantissa = (h >> 10) & 0x1F, h & 0x3FF
+    if exponent == 0:
+        value = mantissa * 5.9604644775390625e-08  # subnormal: mantissa * 2**-24
+    elif exponent == 0x1F:
+        value = np.int64(0x7FF0000000000000 | (mantissa << 42)).view(np.float64)
+    else:
+        value = np.int64(((exponent + 1008) << 52) | (mantissa << 42)).view(np.float64)
+    return -value if h & 0x8000 else value
+
+
+@jit
+def _f64_to_f16(value):
+    bits = np.float64(value).view(np.int64)
+    sign = (bits >> 48) & 0x8000
+    magnitude = bits & 0x7FFFFFFFFFFFFFFF
+    if magnitude > 0x7FF0000000000000:  # NaN
+        return sign | 0x7E00
+    if magnitude >= 0x40EFFE0000000000:  # >= 65520: rounds to inf
+        return sign | 0x7C00
+    if magnitude >= 0x3F10000000000000:  # >= 2**-14: a normal half
+        mantissa = magnitude & 0xFFFFFFFFFFFFF
+        half = (((magnitude >> 52) - 1008) << 10) | (mantissa >> 42)
+        rest = mantissa & 0x3FFFFFFFFFF
+        if rest > 0x20000000000 or (rest == 0x20000000000 and half & 1):
+            half += 1  # to nearest, ties to even; a carry moves into the exponent
+        return sign | half
+    return sign | np.int64(np.rint(np.abs(value) * 16777216.0))  # subnormal: units of 2**-24
+
+
+@jit
+def _bf16_to_f64(stored):
+    return np.float64(np.uint32((np.int64(stored) & 0xFFFF) << 16).view(np.float32))
+
+
+@jit
+def _f64_to_bf16(value):
+    single = np.float32(value)
+    bits = np.int64(single.view(np.uint32))
+    if single != single:
+        return (bits >> 16) | 0x40  # keep NaN a (quiet) NaN
+    return (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+
+
+def decode(stored):
+    """float64 value of one stored element (compiled through the overload below)."""
+    raise NotImplementedError
+
+
+def encode(value, dtype):
+    """What to store for float64 ``value`` in an array of ``dtype`` (compiled only)."""
+    raise NotImplementedError
+
+
+@overload(decode)
+def _decode(stored):
+    if isinstance(stored, types.Float):
+        return lambda stored: np.float64(stored)
+    if stored == types.uint16:
+        return lambda stored: _f16_to_f64(stored)
+    return lambda stored: _bf16_to_f64(stored)
+
+
+@overload(encode)
+def _encode(value, dtype):
+    if isinstance(dtype.dtype, types.Float):
+        return lambda value, dtype: value
+    if dtype.dtype == types.uint16:
+        return lambda value, dtype: _f64_to_f16(value)
+    return lambda value, dtype: _f64_to_bf16(value)
+
+
+# --- per-channel operands ------------------------------------------------------------------
+
+
+@jit
+def load_channels(address, stride, code, count):
+    """float64 copy of a ``(count,)`` tensor of dtype ``code`` with element ``stride``."""
+    out = np.empty(count, np.float64)
+    span = (count - 1) * stride + 1
+    if code == F64:
+        v64 = numba.carray(_pointer(address), (span,), np.float64)
+        for c in range(count):
+            out[c] = v64[c * stride]
+    elif code == F32:
+        v32 = numba.carray(_pointer(address), (span,), np.float32)
+        for c in range(count):
+            out[c] = v32[c * stride]
+    elif code == F16:
+        vh = numba.carray(_pointer(address), (span,), np.uint16)
+        for c in range(count):
+            out[c] = decode(vh[c * stride])
+    else:
+        vb = numba.carray(_pointer(address), (span,), np.int16)
+        for c in range(count):
+            out[c] = decode(vb[c * stride])
+    return out
+
+
+@jit
+def store_channels(values, address, stride, code):
+    """Round ``values`` once to dtype ``code`` and write them with element ``stride``."""
+    count = values.size
+    span = (count - 1) * stride + 1
+    if code == F64:
+        v64 = numba.carray(_pointer(address), (span,), np.float64)
+        for c in range(count):
+            v64[c * stride] = values[c]
+    elif code == F32:
+        v32 = numba.carray(_pointer(address), (span,), np.float32)
+        for c in range(count):
+            v32[c * stride] = values[c]
+    elif code == F16:
+        vh = numba.carray(_pointer(address), (span,), np.uint16)
+        for c in range(count):
+            vh[c * stride] = encode(values[c], vh.dtype)
+    else:
+        vb = numba.carray(_pointer(address), (span,), np.int16)
+        for c in range(count):
+            vb[c * stride] = encode(values[c], vb.dtype)
+
+
+# --- walking the data ----------------------------------------------------------------------
+
+
+@jit
+def row_offset(row, geometry, strides, t):
+    """Element offset of row ``row`` in tensor ``t`` (row dimensions decomposed)."""
+    offset = 0
+    for k in range(ROW_DIMS - 1, -1, -1):
+        size = geometry[4 + k]
+        offset += (row % size) * strides[t, 2 + k]
+        row //= size
+    return offset
+
+
+@jit
+def work_items(geometry, chunks):
+    """``(items, split)``: rows split in ``split`` runs, times the channels unless innermost."""
+    channels, rows = geometry[0], geometry[2]
+    if geometry[3]:
+        split = min(chunks, rows)
+        return split, split
+    split = min(rows, (chunks + channels - 1) // channels) if chunks > 1 else 1
+    return channels * split, split
+
+
+@jit
+def item_bounds(item, split, geometry):
+    """``(first channel, end channel, first row, end row)`` of work item ``item``."""
+    channels, rows = geometry[0], geometry[2]
+    if geometry[3]:
+        return 0, channels, item * rows // split, (item + 1) * rows // split
+    c, s = item // split, item % split
+    return c, c + 1, s * rows // split, (s + 1) * rows // split
+
+
+# --- pass 1: per-channel sums --------------------------------------------------------------
+
+
+@numba.njit(**OPTIONS, fastmath=REASSOC)
+def _sums_item(x, dy, y, geometry, strides, shift, item, split, out, has_dy, has_x, masked):
+    """Accumulate work item ``item``'s sums into ``out[channel - first channel, :]``."""
+    c0, c1, r0, r1 = item_bounds(item, split, geometry)
+    inner = geometry[1]
+    sx, sd, sy = strides[0, 1], strides[1, 1], strides[2, 1]
+    cx, cd, cy = strides[0, 0], strides[1, 0], strides[2, 0]
+    for r in range(r0, r1):
+        ox = row_offset(r, geometry, strides, 0)
+        od = row_offset(r, geometry, strides, 1)
+        oy = row_offset(r, geometry, strides, 2)
+        if geometry[3]:  # channels innermost: one run over the channels
+            for c in range(c0, c1):
+                xv = decode(x[ox + c * cx]) - shift[c]
+                if has_x:
+                    out[c, 0] += xv
+                    out[c, 1] += xv * xv
+                if has_dy:
+                    dv = decode(dy[od + c * cd])
+                    if masked and not decode(y[oy + c * cy]) > 0:
+                        dv = 0.0
+                    out[c, 2] += dv
+                    out[c, 3] += dv * xv
+        else:
+            c = c0
+            k = shift[c]
+            ox, od, oy = ox + c * cx, od + c * cd, oy + c * cy
+            s0 = s1 = s2 = s3 = 0.0
+            for i in range(inner):
+                xv = decode(x[ox + i * sx]) - k
+                if has_x:
+                    s0 += xv
+                    s1 += xv * xv
+                if has_dy:
+                    dv = decode(dy[od + i * sd])
+                    if masked and not decode(y[oy + i * sy]) > 0:
+                        dv = 0.0
+                    s2 += dv
+                    s3 += dv * xv
+            out[0, 0] += s0
+            out[0, 1] += s1
+            out[0, 2] += s2
+            out[0, 3] += s3
+
+
+@numba.njit(**OPTIONS, parallel=True)
+def channel_sums(x, dy, y, geometry, strides, shift, has_dy, has_x, masked, chunks):
+    """``(C, 4)`` float64 sums over every value of each channel, ``k`` = ``shift[c]``:
+    ``x - k``, ``(x - k)^2``, ``dy``, ``dy * (x - k)`` (``dy`` zero where ``y <= 0`` if
+    ``masked``); those not asked for (``has_x``, ``has_dy``) stay zero."""
+    channels = geometry[0]
+    items, split = work_items(geometry, chunks)
+    width = channels if geometry[3] else 1
+    partial = np.zeros((items, width, SUMS))
+    if chunks == 1:
+        for item in range(items):
+            _sums_item(
+                x,
+                dy,
+                y,
+                geometry,
+                strides,
+                shift,
+                item,
+                split,
+                partial[item],
+                has_dy,
+                has_x,
+                masked,
+            )
+    else:
+        for item in prange(items):
+            _sums_item(
+                x,
+                dy,
+                y,
+                geometry,
+                strides,
+                shift,
+                item,
+                split,
+                partial[item],
+                has_dy,
+                has_x,
+                masked,
+            )
+    sums = np.zeros((channels, SUMS))
+    for item in range(items):  # a fixed order: the same sums on any thread count
+        c0, c1, _, _ = item_bounds(item, split, geometry)
+        for c in range(c0, c1):
+            for j in range(SUMS):
+                sums[c, j] += partial[item, c - c0, j]
+    return sums
+
+
+@jit
+def first_values(x, geometry, strides):
+    """Each channel's first value: the shift that makes a constant channel sum to zero."""
+    shift = np.empty(geometry[0])
+    for c in range(geometry[0]):
+        shift[c] = decode(x[c * strides[0, 0]])
+    return shift
+
+
+# --- pass 2: the elementwise results -------------------------------------------------------
+
+
+@jit
+def _backward_item(x, dy, y, gi, gz, geometry, strides, k_dy, k_x, k_c, item, split, flags):
+    """``gi = k_dy*dy + k_x*x + k_c`` and ``gz = dy`` (``dy`` zero where ``y <= 0`` if
+    masked) over work item ``item``. ``flags``: use x, mask, write gi, write gz."""
+    use_x, masked, write_gi, write_gz = flags
+    c0, c1, r0, r1 = item_bounds(item, split, geometry)
+    cx, cd, cy, cg, cz = strides[0, 0], strides[1, 0], strides[2, 0], strides[3, 0], strides[4, 0]
+    if geometry[3]:  # channels innermost
+        n, sx, sd, sy, sg, sz = c1 - c0, cx, cd, cy, cg, cz
+    else:
+        n, sx, sd, sy = geometry[1], strides[0, 1], strides[1, 1], strides[2, 1]
+        sg, sz = strides[3, 1], strides[4, 1]
+    for r in range(r0, r1):
+        for c in range(c0, c1 if not geometry[3] else c0 + 1):
+            ox = row_offset(r, geometry, strides, 0) + c * cx
+            od = row_offset(r, geometry, strides, 1) + c * cd
+            oy = row_offset(r, geometry, strides, 2) + c * cy
+            og = row_offset(r, geometry, strides, 3) + c * cg
+            oz = row_offset(r, geometry, strides, 4) + c * cz
+            for i in range(n):
+                ch = c + i if geometry[3] else c
+                dv = decode(dy[od + i * sd])
+                if masked and not decode(y[oy + i * sy]) > 0:
+                    dv = 0.0
+                v = k_dy[ch] * dv + k_c[ch]
+                if use_x:
+                    v += k_x[ch] * decode(x[ox + i * sx])
+                if write_gi:
+                    gi[og + i * sg] = encode(v, gi.dtype)
+                if write_gz:
+                    gz[oz + i * sz] = encode(dv, gz.dtype)
+
+
+@jit
+def _forward_item(x, z, out, geometry, strides, mean, scale, shift, item, split, flags):
+    """``out = relu?((x - mean)*scale + shift [+ z])`` over work item ``item``.
+    ``flags``: add z, apply ReLU."""
+    add_z, relu = flags
+    c0, c1, r0, r1 = item_bounds(item, split, geometry)
+    cx, cz, co = strides[0, 0], strides[1, 0], strides[2, 0]
+    if geometry[3]:
+        n, sx, sz, so = c1 - c0, cx, cz, co
+    else:
+        n, sx, sz, so = geometry[1], strides[0, 1], strides[1, 1], strides[2, 1]
+    for r in range(r0, r1):
+        for c in range(c0, c1 if not geometry[3] else c0 + 1):
+            ox = row_offset(r, geometry, strides, 0) + c * cx
+            oz = row_offset(r, geometry, strides, 1) + c * cz
+            oo = row_offset(r, geometry, strides, 2) + c * co
+            for i in range(n):
+                ch = c + i if geometry[3] else c
+                v = (decode(x[ox + i * sx]) - mean[ch]) * scale[ch] + shift[ch]
+                if add_z:
+                    v += decode(z[oz + i * sz])
+                if relu and v < 0:
+                    v = 0.0
+                out[oo + i * so] = encode(v, out.dtype)
+
+
+@numba.njit(**OPTIONS, parallel=True)
+def backward_elementwise(x, dy, y, gi, gz, geometry, strides, k_dy, k_x, k_c, flags, chunks):
+    """Pass 2 of the backward: ``_backward_item`` over every work item."""
+    items, split = work_items(geometry, chunks)
+    if chunks == 1:
+        for item in range(items):
+            _backward_item(x, dy, y, gi, gz, geometry, strides, k_dy, k_x, k_c, item, split, flags)
+    else:
+        for item in prange(items):
+            _backward_item(x, dy, y, gi, gz, geometry, strides, k_dy, k_x, k_c, item, split, flags)
+
+
+@numba.njit(**OPTIONS, parallel=True)
+def forward_elementwise(x, z, out, geometry, strides, mean, scale, shift, flags, chunks):
+    """Pass 2 of the forwards: ``_forward_item`` over every work item."""
+    items, split = work_items(geometry, chunks)
+    if chunks == 1:
+        for item in range(items):
+            _forward_item(x, z, out, geometry, strides, mean, scale, shift, item, split, flags)
+    else:
+        for item in prange(items):
+            _forward_item(x, z, out, geometry, strides, mean, scale, shift, item, split, flags)
+
+
+# --- the passes ----------------------------------------------------------------------------
+
+TRAIN, SAVED, EVAL, SAVED_INVSTD = 0, 1, 2, 3  # problems.Mode
+
+
+@jit
+def backward(
+    x_at,
+    dy_at,
+    y_at,
+    gi_at,
+    gz_at,
+    w_at,
+    m_at,
+    v_at,
+    gw_at,
+    gb_at,
+    like,
+    geometry,
+    strides,
+    spans,
+    channel_args,
+    mode,
+    eps,
+    flags,
+    chunks,
+):
+    """Batch-norm backward. Data tensors (x, dy, the fused forward's y, gi, gz) are walked
+    with ``strides``' rows 0..4; ``channel_args`` holds (stride, dtype code) of weight,
+    statistic 0, statistic 1, grad_weight, grad_bias. ``flags``: write gi, gw, gb; mask dy by
+    ``y > 0``; write gz. ``grad_input = k_dy*dy + k_x*x + k_c`` per channel."""
+    write_gi, write_gw, write_gb, masked, write_gz = flags
+    x, dy, y = flat(x_at, spans[0], like), flat(dy_at, spans[1], like), flat(y_at, spans[2], like)
+    gi, gz = flat(gi_at, spans[3], like), flat(gz_at, spans[4], like)
+    channels, count = geometry[0], geometry[1] * geometry[2]
+    w = load_channels(w_at, channel_args[0, 0], channel_args[0, 1], channels)
+    if mode == TRAIN:
+        shift = first_values(x, geometry, strides)
+        stat = shift
+    else:
+        shift = load_channels(m_at, channel_args[1, 0], channel_args[1, 1], channels)
+        stat = load_channels(v_at, channel_args[2, 0], channel_args[2, 1], channels)
+    sums = channel_sums(x, dy, y, geometry, strides, shift, True, mode == TRAIN, masked, chunks)
+    k_dy, k_x, k_c = np.empty(channels), np.zeros(channels), np.zeros(channels)
+    gw, gb = np.empty(channels), np.empty(channels)
+    for c in range(channels):
+        sum_dy, sum_dyx = sums[c, 2], sums[c, 3]
+        mean = shift[c]
+        if mode == TRAIN:
+            d = sums[c, 0] / count
+            mean += d
+            var = sums[c, 1] / count - d * d
+            if var < 0.0:  # rounding; a NaN stays NaN
+                var = 0.0
+            invstd = 1.0 / np.sqrt(var + eps)
+            sum_dyx -= d * sum_dy  # sum(dy * (x - mean))
+        elif mode == SAVED_INVSTD:
+            invstd = stat[c]
+        else:
+            invstd = 1.0 / np.sqrt(stat[c] + eps)
+        gb[c] = sum_dy
+        gw[c] = sum_dyx * invstd
+        k_dy[c] = w[c] * invstd
+        if mode != EVAL:
+            k_x[c] = -k_dy[c] * invstd * gw[c] / count
+            k_c[c] = -k_dy[c] * sum_dy / count - k_x[c] * mean
+    if write_gi or write_gz:
+        backward_elementwise(
+            x,
+            dy,
+            y,
+            gi,
+            gz,
+            geometry,
+            strides,
+            k_dy,
+            k_x,
+            k_c,
+            (mode != EVAL, masked, write_gi, write_gz),
+            chunks,
+        )
+    if write_gw:
+        store_channels(gw, gw_at, channel_args[3, 0], channel_args[3, 1])
+    if write_gb:
+        store_channels(gb, gb_at, channel_args[4, 0], channel_args[4, 1])
+
+
+@jit
+def forward_training(
+    x_at,
+    z_at,
+    y_at,
+    w_at,
+    b_at,
+    sm_at,
+    si_at,
+    rm_at,
+    rv_at,
+    like,
+    geometry,
+    strides,
+    spans,
+    channel_args,
+    eps,
+    momentum,
+    flags,
+    chunks,
+):
+    """Training forward: batch statistics, ``y``, saved mean and invstd, running update.
+    Data tensors: x, z, y (``strides`` rows 0..2); ``channel_args``: weight, bias,
+    saved_mean, saved_invstd, running_mean, running_var. ``flags``: add z, ReLU, update
+    running_mean, update running_var."""
+    add_z, relu, update_mean, update_var = flags
+    x, z, y = flat(x_at, spans[0], like), flat(z_at, spans[1], like), flat(y_at, spans[2], like)
+    channels, count = geometry[0], geometry[1] * geometry[2]
+    w = load_channels(w_at, channel_args[0, 0], channel_args[0, 1], channels)
+    b = load_channels(b_at, channel_args[1, 0], channel_args[1, 1], channels)
+    if update_mean:  # every per-channel input is read before anything is written
+        old_mean = load_channels(rm_at, channel_args[4, 0], channel_args[4, 1], channels)
+    if update_var:
+        old_var = load_channels(rv_at, channel_args[5, 0], channel_args[5, 1], channels)
+    shift = first_values(x, geometry, strides)
+    sums = channel_sums(x, x, x, geometry, strides, shift, False, True, False, chunks)
+    mean, invstd, var = np.empty(channels), np.empty(channels), np.empty(channels)
+    for c in range(channels):
+        d = sums[c, 0] / count
+        mean[c] = shift[c] + d
+        var[c] = sums[c, 1] / count - d * d
+        if var[c] < 0.0:
+            var[c] = 0.0
+        invstd[c] = 1.0 / np.sqrt(var[c] + eps)
+    forward_elementwise(x, z, y, geometry, strides, mean, w * invstd, b, (add_z, relu), chunks)
+    store_channels(mean, sm_at, channel_args[2, 0], channel_args[2, 1])
+    store_channels(invstd, si_at, channel_args[3, 0], channel_args[3, 1])
+    if update_mean:
+        store_channels(
+            (1.0 - momentum) * old_mean + momentum * mean,
+            rm_at,
+            channel_args[4, 0],
+            channel_args[4, 1],
+        )
+    if update_var:
+        unbiased = var * (count / (count - 1))
+        store_channels(
+            (1.0 - momentum) * old_var + momentum * unbiased,
+            rv_at,
+            channel_args[5, 0],
+            channel_args[5, 1],
+        )
+
+
+@jit
+def forward_inference(
+    x_at, y_at, w_at, b_at, rm_at, rv_at, like, geometry, strides, spans, channel_args, eps, chunks
+):
+    """Inference forward with fixed statistics. Data tensors: x, y (``strides`` rows 0, 2);
+    ``channel_args``: weight, bias, running_mean, running_var."""
+    x, y = flat(x_at, spans[0], like), flat(y_at, spans[2], like)
+    channels = geometry[0]
+    w = load_channels(w_at, channel_args[0, 0], channel_args[0, 1], channels)
+    b = load_channels(b_at, channel_args[1, 0], channel_args[1, 1], channels)
+    mean = load_channels(rm_at, channel_args[2, 0], channel_args[2, 1], channels)
+    var = load_channels(rv_at, channel_args[3, 0], channel_args[3, 1], channels)
+    scale = w / np.sqrt(var + eps)
+    forward_elementwise(x, x, y, geometry, strides, mean, scale, b, (False, False), chunks)
