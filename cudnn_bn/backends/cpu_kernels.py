@@ -37,6 +37,13 @@ OPTIONS = {"cache": True, "error_model": "numpy"}  # numpy: 1/0 is inf, not an e
 jit = numba.njit(**OPTIONS)
 
 
+def prange_only() -> dict:
+    """numba's parallel options with only ``prange`` on: no hidden parallel loops (a
+    ``np.zeros`` turned into one would wake the threads on every small call)."""
+    off = ("comprehension", "reduction", "inplace_binop", "setitem", "numpy", "stencil", "fusion")
+    return dict.fromkeys(off, False)
+
+
 # --- memory --------------------------------------------------------------------------------
 
 
@@ -218,101 +225,191 @@ def item_bounds(item, split, geometry):
     return c, c + 1, s * rows // split, (s + 1) * rows // split
 
 
-# --- pass 1: per-channel sums --------------------------------------------------------------
+# --- runs: the innermost loops ----------------------------------------------------------------
+# A run is the elements of one row that the innermost loop visits: one channel's ``inner``
+# elements, or every channel when channels are innermost. The run functions below are
+# compiled for contiguous runs (slices, which LLVM vectorizes) and for strided ones.
+
+
+@jit
+def _strided(a, offset, n, stride):
+    """``n`` elements of the flat view ``a`` from ``offset``, ``stride`` apart (0 too)."""
+    return np.lib.stride_tricks.as_strided(a[offset:], (n,), (stride * a.itemsize,))
+
+
+@jit
+def _run_offsets(r, c, geometry, strides, tensors):
+    """Offsets of row ``r``, channel ``c`` in the first ``tensors`` tensors, and whether every
+    one of their runs is contiguous."""
+    offsets = np.empty(tensors, np.int64)
+    unit = True
+    column = 0 if geometry[3] else 1
+    for t in range(tensors):
+        offsets[t] = row_offset(r, geometry, strides, t) + c * strides[t, 0]
+        unit = unit and strides[t, column] <= 1  # 0: an absent tensor, never read
+    return offsets, unit
+
+
+@jit
+def _run_length(geometry, c0, c1):
+    return c1 - c0 if geometry[3] else geometry[1]
+
+
+@jit
+def _run_stride(geometry, strides, t):
+    return strides[t, 0] if geometry[3] else strides[t, 1]
 
 
 @numba.njit(**OPTIONS, fastmath=REASSOC)
-def _sums_item(x, dy, y, geometry, strides, shift, item, split, out, has_dy, has_x, masked):
-    """Accumulate work item ``item``'s sums into ``out[channel - first channel, :]``."""
-    c0, c1, r0, r1 = item_bounds(item, split, geometry)
-    inner = geometry[1]
-    sx, sd, sy = strides[0, 1], strides[1, 1], strides[2, 1]
-    cx, cd, cy = strides[0, 0], strides[1, 0], strides[2, 0]
-    for r in range(r0, r1):
-        ox = row_offset(r, geometry, strides, 0)
-        od = row_offset(r, geometry, strides, 1)
-        oy = row_offset(r, geometry, strides, 2)
-        if geometry[3]:  # channels innermost: one run over the channels
-            for c in range(c0, c1):
-                xv = decode(x[ox + c * cx]) - shift[c]
-                if has_x:
-                    out[c, 0] += xv
-                    out[c, 1] += xv * xv
-                if has_dy:
-                    dv = decode(dy[od + c * cd])
-                    if masked and not decode(y[oy + c * cy]) > 0:
-                        dv = 0.0
-                    out[c, 2] += dv
-                    out[c, 3] += dv * xv
+def _accumulate(xs, ds, ys, shift, c, out, channels_inner, flags):
+    """Add a run's sums to ``out`` (``(SUMS, channels)``, or ``(SUMS, 1)`` for one channel).
+
+    The three loops are the cases a pass asks for (x alone; x and dy; x and masked dy),
+    written out so that each vectorizes with no test inside."""
+    has_dy, masked = flags
+    if channels_inner:
+        if not has_dy:
+            for i in range(xs.size):
+                xv = decode(xs[i]) - shift[i]
+                out[0, i] += xv
+                out[1, i] += xv * xv
+        elif not masked:
+            for i in range(xs.size):
+                xv, dv = decode(xs[i]) - shift[i], decode(ds[i])
+                out[0, i] += xv
+                out[1, i] += xv * xv
+                out[2, i] += dv
+                out[3, i] += dv * xv
         else:
-            c = c0
-            k = shift[c]
-            ox, od, oy = ox + c * cx, od + c * cd, oy + c * cy
-            s0 = s1 = s2 = s3 = 0.0
-            for i in range(inner):
-                xv = decode(x[ox + i * sx]) - k
-                if has_x:
-                    s0 += xv
-                    s1 += xv * xv
-                if has_dy:
-                    dv = decode(dy[od + i * sd])
-                    if masked and not decode(y[oy + i * sy]) > 0:
-                        dv = 0.0
-                    s2 += dv
-                    s3 += dv * xv
-            out[0, 0] += s0
-            out[0, 1] += s1
-            out[0, 2] += s2
-            out[0, 3] += s3
+            for i in range(xs.size):
+                xv, dv = decode(xs[i]) - shift[i], decode(ds[i])
+                dv = dv if decode(ys[i]) > 0 else 0.0
+                out[0, i] += xv
+                out[1, i] += xv * xv
+                out[2, i] += dv
+                out[3, i] += dv * xv
+        return
+    k = shift[c]
+    s0 = s1 = s2 = s3 = 0.0
+    if not has_dy:
+        for i in range(xs.size):
+            xv = decode(xs[i]) - k
+            s0 += xv
+            s1 += xv * xv
+    elif not masked:
+        for i in range(xs.size):
+            xv, dv = decode(xs[i]) - k, decode(ds[i])
+            s0 += xv
+            s1 += xv * xv
+            s2 += dv
+            s3 += dv * xv
+    else:
+        for i in range(xs.size):
+            xv, dv = decode(xs[i]) - k, decode(ds[i])
+            dv = dv if decode(ys[i]) > 0 else 0.0
+            s0 += xv
+            s1 += xv * xv
+            s2 += dv
+            s3 += dv * xv
+    out[0, 0] += s0
+    out[1, 0] += s1
+    out[2, 0] += s2
+    out[3, 0] += s3
 
 
-@numba.njit(**OPTIONS, parallel=True)
-def channel_sums(x, dy, y, geometry, strides, shift, has_dy, has_x, masked, chunks):
-    """``(C, 4)`` float64 sums over every value of each channel, ``k`` = ``shift[c]``:
+@jit
+def _apply_backward(xs, ds, ys, gs, zs, k_dy, k_x, k_c, c, channels_inner, flags):
+    """``gs = k_dy*ds + k_x*xs + k_c`` and ``zs = ds`` over a run (``ds`` masked)."""
+    use_x, masked, write_gi, write_gz = flags
+    for i in range(xs.size):
+        ch = i if channels_inner else c
+        dv = decode(ds[i])
+        if masked and not decode(ys[i]) > 0:
+            dv = 0.0
+        v = k_dy[ch] * dv + k_c[ch]
+        if use_x:
+            v += k_x[ch] * decode(xs[i])
+        if write_gi:
+            gs[i] = encode(v, gs.dtype)
+        if write_gz:
+            zs[i] = encode(dv, zs.dtype)
+
+
+@jit
+def _apply_forward(xs, zs, ys, mean, scale, shift, c, channels_inner, flags):
+    """``ys = relu?((xs - mean)*scale + shift [+ zs])`` over a run."""
+    add_z, relu = flags
+    for i in range(xs.size):
+        ch = i if channels_inner else c
+        v = (decode(xs[i]) - mean[ch]) * scale[ch] + shift[ch]
+        if add_z:
+            v += decode(zs[i])
+        if relu and v < 0:
+            v = 0.0
+        ys[i] = encode(v, ys.dtype)
+
+
+# --- pass 1: per-channel sums --------------------------------------------------------------
+
+
+@jit
+def _sums_item(x, dy, y, geometry, strides, shift, item, split, out, flags):
+    """Accumulate work item ``item``'s sums into ``out``."""
+    c0, c1, r0, r1 = item_bounds(item, split, geometry)
+    n, inner = _run_length(geometry, c0, c1), geometry[3] != 0
+    sx, sd, sy = (
+        _run_stride(geometry, strides, 0),
+        _run_stride(geometry, strides, 1),
+        _run_stride(geometry, strides, 2),
+    )
+    for r in range(r0, r1):
+        for c in range(c0, c0 + 1 if inner else c1):
+            o, unit = _run_offsets(r, c, geometry, strides, 3)
+            if unit:
+                _accumulate(
+                    x[o[0] : o[0] + n],
+                    dy[o[1] : o[1] + n],
+                    y[o[2] : o[2] + n],
+                    shift,
+                    c,
+                    out,
+                    inner,
+                    flags,
+                )
+            else:
+                _accumulate(
+                    _strided(x, o[0], n, sx),
+                    _strided(dy, o[1], n, sd),
+                    _strided(y, o[2], n, sy),
+                    shift,
+                    c,
+                    out,
+                    inner,
+                    flags,
+                )
+
+
+@numba.njit(**OPTIONS, parallel=prange_only())
+def channel_sums(x, dy, y, geometry, strides, shift, flags, chunks):
+    """``(4, C)`` float64 sums over every value of each channel, ``k`` = ``shift[c]``:
     ``x - k``, ``(x - k)^2``, ``dy``, ``dy * (x - k)`` (``dy`` zero where ``y <= 0`` if
-    ``masked``); those not asked for (``has_x``, ``has_dy``) stay zero."""
+    masked). ``flags``: sum dy, mask; without dy its sums stay zero."""
     channels = geometry[0]
     items, split = work_items(geometry, chunks)
     width = channels if geometry[3] else 1
-    partial = np.zeros((items, width, SUMS))
+    partial = np.zeros((items, SUMS, width))
     if chunks == 1:
         for item in range(items):
-            _sums_item(
-                x,
-                dy,
-                y,
-                geometry,
-                strides,
-                shift,
-                item,
-                split,
-                partial[item],
-                has_dy,
-                has_x,
-                masked,
-            )
+            _sums_item(x, dy, y, geometry, strides, shift, item, split, partial[item], flags)
     else:
         for item in prange(items):
-            _sums_item(
-                x,
-                dy,
-                y,
-                geometry,
-                strides,
-                shift,
-                item,
-                split,
-                partial[item],
-                has_dy,
-                has_x,
-                masked,
-            )
-    sums = np.zeros((channels, SUMS))
+            _sums_item(x, dy, y, geometry, strides, shift, item, split, partial[item], flags)
+    sums = np.zeros((SUMS, channels))
     for item in range(items):  # a fixed order: the same sums on any thread count
         c0, c1, _, _ = item_bounds(item, split, geometry)
-        for c in range(c0, c1):
-            for j in range(SUMS):
-                sums[c, j] += partial[item, c - c0, j]
+        for j in range(SUMS):
+            for c in range(c0, c1):
+                sums[j, c] += partial[item, j, c - c0]
     return sums
 
 
@@ -330,64 +427,79 @@ def first_values(x, geometry, strides):
 
 @jit
 def _backward_item(x, dy, y, gi, gz, geometry, strides, k_dy, k_x, k_c, item, split, flags):
-    """``gi = k_dy*dy + k_x*x + k_c`` and ``gz = dy`` (``dy`` zero where ``y <= 0`` if
-    masked) over work item ``item``. ``flags``: use x, mask, write gi, write gz."""
-    use_x, masked, write_gi, write_gz = flags
+    """``_apply_backward`` over work item ``item``."""
     c0, c1, r0, r1 = item_bounds(item, split, geometry)
-    cx, cd, cy, cg, cz = strides[0, 0], strides[1, 0], strides[2, 0], strides[3, 0], strides[4, 0]
-    if geometry[3]:  # channels innermost
-        n, sx, sd, sy, sg, sz = c1 - c0, cx, cd, cy, cg, cz
-    else:
-        n, sx, sd, sy = geometry[1], strides[0, 1], strides[1, 1], strides[2, 1]
-        sg, sz = strides[3, 1], strides[4, 1]
+    n, inner = _run_length(geometry, c0, c1), geometry[3] != 0
+    s = [_run_stride(geometry, strides, t) for t in range(5)]
     for r in range(r0, r1):
-        for c in range(c0, c1 if not geometry[3] else c0 + 1):
-            ox = row_offset(r, geometry, strides, 0) + c * cx
-            od = row_offset(r, geometry, strides, 1) + c * cd
-            oy = row_offset(r, geometry, strides, 2) + c * cy
-            og = row_offset(r, geometry, strides, 3) + c * cg
-            oz = row_offset(r, geometry, strides, 4) + c * cz
-            for i in range(n):
-                ch = c + i if geometry[3] else c
-                dv = decode(dy[od + i * sd])
-                if masked and not decode(y[oy + i * sy]) > 0:
-                    dv = 0.0
-                v = k_dy[ch] * dv + k_c[ch]
-                if use_x:
-                    v += k_x[ch] * decode(x[ox + i * sx])
-                if write_gi:
-                    gi[og + i * sg] = encode(v, gi.dtype)
-                if write_gz:
-                    gz[oz + i * sz] = encode(dv, gz.dtype)
+        for c in range(c0, c0 + 1 if inner else c1):
+            o, unit = _run_offsets(r, c, geometry, strides, 5)
+            if unit:
+                _apply_backward(
+                    x[o[0] : o[0] + n],
+                    dy[o[1] : o[1] + n],
+                    y[o[2] : o[2] + n],
+                    gi[o[3] : o[3] + n],
+                    gz[o[4] : o[4] + n],
+                    k_dy,
+                    k_x,
+                    k_c,
+                    c,
+                    inner,
+                    flags,
+                )
+            else:
+                _apply_backward(
+                    _strided(x, o[0], n, s[0]),
+                    _strided(dy, o[1], n, s[1]),
+                    _strided(y, o[2], n, s[2]),
+                    _strided(gi, o[3], n, s[3]),
+                    _strided(gz, o[4], n, s[4]),
+                    k_dy,
+                    k_x,
+                    k_c,
+                    c,
+                    inner,
+                    flags,
+                )
 
 
 @jit
 def _forward_item(x, z, out, geometry, strides, mean, scale, shift, item, split, flags):
-    """``out = relu?((x - mean)*scale + shift [+ z])`` over work item ``item``.
-    ``flags``: add z, apply ReLU."""
-    add_z, relu = flags
+    """``_apply_forward`` over work item ``item``."""
     c0, c1, r0, r1 = item_bounds(item, split, geometry)
-    cx, cz, co = strides[0, 0], strides[1, 0], strides[2, 0]
-    if geometry[3]:
-        n, sx, sz, so = c1 - c0, cx, cz, co
-    else:
-        n, sx, sz, so = geometry[1], strides[0, 1], strides[1, 1], strides[2, 1]
+    n, inner = _run_length(geometry, c0, c1), geometry[3] != 0
+    s = [_run_stride(geometry, strides, t) for t in range(3)]
     for r in range(r0, r1):
-        for c in range(c0, c1 if not geometry[3] else c0 + 1):
-            ox = row_offset(r, geometry, strides, 0) + c * cx
-            oz = row_offset(r, geometry, strides, 1) + c * cz
-            oo = row_offset(r, geometry, strides, 2) + c * co
-            for i in range(n):
-                ch = c + i if geometry[3] else c
-                v = (decode(x[ox + i * sx]) - mean[ch]) * scale[ch] + shift[ch]
-                if add_z:
-                    v += decode(z[oz + i * sz])
-                if relu and v < 0:
-                    v = 0.0
-                out[oo + i * so] = encode(v, out.dtype)
+        for c in range(c0, c0 + 1 if inner else c1):
+            o, unit = _run_offsets(r, c, geometry, strides, 3)
+            if unit:
+                _apply_forward(
+                    x[o[0] : o[0] + n],
+                    z[o[1] : o[1] + n],
+                    out[o[2] : o[2] + n],
+                    mean,
+                    scale,
+                    shift,
+                    c,
+                    inner,
+                    flags,
+                )
+            else:
+                _apply_forward(
+                    _strided(x, o[0], n, s[0]),
+                    _strided(z, o[1], n, s[1]),
+                    _strided(out, o[2], n, s[2]),
+                    mean,
+                    scale,
+                    shift,
+                    c,
+                    inner,
+                    flags,
+                )
 
 
-@numba.njit(**OPTIONS, parallel=True)
+@numba.njit(**OPTIONS, parallel=prange_only())
 def backward_elementwise(x, dy, y, gi, gz, geometry, strides, k_dy, k_x, k_c, flags, chunks):
     """Pass 2 of the backward: ``_backward_item`` over every work item."""
     items, split = work_items(geometry, chunks)
@@ -399,7 +511,7 @@ def backward_elementwise(x, dy, y, gi, gz, geometry, strides, k_dy, k_x, k_c, fl
             _backward_item(x, dy, y, gi, gz, geometry, strides, k_dy, k_x, k_c, item, split, flags)
 
 
-@numba.njit(**OPTIONS, parallel=True)
+@numba.njit(**OPTIONS, parallel=prange_only())
 def forward_elementwise(x, z, out, geometry, strides, mean, scale, shift, flags, chunks):
     """Pass 2 of the forwards: ``_forward_item`` over every work item."""
     items, split = work_items(geometry, chunks)
@@ -453,16 +565,16 @@ def backward(
     else:
         shift = load_channels(m_at, channel_args[1, 0], channel_args[1, 1], channels)
         stat = load_channels(v_at, channel_args[2, 0], channel_args[2, 1], channels)
-    sums = channel_sums(x, dy, y, geometry, strides, shift, True, mode == TRAIN, masked, chunks)
+    sums = channel_sums(x, dy, y, geometry, strides, shift, (True, masked), chunks)
     k_dy, k_x, k_c = np.empty(channels), np.zeros(channels), np.zeros(channels)
     gw, gb = np.empty(channels), np.empty(channels)
     for c in range(channels):
-        sum_dy, sum_dyx = sums[c, 2], sums[c, 3]
+        sum_dy, sum_dyx = sums[2, c], sums[3, c]
         mean = shift[c]
         if mode == TRAIN:
-            d = sums[c, 0] / count
+            d = sums[0, c] / count
             mean += d
-            var = sums[c, 1] / count - d * d
+            var = sums[1, c] / count - d * d
             if var < 0.0:  # rounding; a NaN stays NaN
                 var = 0.0
             invstd = 1.0 / np.sqrt(var + eps)
@@ -533,12 +645,12 @@ def forward_training(
     if update_var:
         old_var = load_channels(rv_at, channel_args[5, 0], channel_args[5, 1], channels)
     shift = first_values(x, geometry, strides)
-    sums = channel_sums(x, x, x, geometry, strides, shift, False, True, False, chunks)
+    sums = channel_sums(x, x, x, geometry, strides, shift, (False, False), chunks)
     mean, invstd, var = np.empty(channels), np.empty(channels), np.empty(channels)
     for c in range(channels):
-        d = sums[c, 0] / count
+        d = sums[0, c] / count
         mean[c] = shift[c] + d
-        var[c] = sums[c, 1] / count - d * d
+        var[c] = sums[1, c] / count - d * d
         if var[c] < 0.0:
             var[c] = 0.0
         invstd[c] = 1.0 / np.sqrt(var[c] + eps)
