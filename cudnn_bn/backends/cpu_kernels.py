@@ -68,34 +68,31 @@ def flat(address, span, like):
 
 @jit
 def _f16_to_f64(stored):
+    # The half's exponent and mantissa land in a float64's low exponent bits and top
+    # mantissa bits, and scaling by 2**1008 rebiases the exponent (subnormals too); an
+    # all-ones exponent (inf, NaN) becomes float64's. Exact, and free of branches so that
+    # the loops calling it vectorize.
     h = np.int64(stored) & 0xFFFF
-    exponent, mantissa = (h >> 10) & 0x1F, h & 0x3FF
-    if exponent == 0:
-        value = mantissa * 5.9604644775390625e-08  # subnormal: mantissa * 2**-24
-    elif exponent == 0x1F:
-        value = np.int64(0x7FF0000000000000 | (mantissa << 42)).view(np.float64)
-    else:
-        value = np.int64(((exponent + 1008) << 52) | (mantissa << 42)).view(np.float64)
-    return -value if h & 0x8000 else value
+    special = (((h & 0x7C00) + 0x400) >> 15) * 0x7FF0000000000000
+    bits = ((h & 0x7FFF) << 42) | special | ((h & 0x8000) << 48)
+    return np.int64(bits).view(np.float64) * 2.0**1008
 
 
 @jit
 def _f64_to_f16(value):
+    # Rounded once, to nearest even, from float64 (as NumPy's npy_double_to_half). Every
+    # case is computed and one selected, so the loops calling this stay vectorized.
     bits = np.float64(value).view(np.int64)
-    sign = (bits >> 48) & 0x8000
     magnitude = bits & 0x7FFFFFFFFFFFFFFF
-    if magnitude > 0x7FF0000000000000:  # NaN
-        return sign | 0x7E00
-    if magnitude >= 0x40EFFE0000000000:  # >= 65520: rounds to inf
-        return sign | 0x7C00
-    if magnitude >= 0x3F10000000000000:  # >= 2**-14: a normal half
-        mantissa = magnitude & 0xFFFFFFFFFFFFF
-        half = (((magnitude >> 52) - 1008) << 10) | (mantissa >> 42)
-        rest = mantissa & 0x3FFFFFFFFFF
-        if rest > 0x20000000000 or (rest == 0x20000000000 and half & 1):
-            half += 1  # to nearest, ties to even; a carry moves into the exponent
-        return sign | half
-    return sign | np.int64(np.rint(np.abs(value) * 16777216.0))  # subnormal: units of 2**-24
+    mantissa = magnitude & 0xFFFFFFFFFFFFF
+    normal = (((magnitude >> 52) - 1008) << 10) | (mantissa >> 42)
+    rest = mantissa & 0x3FFFFFFFFFF
+    normal += (rest > 0x20000000000) | ((rest == 0x20000000000) & (normal & 1))
+    subnormal = np.int64(np.rint(np.abs(value) * 16777216.0))  # units of 2**-24
+    half = normal if magnitude >= 0x3F10000000000000 else subnormal  # >= 2**-14: normal
+    half = 0x7C00 if magnitude >= 0x40EFFE0000000000 else half  # >= 65520: inf
+    half = 0x7E00 if magnitude > 0x7FF0000000000000 else half  # NaN
+    return ((bits >> 48) & 0x8000) | half
 
 
 @jit
@@ -319,8 +316,28 @@ def _accumulate(xs, ds, ys, shift, c, out, channels_inner, flags):
 
 @jit
 def _apply_backward(xs, ds, ys, gs, zs, k_dy, k_x, k_c, c, channels_inner, flags):
-    """``gs = k_dy*ds + k_x*xs + k_c`` and ``zs = ds`` over a run (``ds`` masked)."""
+    """``gs = k_dy*ds + k_x*xs + k_c`` and ``zs = ds`` over a run (``ds`` masked).
+
+    ``flags``: use x (all but eval), mask, write gi, write gz. The unfused cases have loops
+    of their own, with no test inside, so that they vectorize."""
     use_x, masked, write_gi, write_gz = flags
+    if write_gi and not (masked or write_gz):
+        if channels_inner and use_x:
+            for i in range(xs.size):
+                v = k_dy[i] * decode(ds[i]) + k_x[i] * decode(xs[i]) + k_c[i]
+                gs[i] = encode(v, gs.dtype)
+        elif channels_inner:
+            for i in range(xs.size):
+                gs[i] = encode(k_dy[i] * decode(ds[i]) + k_c[i], gs.dtype)
+        elif use_x:
+            a, b, k = k_dy[c], k_x[c], k_c[c]
+            for i in range(xs.size):
+                gs[i] = encode(a * decode(ds[i]) + b * decode(xs[i]) + k, gs.dtype)
+        else:
+            a, k = k_dy[c], k_c[c]
+            for i in range(xs.size):
+                gs[i] = encode(a * decode(ds[i]) + k, gs.dtype)
+        return
     for i in range(xs.size):
         ch = i if channels_inner else c
         dv = decode(ds[i])
