@@ -422,7 +422,7 @@ def channel_sums(x, dy, y, geometry, strides, shift, flags, chunks):
         for item in prange(items):
             _sums_item(x, dy, y, geometry, strides, shift, item, split, partial[item], flags)
     sums = np.zeros((SUMS, channels))
-    for item in range(items):  # a fixed order: the same sums on any thread count
+    for item in range(items):  # in item order: the same sums for the same split
         c0, c1, _, _ = item_bounds(item, split, geometry)
         for j in range(SUMS):
             for c in range(c0, c1):
