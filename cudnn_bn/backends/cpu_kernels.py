@@ -236,14 +236,19 @@ def _strided(a, offset, n, stride):
 
 @jit
 def _run_offsets(r, c, geometry, strides, tensors):
-    """Offsets of row ``r``, channel ``c`` in the first ``tensors`` tensors, and whether every
-    one of their runs is contiguous."""
-    offsets = np.empty(tensors, np.int64)
+    """Offsets of row ``r``, channel ``c`` in the five tensor slots, and whether the runs of
+    the first ``tensors`` are all contiguous."""
     unit = True
     column = 0 if geometry[3] else 1
     for t in range(tensors):
-        offsets[t] = row_offset(r, geometry, strides, t) + c * strides[t, 0]
         unit = unit and strides[t, column] <= 1  # 0: an absent tensor, never read
+    offsets = (
+        row_offset(r, geometry, strides, 0) + c * strides[0, 0],
+        row_offset(r, geometry, strides, 1) + c * strides[1, 0],
+        row_offset(r, geometry, strides, 2) + c * strides[2, 0],
+        row_offset(r, geometry, strides, 3) + c * strides[3, 0],
+        row_offset(r, geometry, strides, 4) + c * strides[4, 0],
+    )
     return offsets, unit
 
 

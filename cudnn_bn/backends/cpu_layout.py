@@ -16,6 +16,7 @@ import numpy as np
 from ..tensor import TensorDesc
 
 ROW_DIMS = 4  # an (N, C, D, H, W) input has at most four non-channel axes
+SLOTS = 5  # data tensors of a pass, at most (the backward's x, dy, y, grad_input, grad_z)
 # Columns of ``Layout.strides``: channel, inner, then one per row dimension.
 STRIDE_COLUMNS = 2 + ROW_DIMS
 
@@ -31,8 +32,9 @@ class Layout:
 
     ``geometry``: channels, inner size, row count, whether channels are innermost, then the
     row dimensions (outermost first, padded with 1). ``strides[t]``: tensor ``t``'s
-    element strides for ``STRIDE_COLUMNS``. ``spans[t]``: elements from its first to its
-    last element, plus one (the length of the kernels' flat view of it).
+    element strides for ``STRIDE_COLUMNS`` (``SLOTS`` rows; zeros for absent tensors).
+    ``spans[t]``: elements from its first to its last element, plus one (the length of the
+    kernels' flat view of it).
     """
 
     geometry: np.ndarray
@@ -69,7 +71,7 @@ class Layout:
         row_sizes = [int(np.prod([x.shape[a] for a in g])) for g in rows]
         row_sizes = [1] * (ROW_DIMS - len(rows)) + row_sizes
         inner = int(np.prod([x.shape[a] for a in inner_axes])) if inner_axes else 1
-        strides = np.zeros((len(descs), STRIDE_COLUMNS), dtype=np.int64)
+        strides = np.zeros((SLOTS, STRIDE_COLUMNS), dtype=np.int64)
         spans = []
         for t, d in enumerate(descs):
             if d is None:
