@@ -192,34 +192,45 @@ def store_channels(values, address, stride, code):
 
 @jit
 def row_offset(row, geometry, strides, t):
-    """Element offset of row ``row`` in tensor ``t`` (row dimensions decomposed)."""
+    """Element offset of row ``row`` in tensor ``t`` (row dimensions decomposed; the
+    outermost needs no division, and most layouts have just that one)."""
     offset = 0
-    for k in range(ROW_DIMS - 1, -1, -1):
+    for k in range(ROW_DIMS - 1, 0, -1):
         size = geometry[4 + k]
+        if row < size:
+            return offset + row * strides[t, 2 + k]
         offset += (row % size) * strides[t, 2 + k]
         row //= size
-    return offset
+    return offset + row * strides[t, 2]
 
 
 @jit
 def work_items(geometry, chunks):
-    """``(items, split)``: rows split in ``split`` runs, times the channels unless innermost."""
+    """``(items, split)``: blocks of channels times runs of rows (``split`` per block).
+
+    Channels innermost: one block of every channel, rows split in ``chunks``. Otherwise
+    ``chunks`` blocks of channels, and rows split too when there are fewer channels."""
     channels, rows = geometry[0], geometry[2]
     if geometry[3]:
         split = min(chunks, rows)
         return split, split
-    split = min(rows, (chunks + channels - 1) // channels) if chunks > 1 else 1
-    return channels * split, split
+    blocks = min(channels, chunks)
+    split = min(rows, (chunks + blocks - 1) // blocks)
+    return blocks * split, split
 
 
 @jit
-def item_bounds(item, split, geometry):
+def item_bounds(item, split, geometry, items):
     """``(first channel, end channel, first row, end row)`` of work item ``item``."""
     channels, rows = geometry[0], geometry[2]
-    if geometry[3]:
-        return 0, channels, item * rows // split, (item + 1) * rows // split
-    c, s = item // split, item % split
-    return c, c + 1, s * rows // split, (s + 1) * rows // split
+    block, s = item // split, item % split
+    blocks = items // split
+    return (
+        block * channels // blocks,
+        (block + 1) * channels // blocks,
+        s * rows // split,
+        (s + 1) * rows // split,
+    )
 
 
 # --- runs: the innermost loops ----------------------------------------------------------------
@@ -235,21 +246,25 @@ def _strided(a, offset, n, stride):
 
 
 @jit
-def _run_offsets(r, c, geometry, strides, tensors):
-    """Offsets of row ``r``, channel ``c`` in the five tensor slots, and whether the runs of
-    the first ``tensors`` are all contiguous."""
-    unit = True
+def _row_bases(r, geometry, strides):
+    """Offsets of row ``r`` (channel 0) in the five tensor slots."""
+    return (
+        row_offset(r, geometry, strides, 0),
+        row_offset(r, geometry, strides, 1),
+        row_offset(r, geometry, strides, 2),
+        row_offset(r, geometry, strides, 3),
+        row_offset(r, geometry, strides, 4),
+    )
+
+
+@jit
+def _contiguous_runs(geometry, strides, tensors):
+    """Whether the runs of the first ``tensors`` slots are all contiguous."""
     column = 0 if geometry[3] else 1
+    unit = True
     for t in range(tensors):
         unit = unit and strides[t, column] <= 1  # 0: an absent tensor, never read
-    offsets = (
-        row_offset(r, geometry, strides, 0) + c * strides[0, 0],
-        row_offset(r, geometry, strides, 1) + c * strides[1, 0],
-        row_offset(r, geometry, strides, 2) + c * strides[2, 0],
-        row_offset(r, geometry, strides, 3) + c * strides[3, 0],
-        row_offset(r, geometry, strides, 4) + c * strides[4, 0],
-    )
-    return offsets, unit
+    return unit
 
 
 @jit
@@ -264,7 +279,8 @@ def _run_stride(geometry, strides, t):
 
 @numba.njit(**OPTIONS, fastmath=REASSOC)
 def _accumulate(xs, ds, ys, shift, c, out, channels_inner, flags):
-    """Add a run's sums to ``out`` (``(SUMS, channels)``, or ``(SUMS, 1)`` for one channel).
+    """Add a run's sums to ``out``: column ``i`` for channel ``i`` of a run over channels,
+    else column ``c`` for a run of channel ``c`` (``out`` is ``(SUMS, columns)``).
 
     The three loops are the cases a pass asks for (x alone; x and dy; x and masked dy),
     written out so that each vectorizes with no test inside."""
@@ -313,10 +329,10 @@ def _accumulate(xs, ds, ys, shift, c, out, channels_inner, flags):
             s1 += xv * xv
             s2 += dv
             s3 += dv * xv
-    out[0, 0] += s0
-    out[1, 0] += s1
-    out[2, 0] += s2
-    out[3, 0] += s3
+    out[0, c] += s0
+    out[1, c] += s1
+    out[2, c] += s2
+    out[3, c] += s3
 
 
 @jit
@@ -375,40 +391,24 @@ def _apply_forward(xs, zs, ys, mean, scale, shift, c, channels_inner, flags):
 
 
 @jit
-def _sums_item(x, dy, y, geometry, strides, shift, item, split, out, flags):
-    """Accumulate work item ``item``'s sums into ``out``."""
-    c0, c1, r0, r1 = item_bounds(item, split, geometry)
+def _sums_item(x, dy, y, geometry, strides, shift, item, items, split, out, flags):
+    """Accumulate work item ``item``'s sums into ``out`` (``(SUMS, C)``)."""
+    c0, c1, r0, r1 = item_bounds(item, split, geometry, items)
     n, inner = _run_length(geometry, c0, c1), geometry[3] != 0
-    sx, sd, sy = (
-        _run_stride(geometry, strides, 0),
-        _run_stride(geometry, strides, 1),
-        _run_stride(geometry, strides, 2),
-    )
+    unit = _contiguous_runs(geometry, strides, 3 if flags[1] else 2)
+    sx, sd = _run_stride(geometry, strides, 0), _run_stride(geometry, strides, 1)
+    sy = _run_stride(geometry, strides, 2)
+    cx, cd, cy = strides[0, 0], strides[1, 0], strides[2, 0]
     for r in range(r0, r1):
+        bx, bd, by, _, _ = _row_bases(r, geometry, strides)
         for c in range(c0, c0 + 1 if inner else c1):
-            o, unit = _run_offsets(r, c, geometry, strides, 3)
+            ox, od, oy = bx + c * cx, bd + c * cd, by + c * cy
             if unit:
-                _accumulate(
-                    x[o[0] : o[0] + n],
-                    dy[o[1] : o[1] + n],
-                    y[o[2] : o[2] + n],
-                    shift,
-                    c,
-                    out,
-                    inner,
-                    flags,
-                )
+                xs, ds, ys = x[ox : ox + n], dy[od : od + n], y[oy : oy + n]
+                _accumulate(xs, ds, ys, shift, c, out, inner, flags)
             else:
-                _accumulate(
-                    _strided(x, o[0], n, sx),
-                    _strided(dy, o[1], n, sd),
-                    _strided(y, o[2], n, sy),
-                    shift,
-                    c,
-                    out,
-                    inner,
-                    flags,
-                )
+                xs, ds = _strided(x, ox, n, sx), _strided(dy, od, n, sd)
+                _accumulate(xs, ds, _strided(y, oy, n, sy), shift, c, out, inner, flags)
 
 
 @numba.njit(**OPTIONS, parallel=prange_only())
@@ -416,23 +416,20 @@ def channel_sums(x, dy, y, geometry, strides, shift, flags, chunks):
     """``(4, C)`` float64 sums over every value of each channel, ``k`` = ``shift[c]``:
     ``x - k``, ``(x - k)^2``, ``dy``, ``dy * (x - k)`` (``dy`` zero where ``y <= 0`` if
     masked). ``flags``: sum dy, mask; without dy its sums stay zero."""
-    channels = geometry[0]
     items, split = work_items(geometry, chunks)
-    width = channels if geometry[3] else 1
-    partial = np.zeros((items, SUMS, width))
-    if chunks == 1:
-        for item in range(items):
-            _sums_item(x, dy, y, geometry, strides, shift, item, split, partial[item], flags)
-    else:
-        for item in prange(items):
-            _sums_item(x, dy, y, geometry, strides, shift, item, split, partial[item], flags)
-    sums = np.zeros((SUMS, channels))
-    for item in range(items):  # in item order: the same sums for the same split
-        c0, c1, _, _ = item_bounds(item, split, geometry)
-        for j in range(SUMS):
-            for c in range(c0, c1):
-                sums[j, c] += partial[item, j, c - c0]
-    return sums
+    if split == 1:  # items cover distinct channels: they share one table
+        sums = np.zeros((SUMS, geometry[0]))
+        if chunks == 1:
+            for item in range(items):
+                _sums_item(x, dy, y, geometry, strides, shift, item, items, split, sums, flags)
+        else:
+            for item in prange(items):
+                _sums_item(x, dy, y, geometry, strides, shift, item, items, split, sums, flags)
+        return sums
+    partial = np.zeros((items, SUMS, geometry[0]))
+    for item in prange(items):
+        _sums_item(x, dy, y, geometry, strides, shift, item, items, split, partial[item], flags)
+    return partial.sum(axis=0)  # in item order: the same sums for the same split
 
 
 @jit
@@ -448,77 +445,54 @@ def first_values(x, geometry, strides):
 
 
 @jit
-def _backward_item(x, dy, y, gi, gz, geometry, strides, k_dy, k_x, k_c, item, split, flags):
+def _backward_item(x, dy, y, gi, gz, geometry, strides, k_dy, k_x, k_c, item, items, split, flags):
     """``_apply_backward`` over work item ``item``."""
-    c0, c1, r0, r1 = item_bounds(item, split, geometry)
+    c0, c1, r0, r1 = item_bounds(item, split, geometry, items)
     n, inner = _run_length(geometry, c0, c1), geometry[3] != 0
+    unit = _contiguous_runs(geometry, strides, 5)
     s = [_run_stride(geometry, strides, t) for t in range(5)]
+    cs = strides[:, 0]
     for r in range(r0, r1):
+        b = _row_bases(r, geometry, strides)
         for c in range(c0, c0 + 1 if inner else c1):
-            o, unit = _run_offsets(r, c, geometry, strides, 5)
+            o = (
+                b[0] + c * cs[0],
+                b[1] + c * cs[1],
+                b[2] + c * cs[2],
+                b[3] + c * cs[3],
+                b[4] + c * cs[4],
+            )
             if unit:
-                _apply_backward(
-                    x[o[0] : o[0] + n],
-                    dy[o[1] : o[1] + n],
-                    y[o[2] : o[2] + n],
-                    gi[o[3] : o[3] + n],
-                    gz[o[4] : o[4] + n],
-                    k_dy,
-                    k_x,
-                    k_c,
-                    c,
-                    inner,
-                    flags,
-                )
+                xs, ds, ys = x[o[0] : o[0] + n], dy[o[1] : o[1] + n], y[o[2] : o[2] + n]
+                gs, zs = gi[o[3] : o[3] + n], gz[o[4] : o[4] + n]
+                _apply_backward(xs, ds, ys, gs, zs, k_dy, k_x, k_c, c, inner, flags)
             else:
-                _apply_backward(
-                    _strided(x, o[0], n, s[0]),
-                    _strided(dy, o[1], n, s[1]),
-                    _strided(y, o[2], n, s[2]),
-                    _strided(gi, o[3], n, s[3]),
-                    _strided(gz, o[4], n, s[4]),
-                    k_dy,
-                    k_x,
-                    k_c,
-                    c,
-                    inner,
-                    flags,
-                )
+                xs, ds = _strided(x, o[0], n, s[0]), _strided(dy, o[1], n, s[1])
+                ys, gs = _strided(y, o[2], n, s[2]), _strided(gi, o[3], n, s[3])
+                zs = _strided(gz, o[4], n, s[4])
+                _apply_backward(xs, ds, ys, gs, zs, k_dy, k_x, k_c, c, inner, flags)
 
 
 @jit
-def _forward_item(x, z, out, geometry, strides, mean, scale, shift, item, split, flags):
+def _forward_item(x, z, out, geometry, strides, mean, scale, shift, item, items, split, flags):
     """``_apply_forward`` over work item ``item``."""
-    c0, c1, r0, r1 = item_bounds(item, split, geometry)
+    c0, c1, r0, r1 = item_bounds(item, split, geometry, items)
     n, inner = _run_length(geometry, c0, c1), geometry[3] != 0
-    s = [_run_stride(geometry, strides, t) for t in range(3)]
+    unit = _contiguous_runs(geometry, strides, 3)
+    sx, sz = _run_stride(geometry, strides, 0), _run_stride(geometry, strides, 1)
+    so = _run_stride(geometry, strides, 2)
+    cx, cz, co = strides[0, 0], strides[1, 0], strides[2, 0]
     for r in range(r0, r1):
+        bx, bz, bo, _, _ = _row_bases(r, geometry, strides)
         for c in range(c0, c0 + 1 if inner else c1):
-            o, unit = _run_offsets(r, c, geometry, strides, 3)
+            ox, oz, oo = bx + c * cx, bz + c * cz, bo + c * co
             if unit:
-                _apply_forward(
-                    x[o[0] : o[0] + n],
-                    z[o[1] : o[1] + n],
-                    out[o[2] : o[2] + n],
-                    mean,
-                    scale,
-                    shift,
-                    c,
-                    inner,
-                    flags,
-                )
+                xs, zs, ys = x[ox : ox + n], z[oz : oz + n], out[oo : oo + n]
+                _apply_forward(xs, zs, ys, mean, scale, shift, c, inner, flags)
             else:
-                _apply_forward(
-                    _strided(x, o[0], n, s[0]),
-                    _strided(z, o[1], n, s[1]),
-                    _strided(out, o[2], n, s[2]),
-                    mean,
-                    scale,
-                    shift,
-                    c,
-                    inner,
-                    flags,
-                )
+                xs, zs = _strided(x, ox, n, sx), _strided(z, oz, n, sz)
+                ys = _strided(out, oo, n, so)
+                _apply_forward(xs, zs, ys, mean, scale, shift, c, inner, flags)
 
 
 @numba.njit(**OPTIONS, parallel=prange_only())
@@ -527,10 +501,14 @@ def backward_elementwise(x, dy, y, gi, gz, geometry, strides, k_dy, k_x, k_c, fl
     items, split = work_items(geometry, chunks)
     if chunks == 1:
         for item in range(items):
-            _backward_item(x, dy, y, gi, gz, geometry, strides, k_dy, k_x, k_c, item, split, flags)
+            _backward_item(
+                x, dy, y, gi, gz, geometry, strides, k_dy, k_x, k_c, item, items, split, flags
+            )
     else:
         for item in prange(items):
-            _backward_item(x, dy, y, gi, gz, geometry, strides, k_dy, k_x, k_c, item, split, flags)
+            _backward_item(
+                x, dy, y, gi, gz, geometry, strides, k_dy, k_x, k_c, item, items, split, flags
+            )
 
 
 @numba.njit(**OPTIONS, parallel=prange_only())
@@ -539,10 +517,14 @@ def forward_elementwise(x, z, out, geometry, strides, mean, scale, shift, flags,
     items, split = work_items(geometry, chunks)
     if chunks == 1:
         for item in range(items):
-            _forward_item(x, z, out, geometry, strides, mean, scale, shift, item, split, flags)
+            _forward_item(
+                x, z, out, geometry, strides, mean, scale, shift, item, items, split, flags
+            )
     else:
         for item in prange(items):
-            _forward_item(x, z, out, geometry, strides, mean, scale, shift, item, split, flags)
+            _forward_item(
+                x, z, out, geometry, strides, mean, scale, shift, item, items, split, flags
+            )
 
 
 # --- the passes ----------------------------------------------------------------------------
