@@ -46,6 +46,7 @@ TORCH_DTYPES["f64"] = torch.float64
 DATA_TYPES = {"f16": DataType.F16, "bf16": DataType.BF16, "f32": DataType.F32}
 DATA_TYPES["f64"] = DataType.F64
 TOL = {"f16": 1e-2, "bf16": 1e-2, "f32": 2e-5, "f64": 1e-10}
+SETTLE_S = 0.005  # idle time before each timed sample (not timed)
 TARGET = {"f16": 1.5, "bf16": 1.5, "f32": 1.0, "f64": 1.0}  # our time / torch's (issue 10)
 
 
@@ -179,43 +180,17 @@ def compute_impls(ops: dict) -> dict[str, Callable[[], tuple]]:
     bwd = BatchNormBackwardDescriptor(handle, xd, pd, pd, xd, xd, pd, pd, pd, mode="saved_invstd")
     fwd = BatchNormForwardTrainingDescriptor(handle, xd, pd, pd, xd, pd, pd, pd, pd)
     inf = BatchNormForwardInferenceDescriptor(handle, xd, xd, pd, pd, pd, pd)
+    # Addresses taken once, as a C caller holding its buffers would.
     p = {k: a.ctypes.data for k, a in n.items()}
+    outs = dict(dx=dx, gw=gw, gb=gb, y=y, sm=sm, si=si, y2=y2, rm_out=rm, rv_out=rv)
+    p.update({k: a.ctypes.data for k, a in outs.items()})
+    backward = (p["dx"], p["gw"], p["gb"], p["x"], p["dy"], p["w"], p["mean"], p["invstd"])
+    training = (p["y"], p["sm"], p["si"], p["x"], p["w"], p["b"], p["rm_out"], p["rv_out"])
+    inference = (p["y2"], p["x"], p["w"], p["b"], p["rm"], p["rv"])
     return {
-        "backward": lambda: (
-            bwd.compute(
-                0,
-                0,
-                dx.ctypes.data,
-                gw.ctypes.data,
-                gb.ctypes.data,
-                p["x"],
-                p["dy"],
-                p["w"],
-                p["mean"],
-                p["invstd"],
-            )
-            or (dx, gw, gb)
-        ),
-        "forward_training": lambda: (
-            fwd.compute(
-                0,
-                0,
-                0,
-                0,
-                y.ctypes.data,
-                sm.ctypes.data,
-                si.ctypes.data,
-                p["x"],
-                p["w"],
-                p["b"],
-                rm.ctypes.data,
-                rv.ctypes.data,
-            )
-            or (y,)
-        ),
-        "forward_inference": lambda: (
-            inf.compute(0, 0, y2.ctypes.data, p["x"], p["w"], p["b"], p["rm"], p["rv"]) or (y2,)
-        ),
+        "backward": lambda: bwd.compute(0, 0, *backward) or (dx, gw, gb),
+        "forward_training": lambda: fwd.compute(0, 0, 0, 0, *training) or (y,),
+        "forward_inference": lambda: inf.compute(0, 0, *inference) or (y2,),
     }
 
 
@@ -309,6 +284,7 @@ def time_case(case: Case, runs: int, with_compute: bool) -> list[dict]:
         samples: dict[str, list[float]] = {name: [] for name in fns}
         for _ in range(runs):
             for name, fn in fns.items():
+                time.sleep(SETTLE_S)  # the previous library's spinning threads go idle
                 start = time.perf_counter()
                 for _ in range(case.calls):
                     fn()
@@ -360,6 +336,9 @@ def markdown(rows: list[dict], meta: dict) -> str:
         f"Machine: {meta['machine']}, {meta['cpus']} CPUs; threads: {meta['threads']} "
         f"(torch and cudnn_bn); torch {meta['torch']}, NumPy {meta['numpy']}, "
         f"numba {meta['numba']}; {meta['runs']} interleaved runs per implementation.",
+        "",
+        f"Each sample follows {SETTLE_S * 1e3:.0f} ms idle, so that the OpenMP threads of the "
+        "previous implementation (torch's, numba's) stop spinning before the next one runs.",
         "",
         "Ratio = median time / torch's median time (target: <= 1.0 F32/F64, <= 1.5 F16/BF16).",
         "Times: median [min, max]. Error: max |result - torch float64| over all outputs; "
