@@ -180,7 +180,8 @@ def compute_impls(ops: dict) -> dict[str, Callable[[], tuple]]:
     bwd = BatchNormBackwardDescriptor(handle, xd, pd, pd, xd, xd, pd, pd, pd, mode="saved_invstd")
     fwd = BatchNormForwardTrainingDescriptor(handle, xd, pd, pd, xd, pd, pd, pd, pd)
     inf = BatchNormForwardInferenceDescriptor(handle, xd, xd, pd, pd, pd, pd)
-    # Addresses taken once, as a C caller holding its buffers would.
+    # Addresses taken once, as a C caller holding its buffers would; the lambdas hold ``outs``
+    # (a buffer only an address refers to would be freed under the kernel).
     p = {k: a.ctypes.data for k, a in n.items()}
     outs = dict(dx=dx, gw=gw, gb=gb, y=y, sm=sm, si=si, y2=y2, rm_out=rm, rv_out=rv)
     p.update({k: a.ctypes.data for k, a in outs.items()})
@@ -188,9 +189,9 @@ def compute_impls(ops: dict) -> dict[str, Callable[[], tuple]]:
     training = (p["y"], p["sm"], p["si"], p["x"], p["w"], p["b"], p["rm_out"], p["rv_out"])
     inference = (p["y2"], p["x"], p["w"], p["b"], p["rm"], p["rv"])
     return {
-        "backward": lambda: bwd.compute(0, 0, *backward) or (dx, gw, gb),
-        "forward_training": lambda: fwd.compute(0, 0, 0, 0, *training) or (y,),
-        "forward_inference": lambda: inf.compute(0, 0, *inference) or (y2,),
+        "backward": lambda: bwd.compute(0, 0, *backward) or (outs["dx"], outs["gw"], outs["gb"]),
+        "forward_training": lambda: fwd.compute(0, 0, 0, 0, *training) or (outs["y"],),
+        "forward_inference": lambda: inf.compute(0, 0, *inference) or (outs["y2"],),
     }
 
 

@@ -12,17 +12,20 @@ which is what small problems want. Data tensors are walked as ``cpu_layout.Layou
 F16 and BF16 have no numba type: the kernels see their bits (``uint16`` for F16, ``int16``
 for BF16, so the dtype alone picks the conversion) and convert element by element: exact
 reads, and one round-to-nearest-even write from float64 (BF16 through float32, as torch).
+F16 goes through LLVM's ``half`` type, so it uses the CPU's conversion instructions.
 Per-channel operands may have another dtype than the data (F32 for half data); they are
 read and written through a runtime dtype code, since they are small.
 
 Compiled with ``cache=True``: the first call of each data dtype compiles once per machine
-(see benchmarks/bench_cpu.py's report for the cold cost). References: numba's
-"Automatic parallelization with @jit" (``prange``) and "Notes on caching"; NumPy's
-``npy_double_to_half`` (``numpy/_core/src/npymath/halffloat.cpp``) for the F16 rounding.
+(seconds), later processes load the machine code from numba's cache. References: numba's
+"Automatic parallelization with @jit" (``prange``), "Notes on caching" and
+``numba.extending.intrinsic``; NumPy's ``astype(float16)`` is what the F16 rounding is
+tested against.
 """
 
 import numba
 import numpy as np
+from llvmlite import ir
 from numba import prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic, overload
@@ -66,33 +69,44 @@ def flat(address, span, like):
 # --- element conversions -----------------------------------------------------------------
 
 
-@jit
-def _f16_to_f64(stored):
-    # The half's exponent and mantissa land in a float64's low exponent bits and top
-    # mantissa bits, and scaling by 2**1008 rebiases the exponent (subnormals too); an
-    # all-ones exponent (inf, NaN) becomes float64's. Exact, and free of branches so that
-    # the loops calling it vectorize.
-    h = np.int64(stored) & 0xFFFF
-    special = (((h & 0x7C00) + 0x400) >> 15) * 0x7FF0000000000000
-    bits = ((h & 0x7FFF) << 42) | special | ((h & 0x8000) << 48)
-    return np.int64(bits).view(np.float64) * 2.0**1008
+@intrinsic
+def _f16_to_f64(typingctx, stored):
+    """The float64 value of F16 bits (exact): LLVM's half extension, which is one
+    instruction where the CPU has it (x86 F16C) and a compiler-rt call elsewhere."""
+
+    def codegen(context, builder, signature, args):
+        bits = args[0]
+        if bits.type.width != 16:
+            bits = builder.trunc(bits, ir.IntType(16))
+        return builder.fpext(builder.bitcast(bits, ir.HalfType()), ir.DoubleType())
+
+    return types.float64(stored), codegen
+
+
+@intrinsic
+def _f32_to_f16(typingctx, value):
+    """F16 bits of a float32, rounded to nearest even (LLVM's half truncation)."""
+
+    def codegen(context, builder, signature, args):
+        return builder.bitcast(builder.fptrunc(args[0], ir.HalfType()), ir.IntType(16))
+
+    return types.uint16(types.float32), codegen
 
 
 @jit
 def _f64_to_f16(value):
-    # Rounded once, to nearest even, from float64 (as NumPy's npy_double_to_half). Every
-    # case is computed and one selected, so the loops calling this stay vectorized.
-    bits = np.float64(value).view(np.int64)
-    magnitude = bits & 0x7FFFFFFFFFFFFFFF
-    mantissa = magnitude & 0xFFFFFFFFFFFFF
-    normal = (((magnitude >> 52) - 1008) << 10) | (mantissa >> 42)
-    rest = mantissa & 0x3FFFFFFFFFF
-    normal += (rest > 0x20000000000) | ((rest == 0x20000000000) & (normal & 1))
-    subnormal = np.int64(np.rint(np.abs(value) * 16777216.0))  # units of 2**-24
-    half = normal if magnitude >= 0x3F10000000000000 else subnormal  # >= 2**-14: normal
-    half = 0x7C00 if magnitude >= 0x40EFFE0000000000 else half  # >= 65520: inf
-    half = 0x7E00 if magnitude > 0x7FF0000000000000 else half  # NaN
-    return ((bits >> 48) & 0x8000) | half
+    # One rounding from float64: first to float32 rounding to odd (toward zero, then the
+    # last bit set if anything was cut off), then to half by the hardware's round to
+    # nearest even. float32 keeps more than two bits beyond a half's precision, so the
+    # result is the correctly rounded half (Boldo and Melquiond, "When double rounding is
+    # odd", 2005); NaN and inf pass through.
+    single = np.float32(value)
+    bits = np.int64(single.view(np.int32))
+    back = np.float64(single)
+    inexact = back != value and value == value
+    bits = bits - 1 if inexact and abs(back) > abs(value) else bits  # one step toward zero
+    bits = bits | 1 if inexact else bits
+    return _f32_to_f16(np.int32(bits).view(np.float32))
 
 
 @jit
@@ -124,7 +138,7 @@ def _decode(stored):
     if isinstance(stored, types.Float):
         return lambda stored: np.float64(stored)
     if stored == types.uint16:
-        return lambda stored: _f16_to_f64(stored)
+        return lambda stored: _f16_to_f64(np.uint16(stored))
     return lambda stored: _bf16_to_f64(stored)
 
 
