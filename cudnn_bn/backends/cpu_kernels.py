@@ -282,6 +282,16 @@ def _contiguous_runs(geometry, strides, tensors):
 
 
 @jit
+def _channel_runs_adjoin(geometry, strides, tensors):
+    """Whether, channel after channel, the runs of the first ``tensors`` slots follow each
+    other in memory (NCHW-like), so that a row's block of channels is one contiguous run."""
+    adjoin = not geometry[3]
+    for t in range(tensors):
+        adjoin = adjoin and (strides[t, 0] == geometry[1] or strides[t, 0] == 0)
+    return adjoin
+
+
+@jit
 def _run_length(geometry, c0, c1):
     return c1 - c0 if geometry[3] else geometry[1]
 
@@ -292,9 +302,9 @@ def _run_stride(geometry, strides, t):
 
 
 @numba.njit(**OPTIONS, fastmath=REASSOC)
-def _accumulate(xs, ds, ys, shift, c, out, channels_inner, flags):
-    """Add a run's sums to ``out``: column ``i`` for channel ``i`` of a run over channels,
-    else column ``c`` for a run of channel ``c`` (``out`` is ``(SUMS, columns)``).
+def _accumulate(xs, ds, ys, shift, c, m, out, channels_inner, flags):
+    """Add a run's sums to ``out`` (``(SUMS, C)``): column ``i`` for element ``i`` of a run
+    over channels; else the run holds ``m`` channels from ``c``, one after the other.
 
     The three loops are the cases a pass asks for (x alone; x and dy; x and masked dy),
     written out so that each vectorizes with no test inside."""
@@ -321,84 +331,98 @@ def _accumulate(xs, ds, ys, shift, c, out, channels_inner, flags):
                 out[2, i] += dv
                 out[3, i] += dv * xv
         return
-    k = shift[c]
-    s0 = s1 = s2 = s3 = 0.0
-    if not has_dy:
-        for i in range(xs.size):
-            xv = decode(xs[i]) - k
-            s0 += xv
-            s1 += xv * xv
-    elif not masked:
-        for i in range(xs.size):
-            xv, dv = decode(xs[i]) - k, decode(ds[i])
-            s0 += xv
-            s1 += xv * xv
-            s2 += dv
-            s3 += dv * xv
-    else:
-        for i in range(xs.size):
-            xv, dv = decode(xs[i]) - k, decode(ds[i])
-            dv = dv if decode(ys[i]) > 0 else 0.0
-            s0 += xv
-            s1 += xv * xv
-            s2 += dv
-            s3 += dv * xv
-    out[0, c] += s0
-    out[1, c] += s1
-    out[2, c] += s2
-    out[3, c] += s3
+    n = xs.size // m
+    for j in range(m):
+        xj, dj, yj = xs[j * n : j * n + n], ds[j * n : j * n + n], ys[j * n : j * n + n]
+        k = shift[c + j]
+        s0 = s1 = s2 = s3 = 0.0
+        if not has_dy:
+            for i in range(n):
+                xv = decode(xj[i]) - k
+                s0 += xv
+                s1 += xv * xv
+        elif not masked:
+            for i in range(n):
+                xv, dv = decode(xj[i]) - k, decode(dj[i])
+                s0 += xv
+                s1 += xv * xv
+                s2 += dv
+                s3 += dv * xv
+        else:
+            for i in range(n):
+                xv, dv = decode(xj[i]) - k, decode(dj[i])
+                dv = dv if decode(yj[i]) > 0 else 0.0
+                s0 += xv
+                s1 += xv * xv
+                s2 += dv
+                s3 += dv * xv
+        out[0, c + j] += s0
+        out[1, c + j] += s1
+        out[2, c + j] += s2
+        out[3, c + j] += s3
 
 
 @jit
-def _apply_backward(xs, ds, ys, gs, zs, k_dy, k_x, k_c, c, channels_inner, flags):
-    """``gs = k_dy*ds + k_x*xs + k_c`` and ``zs = ds`` over a run (``ds`` masked).
+def _apply_backward(xs, ds, ys, gs, zs, k_dy, k_x, k_c, c, m, channels_inner, flags):
+    """``gs = k_dy*ds + k_x*xs + k_c`` and ``zs = ds`` over a run (``ds`` masked); the run
+    is over channels, or holds ``m`` channels from ``c`` one after the other.
 
     ``flags``: use x (all but eval), mask, write gi, write gz. The unfused cases have loops
     of their own, with no test inside, so that they vectorize."""
     use_x, masked, write_gi, write_gz = flags
-    if write_gi and not (masked or write_gz):
-        if channels_inner and use_x:
-            for i in range(xs.size):
-                v = k_dy[i] * decode(ds[i]) + k_x[i] * decode(xs[i]) + k_c[i]
-                gs[i] = encode(v, gs.dtype)
-        elif channels_inner:
-            for i in range(xs.size):
-                gs[i] = encode(k_dy[i] * decode(ds[i]) + k_c[i], gs.dtype)
-        elif use_x:
-            a, b, k = k_dy[c], k_x[c], k_c[c]
-            for i in range(xs.size):
-                gs[i] = encode(a * decode(ds[i]) + b * decode(xs[i]) + k, gs.dtype)
-        else:
-            a, k = k_dy[c], k_c[c]
-            for i in range(xs.size):
-                gs[i] = encode(a * decode(ds[i]) + k, gs.dtype)
-        return
-    for i in range(xs.size):
-        ch = i if channels_inner else c
-        dv = decode(ds[i])
-        if masked and not decode(ys[i]) > 0:
-            dv = 0.0
-        v = k_dy[ch] * dv + k_c[ch]
-        if use_x:
-            v += k_x[ch] * decode(xs[i])
-        if write_gi:
+    plain = write_gi and not (masked or write_gz)
+    if channels_inner and plain and use_x:
+        for i in range(xs.size):
+            v = k_dy[i] * decode(ds[i]) + k_x[i] * decode(xs[i]) + k_c[i]
             gs[i] = encode(v, gs.dtype)
-        if write_gz:
-            zs[i] = encode(dv, zs.dtype)
+        return
+    if channels_inner and plain:
+        for i in range(xs.size):
+            gs[i] = encode(k_dy[i] * decode(ds[i]) + k_c[i], gs.dtype)
+        return
+    n = xs.size // m
+    for j in range(m if not channels_inner else 1):
+        lo, hi = (j * n, j * n + n) if not channels_inner else (0, xs.size)
+        xj, dj, yj, gj, zj = xs[lo:hi], ds[lo:hi], ys[lo:hi], gs[lo:hi], zs[lo:hi]
+        a, b, k = k_dy[c + j], k_x[c + j], k_c[c + j]
+        if plain and use_x:
+            for i in range(hi - lo):
+                gj[i] = encode(a * decode(dj[i]) + b * decode(xj[i]) + k, gj.dtype)
+        elif plain:
+            for i in range(hi - lo):
+                gj[i] = encode(a * decode(dj[i]) + k, gj.dtype)
+        else:
+            for i in range(hi - lo):
+                ch = i if channels_inner else c + j
+                dv = decode(dj[i])
+                if masked and not decode(yj[i]) > 0:
+                    dv = 0.0
+                v = k_dy[ch] * dv + k_c[ch]
+                if use_x:
+                    v += k_x[ch] * decode(xj[i])
+                if write_gi:
+                    gj[i] = encode(v, gj.dtype)
+                if write_gz:
+                    zj[i] = encode(dv, zj.dtype)
 
 
 @jit
-def _apply_forward(xs, zs, ys, mean, scale, shift, c, channels_inner, flags):
-    """``ys = relu?((xs - mean)*scale + shift [+ zs])`` over a run."""
+def _apply_forward(xs, zs, ys, mean, scale, shift, c, m, channels_inner, flags):
+    """``ys = relu?((xs - mean)*scale + shift [+ zs])`` over a run (over channels, or of
+    ``m`` channels from ``c``, one after the other)."""
     add_z, relu = flags
-    for i in range(xs.size):
-        ch = i if channels_inner else c
-        v = (decode(xs[i]) - mean[ch]) * scale[ch] + shift[ch]
-        if add_z:
-            v += decode(zs[i])
-        if relu and v < 0:
-            v = 0.0
-        ys[i] = encode(v, ys.dtype)
+    n = xs.size // m
+    for j in range(m if not channels_inner else 1):
+        lo, hi = (j * n, j * n + n) if not channels_inner else (0, xs.size)
+        xj, zj, yj = xs[lo:hi], zs[lo:hi], ys[lo:hi]
+        for i in range(hi - lo):
+            ch = i if channels_inner else c + j
+            v = (decode(xj[i]) - mean[ch]) * scale[ch] + shift[ch]
+            if add_z:
+                v += decode(zj[i])
+            if relu and v < 0:
+                v = 0.0
+            yj[i] = encode(v, yj.dtype)
 
 
 # --- pass 1: per-channel sums --------------------------------------------------------------
@@ -409,20 +433,27 @@ def _sums_item(x, dy, y, geometry, strides, shift, item, items, split, out, flag
     """Accumulate work item ``item``'s sums into ``out`` (``(SUMS, C)``)."""
     c0, c1, r0, r1 = item_bounds(item, split, geometry, items)
     n, inner = _run_length(geometry, c0, c1), geometry[3] != 0
-    unit = _contiguous_runs(geometry, strides, 3 if flags[1] else 2)
+    tensors = 3 if flags[1] else 2
+    unit = _contiguous_runs(geometry, strides, tensors)
+    block = unit and _channel_runs_adjoin(geometry, strides, tensors)
     sx, sd = _run_stride(geometry, strides, 0), _run_stride(geometry, strides, 1)
     sy = _run_stride(geometry, strides, 2)
     cx, cd, cy = strides[0, 0], strides[1, 0], strides[2, 0]
     for r in range(r0, r1):
         bx, bd, by, _, _ = _row_bases(r, geometry, strides)
+        if block:  # the whole block of channels in one run
+            ox, od, oy, size = bx + c0 * cx, bd + c0 * cd, by + c0 * cy, (c1 - c0) * n
+            xs, ds, ys = x[ox : ox + size], dy[od : od + size], y[oy : oy + size]
+            _accumulate(xs, ds, ys, shift, c0, c1 - c0, out, False, flags)
+            continue
         for c in range(c0, c0 + 1 if inner else c1):
             ox, od, oy = bx + c * cx, bd + c * cd, by + c * cy
             if unit:
                 xs, ds, ys = x[ox : ox + n], dy[od : od + n], y[oy : oy + n]
-                _accumulate(xs, ds, ys, shift, c, out, inner, flags)
+                _accumulate(xs, ds, ys, shift, c, 1, out, inner, flags)
             else:
                 xs, ds = _strided(x, ox, n, sx), _strided(dy, od, n, sd)
-                _accumulate(xs, ds, _strided(y, oy, n, sy), shift, c, out, inner, flags)
+                _accumulate(xs, ds, _strided(y, oy, n, sy), shift, c, 1, out, inner, flags)
 
 
 @numba.njit(**OPTIONS, parallel=prange_only())
@@ -464,11 +495,12 @@ def _backward_item(x, dy, y, gi, gz, geometry, strides, k_dy, k_x, k_c, item, it
     c0, c1, r0, r1 = item_bounds(item, split, geometry, items)
     n, inner = _run_length(geometry, c0, c1), geometry[3] != 0
     unit = _contiguous_runs(geometry, strides, 5)
+    block = unit and _channel_runs_adjoin(geometry, strides, 5)
     s = [_run_stride(geometry, strides, t) for t in range(5)]
     cs = strides[:, 0]
     for r in range(r0, r1):
         b = _row_bases(r, geometry, strides)
-        for c in range(c0, c0 + 1 if inner else c1):
+        for c in range(c0, c0 + 1 if inner or block else c1):
             o = (
                 b[0] + c * cs[0],
                 b[1] + c * cs[1],
@@ -477,14 +509,16 @@ def _backward_item(x, dy, y, gi, gz, geometry, strides, k_dy, k_x, k_c, item, it
                 b[4] + c * cs[4],
             )
             if unit:
-                xs, ds, ys = x[o[0] : o[0] + n], dy[o[1] : o[1] + n], y[o[2] : o[2] + n]
-                gs, zs = gi[o[3] : o[3] + n], gz[o[4] : o[4] + n]
-                _apply_backward(xs, ds, ys, gs, zs, k_dy, k_x, k_c, c, inner, flags)
+                m = c1 - c0 if block else 1
+                size = m * n
+                xs, ds, ys = x[o[0] : o[0] + size], dy[o[1] : o[1] + size], y[o[2] : o[2] + size]
+                gs, zs = gi[o[3] : o[3] + size], gz[o[4] : o[4] + size]
+                _apply_backward(xs, ds, ys, gs, zs, k_dy, k_x, k_c, c, m, inner, flags)
             else:
                 xs, ds = _strided(x, o[0], n, s[0]), _strided(dy, o[1], n, s[1])
                 ys, gs = _strided(y, o[2], n, s[2]), _strided(gi, o[3], n, s[3])
                 zs = _strided(gz, o[4], n, s[4])
-                _apply_backward(xs, ds, ys, gs, zs, k_dy, k_x, k_c, c, inner, flags)
+                _apply_backward(xs, ds, ys, gs, zs, k_dy, k_x, k_c, c, 1, inner, flags)
 
 
 @jit
@@ -493,20 +527,23 @@ def _forward_item(x, z, out, geometry, strides, mean, scale, shift, item, items,
     c0, c1, r0, r1 = item_bounds(item, split, geometry, items)
     n, inner = _run_length(geometry, c0, c1), geometry[3] != 0
     unit = _contiguous_runs(geometry, strides, 3)
+    block = unit and _channel_runs_adjoin(geometry, strides, 3)
     sx, sz = _run_stride(geometry, strides, 0), _run_stride(geometry, strides, 1)
     so = _run_stride(geometry, strides, 2)
     cx, cz, co = strides[0, 0], strides[1, 0], strides[2, 0]
     for r in range(r0, r1):
         bx, bz, bo, _, _ = _row_bases(r, geometry, strides)
-        for c in range(c0, c0 + 1 if inner else c1):
+        for c in range(c0, c0 + 1 if inner or block else c1):
             ox, oz, oo = bx + c * cx, bz + c * cz, bo + c * co
             if unit:
-                xs, zs, ys = x[ox : ox + n], z[oz : oz + n], out[oo : oo + n]
-                _apply_forward(xs, zs, ys, mean, scale, shift, c, inner, flags)
+                m = c1 - c0 if block else 1
+                size = m * n
+                xs, zs, ys = x[ox : ox + size], z[oz : oz + size], out[oo : oo + size]
+                _apply_forward(xs, zs, ys, mean, scale, shift, c, m, inner, flags)
             else:
                 xs, zs = _strided(x, ox, n, sx), _strided(z, oz, n, sz)
                 ys = _strided(out, oo, n, so)
-                _apply_forward(xs, zs, ys, mean, scale, shift, c, inner, flags)
+                _apply_forward(xs, zs, ys, mean, scale, shift, c, 1, inner, flags)
 
 
 @numba.njit(**OPTIONS, parallel=prange_only())
