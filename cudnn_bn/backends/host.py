@@ -1,7 +1,7 @@
-"""Host memory as NumPy arrays: zero-copy views of ``(pointer, TensorDesc)`` and dtype moves.
+"""Host memory as NumPy arrays: zero-copy views of ``(pointer, TensorDesc)``.
 
-``host_array`` is how the CPU backend sees the raw pointers the C API carries; ``to_f64``
-and ``from_f64`` move values between a tensor's storage and float64.
+The CPU kernels take raw pointers themselves (``cpu_kernels.flat``); ``host_array`` is the
+NumPy view the backend needs where NumPy does the work (copying an output out of scratch).
 """
 
 from types import SimpleNamespace
@@ -12,7 +12,6 @@ from ..dtypes import FLOAT_TYPES
 from ..enums import DataType, Status
 from ..errors import InfiniError
 from ..tensor import TensorDesc
-from .bf16 import bf16_bits_to_f32, f32_to_bf16_bits
 
 
 def _float_type(dtype: DataType):
@@ -41,19 +40,3 @@ def host_array(ptr: int, desc: TensorDesc, *, readonly: bool = False) -> np.ndar
         "strides": tuple(s * storage.itemsize for s in desc.strides),
     }
     return np.asarray(SimpleNamespace(__array_interface__=interface))
-
-
-def to_f64(array: np.ndarray, dtype: DataType) -> np.ndarray:
-    """A float64 copy of ``array``, a tensor of ``dtype`` in its storage form."""
-    if _float_type(dtype).dtype is DataType.BF16:
-        return bf16_bits_to_f32(array).astype(np.float64)
-    return np.array(array, dtype=np.float64)
-
-
-def from_f64(values: np.ndarray, dtype: DataType) -> np.ndarray:
-    """``values`` rounded once to ``dtype``, in its storage form (BF16 via float32, as torch)."""
-    ftype = _float_type(dtype)
-    with np.errstate(over="ignore"):  # out of range rounds to inf, as a cast does
-        if ftype.dtype is DataType.BF16:
-            return f32_to_bf16_bits(np.asarray(values, dtype=np.float32))
-        return np.asarray(values, dtype=ftype.storage)

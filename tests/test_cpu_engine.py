@@ -1,0 +1,336 @@
+"""The CPU engine's own promises (cudnn_bn/backends/cpu.py, cpu_kernels.py, cpu_layout.py),
+against references it did not write: torch in float64, NumPy's float16, torch's bfloat16.
+
+- accuracy where a one-pass engine could lose it: 1e7 values per channel with a mean far
+  from zero, constant channels (exactly zero variance), eps 0;
+- the parallel path (large problems split across threads) in every layout walk;
+- outputs that overlap inputs, in the same layout or another;
+- F16/BF16 conversions bit for bit; the extra memory of one call; the thread count.
+"""
+
+import os
+import subprocess
+import sys
+
+import numba
+import numpy as np
+import pytest
+import torch
+from helpers import channels_last, padded_strides
+
+import cudnn_bn
+from cudnn_bn.backends import cpu, cpu_kernels
+from cudnn_bn.enums import DataType
+from cudnn_bn.ops.batch_norm_forward_inference import BatchNormForwardInferenceDescriptor
+from cudnn_bn.problems import BackwardAttributes, BackwardPointers, BackwardTensors, Mode
+from cudnn_bn.runtime import Handle
+from cudnn_bn.tensor import TensorDesc, contiguous_strides
+
+EPS = 1e-5
+
+
+def laid_out(values: np.ndarray, strides, dtype=np.float32) -> np.ndarray:
+    """``values`` as a ``dtype`` array with element ``strides`` (gaps filled with NaN)."""
+    size = 1 + sum((n - 1) * s for n, s in zip(values.shape, strides, strict=True))
+    flat = np.full(size, np.nan, dtype=dtype)
+    item = np.dtype(dtype).itemsize
+    out = np.lib.stride_tricks.as_strided(flat, values.shape, [s * item for s in strides])
+    out[...] = values
+    return out
+
+
+def desc(a: np.ndarray, dtype=DataType.F32) -> TensorDesc:
+    return TensorDesc(dtype, a.shape, tuple(s // a.itemsize for s in a.strides))
+
+
+def torch_backward(x, dy, w, eps=EPS):
+    """float64 (grad_input, grad_weight, grad_bias) of training-mode batch norm."""
+    x, dy, w = (torch.from_numpy(np.asarray(a, np.float64)) for a in (x, dy, w))
+    _, mean, invstd = torch.ops.aten.native_batch_norm(x, w, None, None, None, True, 0.1, eps)
+    return torch.ops.aten.native_batch_norm_backward(
+        dy, x, w, None, None, mean, invstd, True, eps, [True, True, True]
+    )
+
+
+def f64(a) -> torch.Tensor:
+    return (
+        a.double() if isinstance(a, torch.Tensor) else torch.from_numpy(np.asarray(a, np.float64))
+    )
+
+
+def assert_close(got, want, tol=2e-5) -> None:
+    torch.testing.assert_close(f64(got), f64(want), atol=tol, rtol=tol)
+
+
+# --- accuracy ------------------------------------------------------------------------------
+
+
+def test_ten_million_values_per_channel_with_a_far_mean():
+    """1e7 values in one channel, mean 100 and spread 0.1: a one-pass variance in float32, or
+    sums without a shift, would lose the variance; ours stays within F32's tolerance."""
+    rng = np.random.default_rng(0)
+    shape = (10, 1, 1_000_000)
+    x = (100.0 + 0.1 * rng.standard_normal(shape)).astype(np.float32)
+    dy = rng.standard_normal(shape).astype(np.float32)
+    w, b = np.array([1.5], np.float32), np.array([0.25], np.float32)
+    rm, rv = np.zeros(1, np.float32), np.ones(1, np.float32)
+    y, mean, invstd = cudnn_bn.batch_norm_forward_training(x, w, b, rm, rv, momentum=1.0)
+    x64 = torch.from_numpy(x.astype(np.float64))
+    want_y, want_mean, want_invstd = torch.ops.aten.native_batch_norm(
+        x64, torch.tensor([1.5], dtype=torch.float64), torch.tensor([0.25], dtype=torch.float64),
+        None, None, True, 0.1, EPS,
+    )  # fmt: skip
+    assert_close(y, want_y)
+    assert_close(mean, want_mean)
+    assert_close(invstd, want_invstd)
+    assert_close(rv, x64.var(unbiased=True).reshape(1))
+    for got, want in zip(cudnn_bn.batch_norm_backward(x, dy, w, None, None),
+                         torch_backward(x, dy, w), strict=True):  # fmt: skip
+        assert_close(got, want)
+
+
+@pytest.mark.parametrize("eps", [EPS, 0.0])
+def test_constant_channel(eps):
+    """A constant channel has exactly zero variance: with eps its output is the bias and its
+    grad_input w/sqrt(eps) * (dy - mean(dy)); with eps 0 the formula's inf and NaN come out."""
+    rng = np.random.default_rng(1)
+    shape = (64, 2, 2048)  # parallel-sized: 262144 values
+    x = rng.standard_normal(shape).astype(np.float32)
+    x[:, 1] = 3.3  # not a power of two: a naive mean would not subtract to zero
+    dy = rng.standard_normal(shape).astype(np.float32)
+    w, b = np.array([0.5, 2.0], np.float32), np.array([0.0, -0.75], np.float32)
+    y, _, invstd = cudnn_bn.batch_norm_forward_training(x, w, b, None, None, eps=eps)
+    gi, gw, gb = cudnn_bn.batch_norm_backward(x, dy, w, None, None, eps=eps)
+    want = torch_backward(x[:, :1], dy[:, :1], w[:1], eps)
+    assert_close(gi[:, 0], want[0][:, 0])
+    assert_close(gb, dy.astype(np.float64).sum((0, 2)), 1e-4)
+    if eps:
+        assert invstd[1] == np.float32(1 / np.sqrt(eps))
+        assert (y[:, 1] == b[1]).all()
+        dy1 = dy[:, 1].astype(np.float64)
+        assert_close(gi[:, 1], w[1] / np.sqrt(eps) * (dy1 - dy1.mean()), 2e-4)
+        assert gw[1] == 0
+    else:
+        assert np.isinf(invstd[1]) and np.isnan(y[:, 1]).all()
+        assert np.isnan(gi[:, 1]).all() and np.isnan(gw[1])
+
+
+# --- every walk, serial and parallel ---------------------------------------------------------
+
+
+def _x_layouts(shape):
+    mixed = (contiguous_strides(shape), channels_last(shape), padded_strides(shape))
+    return {
+        "nchw": (contiguous_strides(shape),) * 3,
+        "channels_last": (channels_last(shape),) * 3,
+        "padded": (padded_strides(shape),) * 3,
+        "mixed": mixed,
+    }
+
+
+@pytest.mark.parametrize("layout", ["nchw", "channels_last", "padded", "mixed"])
+@pytest.mark.parametrize("shape", [(4, 8, 2, 32, 32), (2, 1, 64, 1024), (32768, 3)], ids=str)
+@pytest.mark.parametrize("threads", [1, 2])
+def test_large_problems_in_every_layout(layout, shape, threads):
+    """Problems of >= 65536 values take the parallel path (``threads`` > 1): channel-outer
+    walks split channels and rows, channels-innermost walks split rows."""
+    rng = np.random.default_rng(2)
+    x64 = rng.standard_normal(shape) * 2 + 1
+    dy64 = rng.standard_normal(shape)
+    w = rng.uniform(0.5, 1.5, shape[1]).astype(np.float32)
+    sx, sd, sg = _x_layouts(shape)[layout]
+    x, dy = laid_out(x64, sx), laid_out(dy64, sd)
+    gi = laid_out(np.zeros(shape), sg)
+    gw, gb = np.empty_like(w), np.empty_like(w)
+    previous = numba.get_num_threads()
+    numba.set_num_threads(min(threads, numba.config.NUMBA_NUM_THREADS))
+    try:
+        kernel = cpu.BatchNormBackward(
+            BackwardTensors(desc(gi), desc(gw), desc(gb), desc(x), desc(dy), desc(w), None, None),
+            BackwardAttributes(eps=EPS, mode=Mode.TRAIN),
+        )
+        assert kernel.parallel
+        kernel.run(BackwardPointers(*(a.ctypes.data for a in (gi, gw, gb, x, dy, w)), 0, 0), 0, 0)
+    finally:
+        numba.set_num_threads(previous)
+    for got, want in zip((gi, gw, gb), torch_backward(x, dy, w), strict=True):
+        assert_close(got, want)
+    y = cudnn_bn.batch_norm_forward_inference(x, w, w, w, np.abs(w))
+    want_y = torch.nn.functional.batch_norm(
+        *(torch.from_numpy(np.asarray(a, np.float64)) for a in (x, w, np.abs(w), w, w)),
+        training=False, eps=EPS,
+    )  # fmt: skip
+    assert_close(y, want_y)
+
+
+# --- overlapping outputs -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("same_layout", [True, False], ids=["same_layout", "other_layout"])
+def test_grad_input_over_grad_output(same_layout):
+    """grad_input written over grad_output's memory: in place in the same layout, or in
+    another layout (through scratch); either way the gradients of the original dy."""
+    rng = np.random.default_rng(3)
+    shape = (8, 16, 32, 32)
+    x = rng.standard_normal(shape).astype(np.float32)
+    dy = np.ascontiguousarray(rng.standard_normal(shape).astype(np.float32))
+    w = rng.uniform(0.5, 1.5, 16).astype(np.float32)
+    want = torch_backward(x, dy, w)
+    if same_layout:
+        gi = dy
+    else:  # the same bytes seen channels-last
+        gi = np.lib.stride_tricks.as_strided(
+            dy, shape, [s * 4 for s in channels_last(shape)], writeable=True
+        )
+    gw, gb = np.empty_like(w), np.empty_like(w)
+    kernel = cpu.BatchNormBackward(
+        BackwardTensors(desc(gi), desc(gw), desc(gb), desc(x), desc(dy), desc(w), None, None),
+        BackwardAttributes(eps=EPS),
+    )
+    kernel.run(BackwardPointers(*(a.ctypes.data for a in (gi, gw, gb, x, dy, w)), 0, 0), 0, 0)
+    for got, w_ in zip((gi, gw, gb), want, strict=True):
+        assert_close(got, w_)
+
+
+def test_inference_output_over_its_input_transposed():
+    """The output written channels-last over its NCHW input's memory: through scratch."""
+    rng = np.random.default_rng(4)
+    shape = (4, 8, 64, 64)
+    x = rng.standard_normal(shape).astype(np.float32)
+    w, b = rng.uniform(0.5, 1.5, 8).astype(np.float32), rng.standard_normal(8).astype(np.float32)
+    mean, var = rng.standard_normal(8).astype(np.float32), rng.uniform(0.5, 2, 8).astype(np.float32)
+    t = {
+        k: torch.from_numpy(v.astype(np.float64))
+        for k, v in dict(x=x, w=w, b=b, m=mean, v=var).items()
+    }
+    want = torch.nn.functional.batch_norm(t["x"], t["m"], t["v"], t["w"], t["b"], False, 0, EPS)
+    out = np.lib.stride_tricks.as_strided(
+        x, shape, [s * 4 for s in channels_last(shape)], writeable=True
+    )
+    pc = desc(w)
+    op = BatchNormForwardInferenceDescriptor(
+        Handle(cudnn_bn.Device.CPU, 0), desc(out), desc(x), pc, pc, pc, pc
+    )
+    op.compute(
+        0,
+        0,
+        out.ctypes.data,
+        x.ctypes.data,
+        w.ctypes.data,
+        b.ctypes.data,
+        mean.ctypes.data,
+        var.ctypes.data,
+    )
+    assert_close(out, want)
+
+
+# --- conversions ---------------------------------------------------------------------------
+
+
+def _load(values: np.ndarray, code: DataType) -> np.ndarray:
+    return cpu_kernels.load_channels(values.ctypes.data, 1, int(code), values.size)
+
+
+def _store(values: np.ndarray, code: DataType) -> np.ndarray:
+    out = np.empty(values.size, np.uint16)
+    cpu_kernels.store_channels(values, out.ctypes.data, 1, int(code))
+    return out
+
+
+def _float64_values() -> np.ndarray:
+    """Random float64 bit patterns around half range, exact ties, and the edges."""
+    rng = np.random.default_rng(5)
+    around = rng.uniform(-17, 17, 300_000)  # exponents of 2 from 2**-17 (subnormal) to 2**17
+    values = np.sign(rng.standard_normal(300_000)) * 2.0**around
+    halves = np.arange(1 << 16, dtype=np.uint16).view(np.float16).astype(np.float64)
+    finite = halves[np.isfinite(halves)]
+    ties = (finite[:-1] + finite[1:]) / 2  # exactly between two halves
+    edges = [0.0, -0.0, 65504.0, 65519.99, 65520.0, -65520.0, np.inf, -np.inf, np.nan,
+             2.0**-24, 2.0**-25, 2.0**-25 * 1.0000001, 2.0**-14, 1e-300, 1e300]  # fmt: skip
+    return np.concatenate([values, ties, edges])
+
+
+def test_f16_reads_every_bit_pattern_exactly():
+    bits = np.arange(1 << 16, dtype=np.uint16)
+    want = bits.view(np.float16).astype(np.float64)
+    got = _load(bits, DataType.F16)
+    nan = np.isnan(want)
+    np.testing.assert_array_equal(got[~nan], want[~nan])
+    assert np.isnan(got[nan]).all()
+    np.testing.assert_array_equal(np.signbit(got[~nan]), np.signbit(want[~nan]))
+
+
+def test_f16_writes_round_once_to_nearest_even():
+    """float64 -> half in one rounding, as NumPy's ``astype(float16)``, ties included."""
+    values = _float64_values()
+    with np.errstate(over="ignore"):
+        want = values.astype(np.float16).view(np.uint16)
+    got = _store(values, DataType.F16)
+    nan = np.isnan(values)
+    np.testing.assert_array_equal(got[~nan], want[~nan])
+    assert np.isnan(got[nan].view(np.float16)).all()
+
+
+def test_bf16_reads_and_writes_as_torch():
+    """BF16 reads are exact; writes round through float32 as torch does."""
+    bits = np.arange(1 << 16, dtype=np.uint16)
+    want = torch.from_numpy(bits.view(np.int16)).view(torch.bfloat16).double().numpy()
+    got = _load(bits, DataType.BF16)
+    nan = np.isnan(want)
+    np.testing.assert_array_equal(got[~nan], want[~nan])
+    values = _float64_values()
+    rounded = torch.from_numpy(values).float().to(torch.bfloat16)
+    want_bits = rounded.view(torch.int16).numpy().view(np.uint16)
+    got_bits = _store(values, DataType.BF16)
+    nan = np.isnan(values)
+    np.testing.assert_array_equal(got_bits[~nan], want_bits[~nan])
+    assert np.isnan(rounded[torch.from_numpy(nan)].float().numpy()).all()
+
+
+# --- memory and threads --------------------------------------------------------------------
+
+_MEMORY_SCRIPT = """
+import numpy as np, cudnn_bn
+def rss_peak():  # this process's high-water mark (getrusage's would start at the parent's)
+    with open("/proc/self/status") as status:
+        line = next(line for line in status if line.startswith("VmHWM:"))
+    return int(line.split()[1]) * 1024
+small = np.ones((4, 8, 4, 4), np.float32)
+cudnn_bn.batch_norm_backward(small, small, np.ones(8, np.float32), None, None)
+shape = (16, 64, 128, 128)
+rng = np.random.default_rng(0)
+x = rng.standard_normal(shape, dtype=np.float32)
+dy = rng.standard_normal(shape, dtype=np.float32)
+w = np.ones(64, np.float32)
+before = rss_peak()
+cudnn_bn.batch_norm_backward(x, dy, w, None, None)
+print(rss_peak() - before, x.nbytes)
+"""
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="needs Linux's /proc")
+def test_one_backward_needs_at_most_its_outputs_in_extra_memory():
+    """Peak RSS growth of one F32 backward on a 64 MiB input: grad_input (1x) and a little,
+    where the float64 engine took about 10x."""
+    result = subprocess.run(
+        [sys.executable, "-c", _MEMORY_SCRIPT], capture_output=True, text=True, check=True
+    )
+    extra, input_bytes = map(int, result.stdout.split())
+    assert extra <= 1.25 * input_bytes, (extra, input_bytes)
+
+
+def test_thread_count_follows_omp_num_threads():
+    script = "from cudnn_bn.backends import cpu; print(cpu.thread_count())"
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env.pop("NUMBA_NUM_THREADS", None)
+    capped = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, check=True, env=env
+    )
+    assert capped.stdout.strip() == "1"
+    env.pop("OMP_NUM_THREADS")
+    free = subprocess.run(
+        [sys.executable, "-c", script + "; import numba; print(numba.get_num_threads())"],
+        capture_output=True, text=True, check=True, env=env,
+    )  # fmt: skip
+    count, numba_count = free.stdout.split()
+    assert count == numba_count
