@@ -1,6 +1,7 @@
 """Facts about each ``DataType`` this package computes with: size, NumPy dtype, cuDNN type.
 
-BF16 has no NumPy dtype; it is stored as ``uint16`` and converted by ``backends/bf16.py``.
+BF16 has no NumPy dtype; it is stored as ``uint16`` (or ``ml_dtypes.bfloat16``) and converted
+by the engines' kernels.
 """
 
 from dataclasses import dataclass

@@ -12,9 +12,9 @@ from dataclasses import dataclass
 import numpy as np
 import pytest
 import torch
+from bf16 import bf16_bits_to_f32, f32_to_bf16_bits
 from helpers import SHAPES, channels_last, padded_strides
 
-from cudnn_bn.backends.bf16 import bf16_bits_to_f32, f32_to_bf16_bits
 from cudnn_bn.backends.cpu import BatchNormBackward
 from cudnn_bn.backends.host import host_array
 from cudnn_bn.dtypes import FLOAT_TYPES

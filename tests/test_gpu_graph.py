@@ -29,6 +29,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from bf16 import bf16_bits_to_f32, f32_to_bf16_bits
 
 from cudnn_bn import BatchNormBackwardDescriptor, DataType, Device, Handle, TensorDesc
 from cudnn_bn.api import (
@@ -36,7 +37,6 @@ from cudnn_bn.api import (
     batch_norm_forward_inference,
     batch_norm_forward_training,
 )
-from cudnn_bn.backends.bf16 import bf16_bits_to_f32, f32_to_bf16_bits
 from cudnn_bn.ops.batch_norm_forward_inference import BatchNormForwardInferenceDescriptor
 from cudnn_bn.ops.batch_norm_forward_training import BatchNormForwardTrainingDescriptor
 

@@ -1,4 +1,6 @@
-"""BF16 <-> float32 bit conversions; NumPy has no bfloat16, so BF16 is stored as ``uint16``.
+"""BF16 <-> float32 bit conversions for the tests' references, stored as ``uint16``.
+
+The CPU engine converts inside its kernels (``cudnn_bn/backends/cpu_kernels.py``).
 
 A BF16 value is the upper half of a float32: reading shifts the bits up by 16, writing
 rounds the float32 bits to nearest, ties to even (as PyTorch and CUDA's ``__float2bfloat16``
