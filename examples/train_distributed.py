@@ -28,6 +28,7 @@ from train_mnist_like import (
     SAMPLES,
     STEPS,
     BatchNormReLU,
+    finish,
     make_data,
 )
 
@@ -138,13 +139,7 @@ def main() -> None:
         bn2.step(LEARNING_RATE)
 
     logits = bn2.infer(bn1.infer(x_all @ w1) @ w2) @ w3 + b3
-    accuracy = float((logits.argmax(axis=1) == t_all).mean())
-    elapsed = time.perf_counter() - start
-    say(f"loss {losses[0]:.4f} -> {losses[-1]:.4f} in {STEPS} steps ({elapsed:.2f} s)")
-    say(f"train accuracy (inference mode, running statistics): {accuracy:.1%}")
-    ok = losses[-1] < 0.5 * losses[0]
-    say("check:", "PASSED" if ok else "FAILED (the loss did not halve)")
-    raise SystemExit(0 if ok else 1)
+    finish(losses, logits, t_all, time.perf_counter() - start, say)
 
 
 if __name__ == "__main__":
