@@ -49,6 +49,7 @@ class Operand:
     ptr: int
     readonly: bool = False
 
+    @functools.cached_property
     def byte_range(self) -> tuple[int, int]:
         """``[first, end)`` bytes its elements lie in (empty for no elements)."""
         d = self.desc
@@ -66,7 +67,7 @@ def shares_memory(a: Operand, b: Operand) -> bool:
     and ``buf[1::2]``). Conservative on other interleavings."""
     if (a.device, a.device_id) != (b.device, b.device_id):
         return False
-    (a_low, a_end), (b_low, b_end) = a.byte_range(), b.byte_range()
+    (a_low, a_end), (b_low, b_end) = a.byte_range, b.byte_range
     if a_low >= b_end or b_low >= a_end:
         return False
     a_size, b_size = (FLOAT_TYPES[op.desc.dtype].itemsize for op in (a, b))
@@ -130,6 +131,25 @@ def _from_interface(
     address, readonly = iface["data"]
     return Operand(
         device, device_id, TensorDesc(dtype, shape, strides), int(address or 0), bool(readonly)
+    )
+
+
+def _from_ndarray(name: str, array: np.ndarray) -> Operand:
+    """``_from_interface`` of a NumPy array, read from its attributes: the same descriptor
+    (packed strides where NumPy calls it C-contiguous, as its interface does), without
+    building the interface's dict."""
+    dtype = _data_type(name, array.dtype)
+    strides = (
+        contiguous_strides(array.shape)
+        if array.flags.c_contiguous
+        else _element_strides(name, array.shape, array.strides, array.itemsize)
+    )
+    return Operand(
+        Device.CPU,
+        0,
+        TensorDesc(dtype, array.shape, strides),
+        array.ctypes.data,
+        not array.flags.writeable,
     )
 
 
@@ -252,7 +272,8 @@ def _torch_place(name: str, tensor: Any) -> tuple[Device, int]:
 
 
 def _is_numpy(array: Any) -> bool:
-    return hasattr(array, "__array_interface__")
+    # isinstance first: an ndarray's __array_interface__ is a new dict at every access.
+    return isinstance(array, np.ndarray) or hasattr(array, "__array_interface__")
 
 
 def _is_cupy(array: Any) -> bool:
@@ -333,6 +354,8 @@ def operand(name: str, array: Any, stream: int | None = None) -> Operand:
     ``stream`` is the CUDA stream the call uses ``array`` on (None: on the CPU, or only
     described): a DLPack producer is handed it, and it waits for a CUDA Array Interface
     producer's ``stream``."""
+    if isinstance(array, np.ndarray):
+        return _from_ndarray(name, array)
     if _is_numpy(array):
         dtype = getattr(array, "dtype", None)
         return _from_interface(name, array.__array_interface__, Device.CPU, 0, dtype)
@@ -399,6 +422,8 @@ def empty_like(like: Any, shape: tuple[int, ...], strides: tuple[int, ...], dtyp
     # BF16 in ml_dtypes' bfloat16 where ``like`` has it (NumPy, CuPy 14), else as its bits.
     own = dtype == DataType.BF16 and getattr(like.dtype, "name", None) == "bfloat16"
     storage = like.dtype if own else FLOAT_TYPES[dtype].storage
+    if tuple(strides) == contiguous_strides(shape):
+        return xp.empty(shape, storage)
     extent = sum((n - 1) * s for n, s in zip(shape, strides, strict=True)) + 1
     base = xp.empty(extent, storage)
     byte_strides = tuple(s * base.itemsize for s in strides)
