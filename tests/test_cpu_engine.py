@@ -16,6 +16,7 @@ import numba
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 from helpers import channels_last, padded_strides
 
 import cudnn_bn
@@ -225,6 +226,36 @@ def test_inference_output_over_its_input_transposed():
 
 
 # --- conversions ---------------------------------------------------------------------------
+
+
+BROADCASTS = [  # (shape, the shape an operand is broadcast from: zero strides)
+    ((2, 1), (1, 1)),
+    ((4, 3, 5), ()),
+    ((4, 3, 5), (1, 3, 5)),
+    ((4, 3, 5), (4, 1, 5)),
+    ((4, 3, 5), (4, 3, 1)),
+    ((2, 8, 3, 3), (1, 8, 1, 1)),
+    ((64, 3, 40), (1, 3, 40)),
+]
+
+
+@pytest.mark.parametrize(("shape", "source"), BROADCASTS, ids=str)
+def test_broadcast_operands(shape, source):
+    """A zero stride is a present operand's (torch's ``expand`` makes such gradients), read
+    element by element, never taken for an absent tensor."""
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal(shape).astype(np.float32)
+    dy = np.broadcast_to(rng.standard_normal(source).astype(np.float32), shape)
+    w = rng.standard_normal(shape[1]).astype(np.float32)
+    for got, want in zip(
+        cudnn_bn.batch_norm_backward(x, dy, w, None, None), torch_backward(x, dy, w), strict=True
+    ):
+        assert_close(got, want)
+    x = np.broadcast_to(rng.standard_normal(source).astype(np.float32), shape)
+    mean, var = np.zeros(shape[1], np.float32), np.ones(shape[1], np.float32)
+    got = cudnn_bn.batch_norm_forward_inference(x, w, w, mean, var, eps=EPS)
+    want = F.batch_norm(f64(x), f64(mean), f64(var), f64(w), f64(w), False, 0.0, EPS)
+    assert_close(got, want)
 
 
 def _load(values: np.ndarray, code: DataType) -> np.ndarray:

@@ -277,7 +277,7 @@ def _contiguous_runs(geometry, strides, tensors):
     column = 0 if geometry[3] else 1
     unit = True
     for t in range(tensors):
-        unit = unit and strides[t, column] <= 1  # 0: an absent tensor, never read
+        unit = unit and strides[t, column] == 1  # an absent tensor has the input's strides
     return unit
 
 
@@ -287,7 +287,7 @@ def _channel_runs_adjoin(geometry, strides, tensors):
     other in memory (NCHW-like), so that a row's block of channels is one contiguous run."""
     adjoin = not geometry[3]
     for t in range(tensors):
-        adjoin = adjoin and (strides[t, 0] == geometry[1] or strides[t, 0] == 0)
+        adjoin = adjoin and strides[t, 0] == geometry[1]
     return adjoin
 
 

@@ -32,7 +32,9 @@ class Layout:
 
     ``geometry``: channels, inner size, row count, whether channels are innermost, then the
     row dimensions (outermost first, padded with 1). ``strides[t]``: tensor ``t``'s
-    element strides for ``STRIDE_COLUMNS`` (``SLOTS`` rows; zeros for absent tensors).
+    element strides for ``STRIDE_COLUMNS`` (``SLOTS`` rows; an absent tensor, never read,
+    has the input's, so that only present tensors decide how runs are walked: a zero stride
+    is a broadcast operand's).
     ``spans[t]``: elements from its first to its last element, plus one (the length of the
     kernels' flat view of it).
     """
@@ -74,14 +76,17 @@ class Layout:
         strides = np.zeros((SLOTS, STRIDE_COLUMNS), dtype=np.int64)
         spans = []
         for t, d in enumerate(descs):
-            if d is None:
-                spans.append(0)
-                continue
-            strides[t, 0] = d.strides[1]
-            strides[t, 1] = d.strides[inner_axes[-1]] if inner_axes else 0
+            walked = x if d is None else d  # an absent tensor: the input's strides, no data
+            strides[t, 0] = walked.strides[1]
+            strides[t, 1] = walked.strides[inner_axes[-1]] if inner_axes else 0
             for k, g in enumerate(rows):
-                strides[t, 2 + ROW_DIMS - len(rows) + k] = d.strides[g[-1]]
-            spans.append(1 + sum((n - 1) * s for n, s in zip(d.shape, d.strides, strict=True)))
+                strides[t, 2 + ROW_DIMS - len(rows) + k] = walked.strides[g[-1]]
+            extent = (
+                0
+                if d is None
+                else 1 + sum((n - 1) * s for n, s in zip(d.shape, d.strides, strict=True))
+            )
+            spans.append(extent)
         geometry = np.array(
             [c, inner, int(np.prod(row_sizes)), int(channel_inner), *row_sizes], dtype=np.int64
         )
