@@ -40,11 +40,6 @@ class DescriptorCache:
         finally:
             self._release(descriptor)
 
-    def get(self, key: Hashable, build: Callable[[], Any]) -> Any:
-        """The descriptor for ``key`` without a lease: eviction may close it at any time."""
-        with self.lease(key, build) as descriptor:
-            return descriptor
-
     def _acquire(self, key: Hashable, build: Callable[[], Any]) -> Any:
         with self._lock:
             found = self._entries.get(key)

@@ -274,7 +274,8 @@ def test_descriptor_cache_evicts_least_recently_used_and_closes_it():
     built: list[str] = []
 
     def get(key: str) -> FakeDescriptor:
-        return cache.get(key, lambda: built.append(key) or FakeDescriptor(key, closed))
+        with cache.lease(key, lambda: built.append(key) or FakeDescriptor(key, closed)) as found:
+            return found
 
     a = get("a")
     get("b")

@@ -157,11 +157,15 @@ def test_two_builders_of_one_key_share_the_first():
         second_done.wait(5)
         return Fake(built)
 
+    def get(build) -> Fake:
+        with cache.lease("k", build) as found:
+            return found
+
     holder: list[Fake] = []
-    thread = threading.Thread(target=lambda: holder.append(cache.get("k", slow)))
+    thread = threading.Thread(target=lambda: holder.append(get(slow)))
     thread.start()
     first_building.wait(5)
-    second = cache.get("k", lambda: Fake(built))
+    second = get(lambda: Fake(built))
     second_done.set()
     thread.join()
     assert holder[0] is second and len(cache) == 1
