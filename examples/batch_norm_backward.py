@@ -1,4 +1,4 @@
-"""Batch-norm backward on cuDNN where there is a GPU, on the NumPy backend where there is none.
+"""Batch-norm backward on cuDNN where there is a GPU, on the CPU engine where there is none.
 
 Checks ``grad_input``, ``grad_weight`` and ``grad_bias`` against central finite differences of
 the training-mode forward pass, in float64 on the host, and prints a short summary.

@@ -5,7 +5,7 @@ map, and the same flags. Each case fills torch tensors (strided ones included), 
 raw pointers to ``infiniopBatchNormBackward`` and compares with
 ``torch.ops.aten.native_batch_norm_backward`` run in float64 on the host.
 
-    python examples/infiniop_batch_norm_backward.py --cpu            # the NumPy backend
+    python examples/infiniop_batch_norm_backward.py --cpu            # the CPU engine
     python examples/infiniop_batch_norm_backward.py --nvidia --profile --num_iterations 100
 """
 
