@@ -29,6 +29,7 @@ from train_mnist_like import (
     STEPS,
     BatchNormReLU,
     finish,
+    forward,
     make_data,
 )
 
@@ -106,11 +107,7 @@ def main() -> None:
         batch = rng.choice(SAMPLES, BATCH, replace=False)
         mine = xp.asarray(np.array_split(batch, ranks)[rank])
         x, t = x_all[mine], t_all[mine]
-        a1 = bn1.train(x @ w1)
-        a2 = bn2.train(a1 @ w2)
-        logits = a2 @ w3 + b3
-        shifted = logits - logits.max(axis=1, keepdims=True)
-        log_p = shifted - xp.log(xp.exp(shifted).sum(axis=1, keepdims=True))
+        a1, a2, log_p = forward(xp, x, (w1, w2, w3, b3), (bn1, bn2))
         rows = xp.arange(len(mine))
         grad_logits = xp.exp(log_p)  # softmax - one_hot, over the global batch
         grad_logits[rows, t] -= 1

@@ -81,6 +81,16 @@ class BatchNormReLU:
         self.beta -= lr * self.grad_beta
 
 
+def forward(xp, x, weights: tuple, bns: tuple) -> tuple:
+    """The network in training mode: both hidden activations and the log-softmax."""
+    (w1, w2, w3, b3), (bn1, bn2) = weights, bns
+    a1 = bn1.train(x @ w1)
+    a2 = bn2.train(a1 @ w2)
+    logits = a2 @ w3 + b3
+    shifted = logits - logits.max(axis=1, keepdims=True)
+    return a1, a2, shifted - xp.log(xp.exp(shifted).sum(axis=1, keepdims=True))
+
+
 def main() -> None:
     rng = np.random.default_rng(0)
     points, labels = make_data(rng)
@@ -108,11 +118,7 @@ def main() -> None:
     for step in range(STEPS):
         batch = xp.asarray(rng.choice(SAMPLES, BATCH, replace=False))
         x, t = x_all[batch], t_all[batch]
-        a1 = bn1.train(x @ w1)
-        a2 = bn2.train(a1 @ w2)
-        logits = a2 @ w3 + b3
-        shifted = logits - logits.max(axis=1, keepdims=True)
-        log_p = shifted - xp.log(xp.exp(shifted).sum(axis=1, keepdims=True))
+        a1, a2, log_p = forward(xp, x, (w1, w2, w3, b3), (bn1, bn2))
         loss = float(-log_p[xp.arange(BATCH), t].mean())
         losses.append(loss)
         if step % 5 == 0 or step == STEPS - 1:
