@@ -21,7 +21,7 @@ import warnings
 
 import numpy as np
 import torch
-from fuzzing import COUNTS, SETTINGS, child_main, violation
+from fuzzing import COUNTS, SETTINGS, child_main, problem_values, violation
 from helpers import TOL, reference
 from hypothesis import given
 from hypothesis import strategies as st
@@ -131,16 +131,7 @@ def problems(draw):
     n = 0 if draw(st.integers(0, 15)) == 0 else rest[0] + 1  # two or more values per channel
     shape = (n, c, *rest[1:])
     rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
-    values = {
-        "input": rng.standard_normal(shape) * 2 + 0.5,
-        "grad_output": rng.standard_normal(shape),
-        "weight": rng.uniform(0.5, 1.5, c),
-        "bias": rng.standard_normal(c) * 0.5,
-        "running_mean": rng.standard_normal(c) * 0.3,
-        "running_var": rng.uniform(0.5, 2.0, c),
-        "saved_mean": rng.standard_normal(c) * 0.3,
-        "saved_invstd": rng.uniform(0.5, 2.0, c),
-    }
+    values = problem_values(rng, shape)
     if values["input"].size and draw(st.integers(0, 9)) == 0:
         values["input"].flat[draw(st.integers(0, values["input"].size - 1))] = np.nan
     dtype = draw(st.sampled_from([np.float32, np.float64]))

@@ -19,7 +19,7 @@ import ctypes
 import math
 
 import numpy as np
-from fuzzing import COUNTS, SETTINGS, child_main, violation
+from fuzzing import COUNTS, SETTINGS, child_main, problem_values, violation
 from helpers import TOL, reference, torch_inference, torch_training
 from hypothesis import given
 from hypothesis import strategies as st
@@ -379,14 +379,8 @@ def fuzz_cycle(data) -> None:
     storage = np.float32 if p["dtype"] == DataType.F32 else np.float64
     spoiler = p["spoiler"]
     handles = CREATED
-    values = {
-        "input": rng.standard_normal(shape) * 2 + 0.5,
-        "grad_output": rng.standard_normal(shape),
-        "weight": rng.uniform(0.5, 1.5, c),
-        "bias": rng.standard_normal(c) * 0.5,
-        "running_mean": rng.standard_normal(c) * 0.3,
-        "running_var": rng.uniform(0.5, 2.0, c),
-    }
+    # The C API's saved statistics are outputs: no values of their own.
+    values = {n: v for n, v in problem_values(rng, shape).items() if not n.startswith("saved_")}
     buffers = {}
     for name in tensors:
         if name in DATA_TENSORS:

@@ -20,6 +20,7 @@ from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 
+import numpy as np
 from hypothesis import HealthCheck, settings
 
 TESTS = Path(__file__).resolve().parent
@@ -35,6 +36,22 @@ SETTINGS = settings(
     database=None,
     suppress_health_check=list(HealthCheck),
 )
+
+
+def problem_values(rng: np.random.Generator, shape: tuple[int, ...]) -> dict[str, np.ndarray]:
+    """Random float64 operands of a batch-norm problem of ``shape`` (``(N, C, ...)``): data
+    off zero, weights and variances bounded away from 0, as both targets draw them."""
+    c = shape[1]
+    return {
+        "input": rng.standard_normal(shape) * 2 + 0.5,
+        "grad_output": rng.standard_normal(shape),
+        "weight": rng.uniform(0.5, 1.5, c),
+        "bias": rng.standard_normal(c) * 0.5,
+        "running_mean": rng.standard_normal(c) * 0.3,
+        "running_var": rng.uniform(0.5, 2.0, c),
+        "saved_mean": rng.standard_normal(c) * 0.3,
+        "saved_invstd": rng.uniform(0.5, 2.0, c),
+    }
 
 
 def budget(default: float) -> float:
