@@ -342,24 +342,35 @@ def calls_filling(call: Callable[[], Any], seconds: float) -> int:
     return max(1, min(100_000, round(seconds / each)))
 
 
-def interleaved(ways: dict[str, Callable[[], Any]], rounds: int, sample_s: float) -> dict:
-    """Each way timed in turn, ``rounds`` times: ``{way: Figure}``."""
-    figures = {name: Figure(calls_filling(call, sample_s)) for name, call in ways.items()}
-    for _ in range(rounds):
+@dataclass(frozen=True)
+class Timing:
+    """``rounds`` samples per way of about ``sample_s`` seconds each; ``between`` runs after
+    each sample, untimed."""
+
+    rounds: int
+    sample_s: float
+    between: Callable[[], None] = lambda: None
+
+
+def interleaved(ways: dict[str, Callable[[], Any]], timing: Timing) -> dict:
+    """Each way timed in turn, ``timing.rounds`` times: ``{way: Figure}``."""
+    figures = {name: Figure(calls_filling(call, timing.sample_s)) for name, call in ways.items()}
+    for _ in range(timing.rounds):
         for name, call in ways.items():
             n = figures[name].calls_per_sample
             start = time.perf_counter()
             for _ in range(n):
                 call()
             figures[name].times.append((time.perf_counter() - start) / n)
+            timing.between()
     return figures
 
 
-def row(label: dict, ways: dict, rounds: int, sample_s: float, want: dict, ratios, targets):
+def row(label: dict, ways: dict, timing: Timing, want: dict, ratios, targets) -> dict:
     """Time ``ways``, checking the first call of each way ``want`` has a reference for, and
     the ratios of their medians, each with its target where it has one."""
     checked = {name: max_abs_diff(ways[name](), ref) for name, ref in want.items()}
-    figures = interleaved(ways, rounds, sample_s)
+    figures = interleaved(ways, timing)
     for name, (diff, ok) in checked.items():
         figures[name].max_abs_diff, figures[name].ok = diff, ok
     result = {**label, "ways": {name: f.summary() for name, f in figures.items()}, "ratios": []}
@@ -402,7 +413,7 @@ def section(title: str, threads: int, sections: list) -> Iterator[list]:
     )
 
 
-def cpu_rows(shapes, rounds: int, sample_s: float) -> list[dict]:
+def cpu_rows(shapes, timing: Timing) -> list[dict]:
     rows = []
     for shape in shapes:
         ops = host_operands(shape)
@@ -417,7 +428,7 @@ def cpu_rows(shapes, rounds: int, sample_s: float) -> list[dict]:
             calls = {way: by_pass[name] for way, by_pass in ways.items()}
             label = {"shape": list(shape), "pass": name}
             checked = dict.fromkeys(calls, want[name])
-            rows.append(row(label, calls, rounds, sample_s, checked, CPU_RATIOS, CPU_TARGETS))
+            rows.append(row(label, calls, timing, checked, CPU_RATIOS, CPU_TARGETS))
     return rows
 
 
@@ -438,7 +449,19 @@ def on_cudnn(shape: tuple[int, ...]) -> tuple[int, ...]:
     return (*shape, 1) if len(shape) == 2 else shape
 
 
-def nvidia_rows(fake: Any, shapes, rounds: int, sample_s: float) -> list[dict]:
+def with_stand_ins_share(fake: Any, result: dict, ways: dict) -> dict:
+    """``result`` with the CuPy stand-in's own time per call of each device-array way."""
+    from stand_ins import own_time
+
+    result["stand_ins_us"] = {
+        name: round(own_time(fake, ways[name], result["ways"][name]["calls_per_sample"]) * 1e6, 3)
+        for name in ("array", "batched", "unbatched")
+        if name in ways
+    }
+    return result
+
+
+def nvidia_rows(fake: Any, shapes, timing: Timing) -> list[dict]:
     from stand_ins import cudnn_stub
 
     rows = []
@@ -454,14 +477,15 @@ def nvidia_rows(fake: Any, shapes, rounds: int, sample_s: float) -> list[dict]:
         for name in PASSES:
             calls = {way: by_pass[name] for way, by_pass in ways.items()}
             label = {"shape": list(shape), "pass": name}
-            rows.append(row(label, calls, rounds, sample_s, {}, ratios, NVIDIA_TARGETS))
-        fake.log.clear()  # its record of every allocation
+            result = row(label, calls, timing, {}, ratios, NVIDIA_TARGETS)
+            rows.append(with_stand_ins_share(fake, result, calls))
     return rows
 
 
-def batched_rows(make: Callable[[tuple[int, ...]], Any], shapes, rounds, sample_s) -> list:
+def batched_rows(fake: Any, shapes, timing: Timing) -> list[dict]:
     """``batch_norm_backward_batched`` on ``BATCH`` problems of each shape against one call
-    on the folded problem; ``make(shape)`` gives an F32 operand (NumPy ones are checked)."""
+    on the folded problem: NumPy arrays (checked) where ``fake`` is None, else its arrays."""
+    make = fake.array if fake is not None else lambda shape: np.empty(shape, np.float32)
     rows = []
     for shape in shapes:
         c = shape[1]
@@ -488,7 +512,10 @@ def batched_rows(make: Callable[[tuple[int, ...]], Any], shapes, rounds, sample_
         label = {"shape": [BATCH, *shape], "pass": "backward_train"}
         checked = {"batched": want} if want is not None else {}
         ratios = tuple(BATCHED_TARGETS)
-        rows.append(row(label, ways, rounds, sample_s, checked, ratios, BATCHED_TARGETS))
+        result = row(label, ways, timing, checked, ratios, BATCHED_TARGETS)
+        if fake is not None:
+            result = with_stand_ins_share(fake, result, ways)
+        rows.append(result)
     return rows
 
 
@@ -523,7 +550,9 @@ def markdown(report: dict) -> str:
         f"Times: µs per call, median [min, max] of {meta['rounds']} interleaved samples of "
         f"about {meta['sample_ms']} ms each (quartiles in the JSON). A ratio is of medians; "
         "met = at most its target (issue 17). max |Δ|: the first call's largest difference "
-        "from torch in float64 (ok: within atol = rtol = 2e-5); the stand-ins compute nothing.",
+        "from torch in float64 (ok: within atol = rtol = 2e-5); the stand-ins compute nothing. "
+        "Of which CuPy stand-in: µs per call spent in the CuPy stand-in's own Python (its "
+        "arrays' CUDA array interface, allocations, streams), which a real CuPy replaces.",
         "",
     ]
     for sec in report["sections"]:
@@ -531,18 +560,21 @@ def markdown(report: dict) -> str:
         if not rows:
             continue
         ways, ratios = list(rows[0]["ways"]), [r["name"] for r in rows[0]["ratios"]]
+        share = ["of which CuPy stand-in"] if "stand_ins_us" in rows[0] else []
         lines += [
             f"## {sec['title']}, {sec['threads']} thread{'s' * (sec['threads'] > 1)}",
             "",
             f"loadavg before: `{sec['loadavg'][0]}`; after: `{sec['loadavg'][1]}`",
             "",
-            "| shape | pass | " + " | ".join(ways) + " | " + " | ".join(ratios) + " | max |Δ| |",
-            "|---" * (2 + len(ways) + len(ratios) + 1) + "|",
+            "| " + " | ".join(["shape", "pass", *ways, *share, *ratios, "max |Δ|"]) + " |",
+            "|---" * (2 + len(ways) + len(share) + len(ratios) + 1) + "|",
         ]
         for r in rows:
             cells = [f"{tuple(r['shape'])}", r["pass"]]
             for w in r["ways"].values():
                 cells.append(f"{w['median_us']:.1f} [{w['min_us']:.1f}, {w['max_us']:.1f}]")
+            if share:
+                cells.append(", ".join(f"{n} {us:.1f}" for n, us in r["stand_ins_us"].items()))
             for ratio in r["ratios"]:
                 cell = f"{ratio['value']:.2f}"
                 if ratio["target"] is not None:
@@ -578,28 +610,29 @@ def main(argv: list[str] | None = None) -> int:
     rounds = args.rounds or (2 if args.quick else 15)
     sample_ms = args.sample_ms or (1.0 if args.quick else 20.0)
     threads = [int(t) for t in (args.threads or ("1" if args.quick else "1,2")).split(",")]
-    sample_s = sample_ms / 1e3
+    timing = Timing(rounds, sample_ms / 1e3)
     sections: list[dict] = []
     for count in threads:
         numba_threads = set_threads(count)
         if numba_threads != count:
             print(f"note: the CPU engine runs with {numba_threads} threads", file=sys.stderr)
         with section("CPU: array API, compute, C API vs torch", count, sections) as rows:
-            rows += cpu_rows(shapes, rounds, sample_s)
+            rows += cpu_rows(shapes, timing)
         with section("CPU: batched backward, B = 64", count, sections) as rows:
-            rows += batched_rows(lambda s: np.empty(s, np.float32), shapes, rounds, sample_s)
+            rows += batched_rows(None, shapes, timing)
         with ExitStack() as stack:
             try:
-                from stand_ins import device_arrays
+                from stand_ins import device_arrays, forget_allocations
 
                 fake = stack.enter_context(device_arrays())
+                on_fake = Timing(rounds, timing.sample_s, lambda f=fake: forget_allocations(f))
             except Exception as exc:  # no gcc, or no pytest: said, not fatal
                 print(f"no NVIDIA stand-ins: {type(exc).__name__}: {exc}", file=sys.stderr)
                 continue
             with section("NVIDIA path on the stand-ins vs torch CPU", count, sections) as rows:
-                rows += nvidia_rows(fake, shapes, rounds, sample_s)
+                rows += nvidia_rows(fake, shapes, on_fake)
             with section("NVIDIA stand-ins: batched backward, B = 64", count, sections) as rows:
-                rows += batched_rows(fake.array, [*map(on_cudnn, shapes)], rounds, sample_s)
+                rows += batched_rows(fake, [*map(on_cudnn, shapes)], on_fake)
     import numba
 
     meta = {

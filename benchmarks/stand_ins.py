@@ -7,13 +7,14 @@ descriptor's ``compute`` on fake pointers. ``device_arrays`` adds ``FakeCupy``
 (``tests/fake_devices.py``) as ``cupy`` over the real CUDA seam, so that the array API takes
 device arrays, allocates its outputs and enters its stream as it does on a GPU (as
 ``tests/test_streams_and_devices.py`` runs it). cuDNN returns at once and nothing is
-dereferenced: what is left is this package's own host work per call. Everything is undone
-on exit.
+dereferenced: what is left is this package's own host work per call, and the CuPy
+stand-in's own Python (``own_time`` measures that share). Everything is undone on exit.
 """
 
 import sys
 import tempfile
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -23,12 +24,20 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
 import cudnn_stub  # tests/ modules, importable from here on
 import helpers
-from fake_devices import FakeCupy
+from fake_devices import FakeArray, FakeCupy, FakeStream
 
 import cudnn_bn
 from cudnn_bn.backends import cuda
 
-__all__ = ["FakeCupy", "cudnn_stub", "device_arrays", "helpers", "stub_cudnn"]
+__all__ = [
+    "FakeCupy",
+    "cudnn_stub",
+    "device_arrays",
+    "forget_allocations",
+    "helpers",
+    "own_time",
+    "stub_cudnn",
+]
 
 # The CUDA seam's functions that ``cudnn_stub.install`` replaces with a one-device stand-in.
 _SEAM = ("stream_scope", "current_device", "device_count")
@@ -57,3 +66,49 @@ def device_arrays() -> Iterator[FakeCupy]:
             yield fake
         finally:
             cudnn_bn.descriptor_cache.clear()  # nothing built on the stub outlives it
+
+
+def forget_allocations(fake: FakeCupy) -> None:
+    """Drop the stand-in's records of the allocations so far, which grow with every call:
+    a long benchmark would otherwise fill memory. Its ``pointerGetAttributes`` knows no
+    address afterwards (the package reads a CuPy array's device from ``.device``)."""
+    fake.log.clear()
+    fake.owners.clear()
+
+
+def own_time(fake: FakeCupy, call: Callable[[], object], calls: int) -> float:
+    """Seconds per ``call`` spent inside the CuPy stand-in (its arrays' CUDA array interface,
+    allocation, streams, device calls), timed round its entry points (outermost entry only):
+    the share of a device-array call that a real CuPy would replace with its own."""
+    spent, depth = [0.0], [0]
+
+    def timed(function: Callable) -> Callable:
+        def wrapper(*args: object, **kwargs: object) -> object:
+            depth[0] += 1
+            start = time.perf_counter()
+            try:
+                return function(*args, **kwargs)
+            finally:
+                depth[0] -= 1
+                if not depth[0]:
+                    spent[0] += time.perf_counter() - start
+
+        return wrapper
+
+    interface = FakeArray.__dict__["__cuda_array_interface__"]
+    runtime, tricks = fake.cuda.runtime, fake.lib.stride_tricks
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(FakeArray, "__cuda_array_interface__", property(timed(interface.fget)))
+        patch.setattr(fake, "empty", timed(fake.empty))
+        for name in ("__enter__", "__exit__"):
+            patch.setattr(FakeStream, name, timed(getattr(FakeStream, name)))
+        patch.setattr(fake.cuda, "get_current_stream", timed(fake.cuda.get_current_stream))
+        for namespace, name in (
+            (runtime, "getDevice"),
+            (runtime, "setDevice"),
+            (tricks, "as_strided"),
+        ):
+            patch.setattr(namespace, name, timed(getattr(namespace, name)))
+        for _ in range(calls):
+            call()
+    return spent[0] / calls
