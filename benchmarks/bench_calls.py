@@ -24,8 +24,9 @@ saved mean and invstd). Sections, each at every thread count of ``--threads`` (t
   (``(N, 64 C, ...)``), on the CPU and on the stand-ins.
 
 Timing: the ways of a problem run interleaved, round by round (``--rounds``), each sample
-being as many back-to-back calls as fill ``--sample-ms``; a figure is the median time per
-call with its min, max and quartiles. Each way's first call is checked against torch in
+being as many back-to-back calls as fill ``--sample-ms`` after 5 ms idle (so that the
+previous way's OpenMP threads stop spinning, as in ``bench_cpu.py``); a figure is the median
+time per call with its min, max and quartiles. Each way's first call is checked against torch in
 float64 (max |difference|; F32 tolerance atol = rtol = 2e-5); the stand-ins compute nothing.
 /proc/loadavg is recorded before and after each section. Writes ``<out>/calls-<date>.md``
 and ``.json``; ``--quick`` is a dry run on one problem (a test runs it) that refuses to write
@@ -73,6 +74,7 @@ PASSES = ("forward_training", "forward_inference", "backward_train", "backward_s
 BATCH = 64
 EPS, MOMENTUM = 1e-5, 0.1
 TOL = 2e-5  # F32: atol = rtol
+SETTLE_S = 0.005  # idle before each sample (untimed): spinning OpenMP threads go idle
 # Issue 17's targets: (numerator, denominator) -> the most their median ratio may be.
 CPU_TARGETS = {("array", "torch"): 1.5}
 CPU_RATIOS = (("array", "torch"), ("compute", "torch"), ("capi", "torch"), ("array", "compute"))
@@ -358,6 +360,7 @@ def interleaved(ways: dict[str, Callable[[], Any]], timing: Timing) -> dict:
     for _ in range(timing.rounds):
         for name, call in ways.items():
             n = figures[name].calls_per_sample
+            time.sleep(SETTLE_S)
             start = time.perf_counter()
             for _ in range(n):
                 call()
