@@ -71,7 +71,13 @@ def test_the_nvidia_path_on_the_stand_ins(report):
     for row in nvidia["rows"]:
         assert set(row["ways"]) == {"array", "compute", "torch"}
         targets = {r["name"]: r["target"] for r in row["ratios"]}
-        assert targets == {"array / compute": 1.5, "array / torch": 2.0}
+        assert targets == {
+            "array / compute": 1.5,
+            "array / torch": 2.0,
+            "array / compute less stand-in": None,  # the CuPy stand-in's own time out
+            "array / torch less stand-in": None,
+        }
+        assert row["stand_ins_us"]["array"] > 0
     assert sections(data, "NVIDIA stand-ins: batched")[0]["rows"]
     assert "loadavg before" in md and "met" in md
 
