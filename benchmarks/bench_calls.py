@@ -18,16 +18,18 @@ saved mean and invstd). Sections, each at every thread count of ``--threads`` (t
 - NVIDIA path on the host stand-ins (``stand_ins.py``: the stub libcudnn, CuPy stand-in
   arrays; skipped without gcc): the array API and ``compute``, torch's CPU call as the
   dispatch reference. (8, 4) runs as (8, 4, 1): 2-D input goes to the CuPy kernels, which
-  the stand-ins cannot run, not to cuDNN.
+  the stand-ins cannot run, not to cuDNN. The CuPy stand-in's own Python (``own_time``) is
+  reported beside each device-array figure, and each judged ratio again without it.
 - Batched backward (train mode): ``batch_norm_backward_batched`` on ``B = 64`` problems
   ``(64, *shape)`` against one ``batch_norm_backward`` on the folded problem of the same size
   (``(N, 64 C, ...)``), on the CPU and on the stand-ins.
 
 Timing: the ways of a problem run interleaved, round by round (``--rounds``), each sample
 being as many back-to-back calls as fill ``--sample-ms`` after 5 ms idle (so that the
-previous way's OpenMP threads stop spinning, as in ``bench_cpu.py``); a figure is the median
-time per call with its min, max and quartiles. Each way's first call is checked against torch in
-float64 (max |difference|; F32 tolerance atol = rtol = 2e-5); the stand-ins compute nothing.
+previous way's OpenMP threads stop spinning, as in ``bench_cpu.py``); a figure is the
+median time per call with its min, max and quartiles. Each way's first call is checked
+against torch in float64 (max |difference|; F32 tolerance atol = rtol = 2e-5); the
+stand-ins compute nothing.
 /proc/loadavg is recorded before and after each section. Writes ``<out>/calls-<date>.md``
 and ``.json``; ``--quick`` is a dry run on one problem (a test runs it) that refuses to write
 into ``benchmarks/results``. The exit status is 1 when a result is outside tolerance.
@@ -417,6 +419,7 @@ def section(title: str, threads: int, sections: list) -> Iterator[list]:
 
 
 def cpu_rows(shapes, timing: Timing) -> list[dict]:
+    """Every pass of each shape on the CPU: the array API, compute, the C API and torch."""
     rows = []
     for shape in shapes:
         ops = host_operands(shape)
@@ -474,6 +477,7 @@ def with_stand_ins_share(fake: Any, result: dict, ways: dict) -> dict:
 
 
 def nvidia_rows(fake: Any, shapes, timing: Timing) -> list[dict]:
+    """Every pass of each shape on the stand-ins: the array API, compute, and torch's CPU call."""
     from stand_ins import cudnn_stub
 
     rows = []
