@@ -8,7 +8,7 @@ descriptor's ``compute`` on fake pointers. ``device_arrays`` adds ``FakeCupy``
 device arrays, allocates its outputs and enters its stream as it does on a GPU (as
 ``tests/test_streams_and_devices.py`` runs it). cuDNN returns at once and nothing is
 dereferenced: what is left is this package's own host work per call, and the CuPy
-stand-in's own Python (``own_time`` measures that share). Everything is undone on exit.
+stand-in's own Python (``own_share`` measures that part). Everything is undone on exit.
 """
 
 import sys
@@ -35,7 +35,7 @@ __all__ = [
     "device_arrays",
     "forget_allocations",
     "helpers",
-    "own_time",
+    "own_share",
     "stub_cudnn",
 ]
 
@@ -76,10 +76,11 @@ def forget_allocations(fake: FakeCupy) -> None:
     fake.owners.clear()
 
 
-def own_time(fake: FakeCupy, call: Callable[[], object], calls: int) -> float:
-    """Seconds per ``call`` spent inside the CuPy stand-in (its arrays' CUDA array interface,
-    allocation, streams, device calls), timed round its entry points (outermost entry only):
-    the share of a device-array call that a real CuPy would replace with its own."""
+def own_share(fake: FakeCupy, call: Callable[[], object], calls: int) -> float:
+    """The fraction of ``calls`` runs of ``call`` spent inside the CuPy stand-in (its arrays'
+    CUDA array interface, allocation, streams, device calls), timed round its entry points
+    (outermost entry only): the part of a device-array call that a real CuPy replaces with
+    its own. A fraction of the same runs, so that a pause of the process scales both."""
     spent, depth = [0.0], [0]
 
     def timed(function: Callable) -> Callable:
@@ -109,6 +110,8 @@ def own_time(fake: FakeCupy, call: Callable[[], object], calls: int) -> float:
             (tricks, "as_strided"),
         ):
             patch.setattr(namespace, name, timed(getattr(namespace, name)))
+        start = time.perf_counter()
         for _ in range(calls):
             call()
-    return spent[0] / calls
+        total = time.perf_counter() - start
+    return spent[0] / total
