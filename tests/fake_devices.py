@@ -14,6 +14,7 @@ here, the fake current device and the calling thread.
 """
 
 import itertools
+import math
 import threading
 import types
 import warnings
@@ -41,10 +42,10 @@ class FakeArray:
         self._fake, self.shape, self.dtype = fake, tuple(shape), np.dtype(dtype)
         self.itemsize, self.ndim = self.dtype.itemsize, len(self.shape)
         self.strides = strides or tuple(
-            int(np.prod(self.shape[i + 1 :], dtype=int)) * self.itemsize for i in range(self.ndim)
+            math.prod(self.shape[i + 1 :]) * self.itemsize for i in range(self.ndim)
         )
         self.data, self.device = _Pointer(ptr), types.SimpleNamespace(id=device)
-        self.nbytes = int(np.prod(self.shape, dtype=int)) * self.itemsize
+        self.nbytes = math.prod(self.shape) * self.itemsize
 
     def __getitem__(self, index: int) -> "FakeArray":
         ptr = self.data.ptr + index * self.strides[0]
@@ -139,6 +140,7 @@ class FakeCupy(types.ModuleType):
 
     def __init__(self, current: dict[int, int], *, from_external: bool = True) -> None:
         super().__init__("cupy", "tests/fake_devices.py")
+        self.ndarray = FakeArray  # CuPy's array class: the package keys these by attributes
         self.device = 0
         self.stacks = {d: [current.get(d, 0)] for d in range(DEVICES)}
         self.entered: list[int] = []
