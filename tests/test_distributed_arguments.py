@@ -13,7 +13,6 @@ from helpers import EPS, random_values, reference
 
 from cudnn_bn import InfiniError, Status
 from cudnn_bn.distributed import sync_batch_norm_backward, sync_batch_norm_forward_training
-from cudnn_bn.distributed.kinds import scope
 
 pytest.importorskip("mpi4py", reason="the test extra installs mpi4py")
 from mpi4py import MPI
@@ -196,6 +195,7 @@ def test_the_pass_scope_makes_the_stream_current_on_the_tensors_device(monkeypat
     """A torch tensor on device 1 while device 0 is current, with ``stream=``: the stream
     object is built for device 1 (``ExternalStream(..., device=1)``), where it is entered."""
     from cudnn_bn import arrays
+    from cudnn_bn.distributed.kinds import scope
 
     arrays._torch_stream.cache_clear()
     with fake_torch(monkeypatch, {0: 0xA00, 1: 0xA10}) as log:
