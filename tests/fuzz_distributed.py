@@ -11,7 +11,8 @@ output_mask.
 Two modes. Alone, ``python fuzz_distributed.py SECONDS`` is a group of one (mpi4py's
 ``COMM_SELF``) and hypothesis draws the seeds. Under ``mpiexec -n R``, ``... SECONDS``
 runs in lockstep: rank 0 draws each seed and says when time is up, every rank builds the
-same case, and the faulty rank's arguments differ.
+same case, and the faulty rank's arguments differ; the group is, by the seed, MPI's world
+or a torch.distributed gloo group over 127.0.0.1 (MPI keeps the ranks in step).
 
 Invariants: every rank returns, or every rank raises an ``InfiniError`` of one status that
 is not INTERNAL_ERROR; when any rank fails, no rank changed any argument; results equal
@@ -158,8 +159,9 @@ def check_results(case: dict, got: tuple, values: dict) -> None:
             _close(name, got[i], sums[i - 1], tol)
 
 
-def run_case(seed: int, comm) -> None:
-    """One case on every rank of ``comm``: the invariants, checked on every rank."""
+def run_case(seed: int, comm, group) -> None:
+    """One case on every rank of the mpi4py ``comm`` with ``group`` (``comm`` or a
+    torch.distributed group of the same processes): the invariants, checked on every rank."""
     case = draw_case(seed, comm.size, comm.rank)
     args = case["args"]
     COUNTS["examples"] += 1
@@ -167,7 +169,7 @@ def run_case(seed: int, comm) -> None:
     before = {n: snapshot(a) for n, a in args.items()}
     mine = {n: f64(a) for n, a in args.items()}
     try:
-        got, status = call(case, comm), 0
+        got, status = call(case, group), 0
     except InfiniError as exc:
         got, status, error = None, int(exc.status), exc
     except Exception as exc:  # an escape: still tell the other ranks
@@ -202,12 +204,31 @@ def run_case(seed: int, comm) -> None:
 @SETTINGS
 @given(st.integers(0, 2**32 - 1))
 def fuzz_alone(seed: int) -> None:
-    run_case(seed, MPI.COMM_SELF)
+    run_case(seed, MPI.COMM_SELF, MPI.COMM_SELF)
+
+
+def _gloo(comm) -> object:
+    """A torch.distributed gloo group of ``comm``'s processes, over 127.0.0.1."""
+    import socket
+
+    import torch.distributed as dist
+
+    def free_port() -> int:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            return s.getsockname()[1]
+
+    port = comm.bcast(free_port() if comm.rank == 0 else None)
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=comm.rank, world_size=comm.size
+    )
+    return dist.group.WORLD
 
 
 def lockstep(seconds: float) -> None:
     """Under ``mpiexec``: rank 0 draws the seeds and ends the run; counts summed on rank 0."""
     comm, rng = MPI.COMM_WORLD, np.random.default_rng()
+    groups = [comm, _gloo(comm)]
     deadline = time.monotonic() + seconds
     while True:
         go = comm.bcast(time.monotonic() < deadline if comm.rank == 0 else None)
@@ -215,7 +236,7 @@ def lockstep(seconds: float) -> None:
             break
         seed = comm.bcast(int(rng.integers(0, 2**32)) if comm.rank == 0 else None)
         try:
-            run_case(seed, comm)
+            run_case(seed, comm, groups[seed % 2])
         except AssertionError as exc:  # every rank saw the same verdicts; report and go on
             print(f"rank {comm.rank}, seed {seed}: {exc}", flush=True)
     totals = comm.reduce(COUNTS, op=MPI.SUM)
