@@ -122,9 +122,13 @@ def check_results(case: dict, got: tuple, values: dict) -> None:
     a, s, lo = case["args"], case["scalars"], case["lo"]
     hi = lo + case["sizes"][case["rank"]]
     n = sum(case["sizes"])
+    x = values["input"]
+    constant = case["entry"] == "forward" and s["eps"] == 0 and n
+    if constant and (np.ptp(x, axis=(0, *range(2, x.ndim))) == 0).any():
+        COUNTS["undefined"] += 1  # a constant channel with eps 0: 0/0, torch's var is noise
+        return
     if case["entry"] == "forward":
         tol = _tolerance(a, FORWARD)
-        x = values["input"]
         if n == 0:
             _close("output", got[0], np.zeros(x[lo:hi].shape), tol)
             for i, name in ((3, "running_mean"), (4, "running_var")):
