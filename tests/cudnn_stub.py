@@ -23,6 +23,7 @@ import subprocess
 import threading
 from ctypes import c_double, c_int64, c_size_t, c_ssize_t, c_uint64, c_void_p
 from pathlib import Path
+from typing import Any
 
 import pytest
 from helpers import SHAPES, channels_last
@@ -168,6 +169,7 @@ STUB_PRELUDE = r"""
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
+#include <string.h>
 
 typedef int cudnnStatus_t;
 typedef int cudnnDataType_t;
@@ -273,14 +275,36 @@ STUB_DEFINITIONS = r"""
 #define MAX_DIMS 8
 #define BAD_PARAM 2000
 #define NULL_POINTER 2002
+#define MISALIGNED_POINTER 2003
+#define SIZE_INSUFFICIENT 2006
+#define STREAM_MISMATCH 2007
+#define SHAPE_MISMATCH 2008
+#define NOT_SUPPORTED 3000
+#define NOT_SUPPORTED_DATA_TYPE 3003
+#define NOT_SUPPORTED_LAYOUT 3004
+#define EXECUTION_FAILED 5000
 #define U(p) ((uint64_t)(uintptr_t)(p))
+#define HALF 2
+#define DOUBLE 1
+#define PERSISTENT 2
+#define OPS_BN 0
+#define OPS_ADD 2
+#define RELU 1
+#define WORKSPACE_ALIGNMENT 16
+#define RESERVES 256
 
-struct cudnnContext { cudaStream_t stream; };
+/* A handle: its stream, whether cudnnSetStream ran since its last call, its device. */
+struct cudnnContext { cudaStream_t stream; int64_t stream_set, device; };
+/* What the ctypes TensorRecord mirrors, then what the size queries answered for this
+   descriptor as xDesc, by [mode][bnOps] (-1: never asked). */
 struct cudnnTensorStruct {
     int64_t set, dtype, nb_dims, derive_mode;
     uint64_t derived_from;
     int64_t dims[MAX_DIMS], strides[MAX_DIMS];
+    int64_t forward_workspace[3][3], backward_workspace[3][3], reserve[3][3];
 };
+/* A reserve space a forward filled: for which mode, bnOps, x dims and data type. */
+typedef struct { uint64_t ptr; int64_t mode, ops, dtype, nb_dims, dims[MAX_DIMS]; } Reserve;
 struct cudnnActivationStruct { int64_t set, mode, nan_opt; double coef; };
 
 StreamCall stub_set_stream;
@@ -295,9 +319,133 @@ uint64_t stub_workspace_bytes = 4096;  /* what both workspace queries report */
 uint64_t stub_reserve_bytes = 512;     /* what the reserve query reports */
 int64_t stub_live_tensors;             /* created minus destroyed tensor descriptors */
 int64_t stub_live_activations;         /* created minus destroyed activation descriptors */
+int64_t stub_device;                   /* the CUDA device current now (the tests set it) */
+static Reserve reserves[RESERVES];     /* filled by forwards, read by backwards */
 static int last_status;
+static const char *last_rule = "";
 
-static cudnnStatus_t fail(cudnnStatus_t status) { last_status = status; return status; }
+static cudnnStatus_t fail(cudnnStatus_t status) {
+    last_status = status;
+    last_rule = "";
+    return status;
+}
+
+/* A broken precondition: cuDNN's status, and the rule (RULES in cudnn_stub.py) for the
+   message cudnnGetLastErrorString gives. */
+static cudnnStatus_t refuse(cudnnStatus_t status, const char *rule) {
+    last_status = status;
+    last_rule = rule;
+    return status;
+}
+
+#define CHECK(ok, status, rule) do { if (!(ok)) return refuse(status, rule); } while (0)
+
+static int set(const struct cudnnTensorStruct *t) { return t != NULL && t->set == 1; }
+static int rank_4_or_5(const struct cudnnTensorStruct *t) {
+    return set(t) && (t->nb_dims == 4 || t->nb_dims == 5);
+}
+/* The same data type and dimensions (strides may differ). */
+static int alike(const struct cudnnTensorStruct *a, const struct cudnnTensorStruct *b) {
+    if (!set(a) || !set(b) || a->dtype != b->dtype || a->nb_dims != b->nb_dims) return 0;
+    for (int i = 0; i < a->nb_dims; i++)
+        if (a->dims[i] != b->dims[i]) return 0;
+    return 1;
+}
+/* 1xCx1x1 (SPATIAL modes) or 1xCxHxW (PER_ACTIVATION), DOUBLE for DOUBLE data, else FLOAT. */
+static int bn_of(const struct cudnnTensorStruct *bn, const struct cudnnTensorStruct *x, int mode) {
+    if (!set(bn) || bn->nb_dims != x->nb_dims) return 0;
+    if (bn->dtype != (x->dtype == DOUBLE ? DOUBLE : 0)) return 0;
+    for (int i = 0; i < x->nb_dims; i++) {
+        int64_t want = i == 0 ? 1 : (i == 1 || mode == 0) ? x->dims[i] : 1;
+        if (bn->dims[i] != want) return 0;
+    }
+    return 1;
+}
+/* NHWC fully packed: C innermost, then W, H, N. */
+static int nhwc_packed(const struct cudnnTensorStruct *t) {
+    if (!set(t) || t->nb_dims != 4) return 0;
+    const int64_t *d = t->dims, *st = t->strides;
+    return st[1] == 1 && st[3] == d[1] && st[2] == d[1] * d[3] && st[0] == d[1] * d[2] * d[3];
+}
+static int64_t element_size(int64_t dtype) { return dtype == DOUBLE ? 8 : dtype == HALF ? 2 : 4; }
+static int aligned(const void *p, int64_t to) { return U(p) % (uint64_t)to == 0; }
+static int both_or_neither(const void *a, const void *b) { return (a == NULL) == (b == NULL); }
+static int valid_mode(int mode, int ops) { return mode >= 0 && mode <= 2 && ops >= 0 && ops <= 2; }
+
+/* The handle is used on the device it was made on, with its stream set for this call. */
+static cudnnStatus_t use_handle(cudnnHandle_t handle) {
+    if (handle == NULL) return fail(NULL_POINTER);
+    CHECK(handle->device == stub_device, EXECUTION_FAILED, "handle-device");
+    return 0;
+}
+static cudnnStatus_t launch(cudnnHandle_t handle) {
+    cudnnStatus_t status = use_handle(handle);
+    if (status) return status;
+    CHECK(handle->stream_set, STREAM_MISMATCH, "stream-set");
+    handle->stream_set = 0;
+    return 0;
+}
+
+/* The fused ops' rules: SPATIAL_PERSISTENT, HALF, 4-D NHWC fully packed, C % 4 == 0 with
+   the add, a ReLU activation descriptor. */
+static cudnnStatus_t fused_ok(int mode, int ops, const struct cudnnTensorStruct *x,
+        const struct cudnnActivationStruct *activation) {
+    if (ops == OPS_BN) return 0;
+    CHECK(activation != NULL && activation->set == 1 && activation->mode == RELU, BAD_PARAM,
+          "fused-activation");
+    CHECK(mode == PERSISTENT, NOT_SUPPORTED, "fused-mode");
+    CHECK(x->dtype == HALF, NOT_SUPPORTED_DATA_TYPE, "fused-dtype");
+    CHECK(nhwc_packed(x), NOT_SUPPORTED_LAYOUT, "fused-layout");
+    CHECK(ops != OPS_ADD || x->dims[1] % 4 == 0, NOT_SUPPORTED, "fused-add-channels");
+    return 0;
+}
+
+/* The workspace: NULL with size 0, or aligned and as large as the query answered; the fast
+   paths (SPATIAL_PERSISTENT, fused) need it. */
+static cudnnStatus_t workspace_ok(const void *workspace, size_t size, int64_t answered,
+        int fast) {
+    if (workspace == NULL && size == 0 && !fast) return 0;
+    CHECK(workspace != NULL && answered >= 0, BAD_PARAM, "workspace-queried");
+    CHECK((int64_t)size >= answered, SIZE_INSUFFICIENT, "workspace-size");
+    CHECK(aligned(workspace, WORKSPACE_ALIGNMENT), MISALIGNED_POINTER, "workspace-aligned");
+    return 0;
+}
+
+static Reserve *find_reserve(const void *ptr) {
+    for (int i = 0; i < RESERVES; i++)
+        if (reserves[i].ptr == U(ptr)) return &reserves[i];
+    return NULL;
+}
+
+/* Record that a forward (or a test standing in for one) filled ``ptr`` for x, mode, ops. */
+int stub_fill_reserve(uint64_t ptr, const struct cudnnTensorStruct *x, int64_t mode,
+        int64_t ops) {
+    Reserve *r = find_reserve((const void *)(uintptr_t)ptr);
+    if (r == NULL) r = find_reserve(NULL);
+    if (r == NULL || !set(x)) return 1;
+    r->ptr = ptr; r->mode = mode; r->ops = ops; r->dtype = x->dtype; r->nb_dims = x->nb_dims;
+    for (int i = 0; i < x->nb_dims; i++) r->dims[i] = x->dims[i];
+    return 0;
+}
+
+void stub_forget_reserves(void) { memset(reserves, 0, sizeof reserves); }
+
+/* A reserve, where one is needed (SPATIAL_PERSISTENT, fused) or given: as large as the
+   query answered, and, for a backward, filled by a forward of the same mode, ops and x. */
+static cudnnStatus_t reserve_ok(const void *reserve, size_t size, int64_t answered, int needed,
+        int backward, int mode, int ops, const struct cudnnTensorStruct *x) {
+    if (reserve == NULL && !needed) return 0;
+    CHECK(reserve != NULL && answered >= 0, BAD_PARAM, "reserve-needed");
+    CHECK((int64_t)size >= answered, SIZE_INSUFFICIENT, "reserve-size");
+    CHECK(aligned(reserve, WORKSPACE_ALIGNMENT), MISALIGNED_POINTER, "reserve-aligned");
+    if (!backward) return 0;
+    const Reserve *r = find_reserve(reserve);
+    int same = r != NULL && r->mode == mode && r->ops == ops && r->dtype == x->dtype
+        && r->nb_dims == x->nb_dims;
+    for (int i = 0; same && i < x->nb_dims; i++) same = r->dims[i] == x->dims[i];
+    CHECK(same, BAD_PARAM, "reserve-from-forward");
+    return 0;
+}
 
 /* What a recorded call returns: the status its record was told to, failing with it. */
 static cudnnStatus_t answer(uint64_t status) { return status ? fail((int)status) : 0; }
@@ -319,13 +467,16 @@ const char *cudnnGetErrorString(cudnnStatus_t status) {
 
 void cudnnGetLastErrorString(char *message, size_t max_size) {
     if (message == NULL || max_size == 0) return;
-    if (last_status != 0) snprintf(message, max_size, "stub detail for %d", last_status);
+    if (last_status != 0)
+        snprintf(message, max_size, "stub detail for %d%s%s", last_status,
+                 *last_rule ? ": broke rule " : "", last_rule);
     else message[0] = 0;
 }
 
 cudnnStatus_t cudnnCreate(cudnnHandle_t *handle) {
     if (handle == NULL) return fail(NULL_POINTER);
     *handle = calloc(1, sizeof **handle);
+    (*handle)->device = stub_device;
     return 0;
 }
 
@@ -336,11 +487,13 @@ cudnnStatus_t cudnnDestroy(cudnnHandle_t handle) {
 }
 
 cudnnStatus_t cudnnSetStream(cudnnHandle_t handle, cudaStream_t streamId) {
-    if (handle == NULL) return fail(NULL_POINTER);
+    cudnnStatus_t status = use_handle(handle);
+    if (status) return status;
     stub_set_stream.calls++;
     stub_set_stream.handle = U(handle);
     stub_set_stream.stream = U(streamId);
     handle->stream = streamId;
+    handle->stream_set = 1;
     return 0;
 }
 
@@ -363,6 +516,7 @@ cudnnStatus_t cudnnQueryRuntimeError(cudnnHandle_t handle, cudnnStatus_t *rstatu
 cudnnStatus_t cudnnCreateTensorDescriptor(cudnnTensorDescriptor_t *tensorDesc) {
     if (tensorDesc == NULL) return fail(NULL_POINTER);
     *tensorDesc = calloc(1, sizeof **tensorDesc);
+    memset((*tensorDesc)->forward_workspace, 0xff, 3 * sizeof (*tensorDesc)->forward_workspace);
     stub_live_tensors++;
     return 0;
 }
@@ -439,7 +593,7 @@ cudnnStatus_t cudnnDestroyActivationDescriptor(cudnnActivationDescriptor_t activ
 cudnnStatus_t cudnnDeriveBNTensorDescriptor(cudnnTensorDescriptor_t derivedBnDesc,
         const cudnnTensorDescriptor_t xDesc, cudnnBatchNormMode_t mode) {
     if (derivedBnDesc == NULL || xDesc == NULL) return fail(NULL_POINTER);
-    if (xDesc->set != 1 || xDesc->nb_dims < 4 || mode < 0 || mode > 2) return fail(BAD_PARAM);
+    CHECK(rank_4_or_5(xDesc) && mode >= 0 && mode <= 2, BAD_PARAM, "rank");
     int n = (int)xDesc->nb_dims;
     derivedBnDesc->dims[0] = 1;
     for (int i = 1; i < n; i++)
@@ -461,7 +615,18 @@ cudnnStatus_t cudnnBatchNormalizationForwardInference(cudnnHandle_t handle,
         void *y, const cudnnTensorDescriptor_t bnScaleBiasMeanVarDesc, const void *bnScale,
         const void *bnBias, const void *estimatedMean, const void *estimatedVariance,
         double epsilon) {
-    if (handle == NULL) return fail(NULL_POINTER);
+    cudnnStatus_t status = launch(handle);
+    if (status) return status;
+    CHECK(alpha && beta && x && y && bnScale && bnBias && estimatedMean && estimatedVariance,
+          BAD_PARAM, "non-null");
+    CHECK(rank_4_or_5(xDesc) && valid_mode(mode, 0), BAD_PARAM, "rank");
+    CHECK(alike(xDesc, yDesc), BAD_PARAM, "same-dims");
+    CHECK(bn_of(bnScaleBiasMeanVarDesc, xDesc, mode), BAD_PARAM, "bn-desc");
+    CHECK(epsilon >= 0, BAD_PARAM, "epsilon");
+    int64_t data = element_size(xDesc->dtype), stat = element_size(bnScaleBiasMeanVarDesc->dtype);
+    CHECK(aligned(x, data) && aligned(y, data) && aligned(bnScale, stat) && aligned(bnBias, stat)
+          && aligned(estimatedMean, stat) && aligned(estimatedVariance, stat),
+          MISALIGNED_POINTER, "aligned");
     ForwardInferenceCall *c = &stub_forward_inference;
     c->calls++;
     c->handle = U(handle); c->mode = mode;
@@ -488,13 +653,17 @@ cudnnStatus_t cudnnGetBatchNormalizationForwardTrainingExWorkspaceSize(cudnnHand
         const cudnnTensorDescriptor_t zDesc, const cudnnTensorDescriptor_t yDesc,
         const cudnnTensorDescriptor_t bnScaleBiasMeanVarDesc,
         const cudnnActivationDescriptor_t activationDesc, size_t *sizeInBytes) {
-    if (handle == NULL || sizeInBytes == NULL) return fail(NULL_POINTER);
+    if (sizeInBytes == NULL) return fail(NULL_POINTER);
+    cudnnStatus_t status = use_handle(handle);
+    if (status) return status;
+    CHECK(rank_4_or_5(xDesc) && valid_mode(mode, bnOps), BAD_PARAM, "rank");
     ForwardWorkspaceQuery *q = &stub_forward_query;
     q->calls++;
     q->handle = U(handle); q->mode = mode; q->bn_ops = bnOps;
     q->x_desc = U(xDesc); q->z_desc = U(zDesc); q->y_desc = U(yDesc);
     q->bn_desc = U(bnScaleBiasMeanVarDesc); q->activation_desc = U(activationDesc);
     *sizeInBytes = stub_workspace_bytes;
+    xDesc->forward_workspace[mode][bnOps] = (int64_t)stub_workspace_bytes;
     return 0;
 }
 
@@ -504,7 +673,10 @@ cudnnStatus_t cudnnGetBatchNormalizationBackwardExWorkspaceSize(cudnnHandle_t ha
         const cudnnTensorDescriptor_t dzDesc, const cudnnTensorDescriptor_t dxDesc,
         const cudnnTensorDescriptor_t dBnScaleBiasDesc,
         const cudnnActivationDescriptor_t activationDesc, size_t *sizeInBytes) {
-    if (handle == NULL || sizeInBytes == NULL) return fail(NULL_POINTER);
+    if (sizeInBytes == NULL) return fail(NULL_POINTER);
+    cudnnStatus_t status = use_handle(handle);
+    if (status) return status;
+    CHECK(rank_4_or_5(xDesc) && valid_mode(mode, bnOps), BAD_PARAM, "rank");
     BackwardWorkspaceQuery *q = &stub_backward_query;
     q->calls++;
     q->handle = U(handle); q->mode = mode; q->bn_ops = bnOps;
@@ -512,6 +684,7 @@ cudnnStatus_t cudnnGetBatchNormalizationBackwardExWorkspaceSize(cudnnHandle_t ha
     q->dx_desc = U(dxDesc); q->bn_desc = U(dBnScaleBiasDesc);
     q->activation_desc = U(activationDesc);
     *sizeInBytes = stub_workspace_bytes;
+    xDesc->backward_workspace[mode][bnOps] = (int64_t)stub_workspace_bytes;
     return 0;
 }
 
@@ -519,12 +692,16 @@ cudnnStatus_t cudnnGetBatchNormalizationTrainingExReserveSpaceSize(cudnnHandle_t
         cudnnBatchNormMode_t mode, cudnnBatchNormOps_t bnOps,
         const cudnnActivationDescriptor_t activationDesc, const cudnnTensorDescriptor_t xDesc,
         size_t *sizeInBytes) {
-    if (handle == NULL || sizeInBytes == NULL) return fail(NULL_POINTER);
+    if (sizeInBytes == NULL) return fail(NULL_POINTER);
+    cudnnStatus_t status = use_handle(handle);
+    if (status) return status;
+    CHECK(rank_4_or_5(xDesc) && valid_mode(mode, bnOps), BAD_PARAM, "rank");
     ReserveQuery *q = &stub_reserve_query;
     q->calls++;
     q->handle = U(handle); q->mode = mode; q->bn_ops = bnOps;
     q->activation_desc = U(activationDesc); q->x_desc = U(xDesc);
     *sizeInBytes = stub_reserve_bytes;
+    xDesc->reserve[mode][bnOps] = (int64_t)stub_reserve_bytes;
     return 0;
 }
 
@@ -539,7 +716,33 @@ cudnnStatus_t cudnnBatchNormalizationForwardTrainingEx(cudnnHandle_t handle,
         void *resultSaveInvVariance, cudnnActivationDescriptor_t activationDesc,
         void *workspace, size_t workSpaceSizeInBytes, void *reserveSpace,
         size_t reserveSpaceSizeInBytes) {
-    if (handle == NULL) return fail(NULL_POINTER);
+    cudnnStatus_t status = launch(handle);
+    if (status) return status;
+    CHECK(alpha && beta && xData && yData && bnScale && bnBias, BAD_PARAM, "non-null");
+    CHECK(both_or_neither(resultSaveMean, resultSaveInvVariance), BAD_PARAM, "saved-pair");
+    CHECK(both_or_neither(resultRunningMean, resultRunningVariance), BAD_PARAM, "running-pair");
+    CHECK(rank_4_or_5(xDesc) && valid_mode(mode, bnOps), BAD_PARAM, "rank");
+    CHECK(alike(xDesc, yDesc), BAD_PARAM, "same-dims");
+    CHECK(bnOps != OPS_ADD || (zData != NULL && alike(xDesc, zDesc)), BAD_PARAM, "add-operand");
+    CHECK(bn_of(bnScaleBiasMeanVarDesc, xDesc, mode), BAD_PARAM, "bn-desc");
+    CHECK(epsilon >= 0, BAD_PARAM, "epsilon");
+    status = fused_ok(mode, bnOps, xDesc, activationDesc);
+    if (status) return status;
+    CHECK(bnOps == OPS_BN || (nhwc_packed(yDesc) && (bnOps != OPS_ADD || nhwc_packed(zDesc))),
+          NOT_SUPPORTED_LAYOUT, "fused-layout");
+    int fast = mode == PERSISTENT || bnOps != OPS_BN;
+    status = workspace_ok(workspace, workSpaceSizeInBytes,
+                          xDesc->forward_workspace[mode][bnOps], fast);
+    if (status) return status;
+    status = reserve_ok(reserveSpace, reserveSpaceSizeInBytes, xDesc->reserve[mode][bnOps],
+                        fast, 0, mode, bnOps, xDesc);
+    if (status) return status;
+    int64_t data = element_size(xDesc->dtype), stat = element_size(bnScaleBiasMeanVarDesc->dtype);
+    CHECK(aligned(xData, data) && aligned(yData, data) && aligned(zData, data)
+          && aligned(bnScale, stat) && aligned(bnBias, stat) && aligned(resultRunningMean, stat)
+          && aligned(resultRunningVariance, stat) && aligned(resultSaveMean, stat)
+          && aligned(resultSaveInvVariance, stat), MISALIGNED_POINTER, "aligned");
+    if (reserveSpace != NULL) stub_fill_reserve(U(reserveSpace), xDesc, mode, bnOps);
     ForwardTrainingCall *c = &stub_forward_training;
     c->calls++;
     c->handle = U(handle); c->mode = mode; c->bn_ops = bnOps;
@@ -581,7 +784,37 @@ cudnnStatus_t cudnnBatchNormalizationBackwardEx(cudnnHandle_t handle,
         const void *savedMean, const void *savedInvVariance,
         cudnnActivationDescriptor_t activationDesc, void *workSpace,
         size_t workSpaceSizeInBytes, void *reserveSpace, size_t reserveSpaceSizeInBytes) {
-    if (handle == NULL) return fail(NULL_POINTER);
+    cudnnStatus_t status = launch(handle);
+    if (status) return status;
+    CHECK(alphaDataDiff && betaDataDiff && alphaParamDiff && betaParamDiff && xData && dyData
+          && dxData && bnScaleData && dBnScaleData && dBnBiasData, BAD_PARAM, "non-null");
+    CHECK(both_or_neither(savedMean, savedInvVariance), BAD_PARAM, "saved-pair");
+    CHECK(mode != PERSISTENT || savedMean != NULL, BAD_PARAM, "persistent-saved");
+    CHECK(rank_4_or_5(xDesc) && valid_mode(mode, bnOps), BAD_PARAM, "rank");
+    CHECK(alike(xDesc, dyDesc) && alike(xDesc, dxDesc), BAD_PARAM, "same-dims");
+    CHECK(bnOps == OPS_BN || (yData != NULL && bnBiasData != NULL && alike(xDesc, yDesc)),
+          BAD_PARAM, "fused-operands");
+    CHECK(bnOps != OPS_ADD || (dzData != NULL && alike(xDesc, dzDesc)), BAD_PARAM,
+          "add-operand");
+    CHECK(bn_of(dBnScaleBiasDesc, xDesc, mode), BAD_PARAM, "bn-desc");
+    CHECK(epsilon >= 0, BAD_PARAM, "epsilon");
+    status = fused_ok(mode, bnOps, xDesc, activationDesc);
+    if (status) return status;
+    CHECK(bnOps == OPS_BN || (nhwc_packed(yDesc) && nhwc_packed(dyDesc) && nhwc_packed(dxDesc)
+          && (bnOps != OPS_ADD || nhwc_packed(dzDesc))), NOT_SUPPORTED_LAYOUT, "fused-layout");
+    int fast = mode == PERSISTENT || bnOps != OPS_BN;
+    status = workspace_ok(workSpace, workSpaceSizeInBytes,
+                          xDesc->backward_workspace[mode][bnOps], fast);
+    if (status) return status;
+    status = reserve_ok(reserveSpace, reserveSpaceSizeInBytes, xDesc->reserve[mode][bnOps],
+                        fast, 1, mode, bnOps, xDesc);
+    if (status) return status;
+    int64_t data = element_size(xDesc->dtype), stat = element_size(dBnScaleBiasDesc->dtype);
+    CHECK(aligned(xData, data) && aligned(yData, data) && aligned(dyData, data)
+          && aligned(dzData, data) && aligned(dxData, data) && aligned(bnScaleData, stat)
+          && aligned(bnBiasData, stat) && aligned(dBnScaleData, stat)
+          && aligned(dBnBiasData, stat) && aligned(savedMean, stat)
+          && aligned(savedInvVariance, stat), MISALIGNED_POINTER, "aligned");
     BackwardCall *c = &stub_backward;
     c->calls++;
     c->handle = U(handle); c->mode = mode; c->bn_ops = bnOps;
@@ -633,12 +866,22 @@ class Stub:
         self.reserve_bytes = c_uint64.in_dll(cdll, "stub_reserve_bytes")
         self.live_tensors = c_int64.in_dll(cdll, "stub_live_tensors")
         self.live_activations = c_int64.in_dll(cdll, "stub_live_activations")
+        self.device = c_int64.in_dll(cdll, "stub_device")
+        cdll.stub_fill_reserve.argtypes = [c_uint64, c_void_p, c_int64, c_int64]
 
     def reset(self) -> None:
         for name in RECORDS:
             record = getattr(self, name)
             ctypes.memset(ctypes.addressof(record), 0, ctypes.sizeof(record))
         self.workspace_bytes.value, self.reserve_bytes.value = STUB_WORKSPACE, STUB_RESERVE
+        self.device.value = 0
+        self.cdll.stub_forget_reserves()
+
+    def fill_reserve(self, reserve: int, kernel: Any) -> None:
+        """Stand in for the forward that filled ``reserve`` for a backward ``kernel`` (a
+        cuDNN engine): same mode, bnOps and x, as cuDNN wants of a backward's reserve."""
+        status = self.cdll.stub_fill_reserve(reserve, kernel.x_desc, kernel.bn_mode, kernel.ops)
+        assert status == 0, "the stub's reserve table is full"
 
     def calls(self) -> dict[str, int]:
         """How many times each recorded function ran since ``reset``."""
@@ -839,6 +1082,12 @@ FUSED_ENGINES = {  # (engine, shape, dtype, channel dtype, layout, persistent)
 def fused_engine(engine: str | dict[str, str], fusion: str) -> str:
     """The engine of a ``FUSED_ENGINES`` case for ``fusion`` (a case may depend on it)."""
     return engine[fusion] if isinstance(engine, dict) else engine
+
+
+def forward_filled(desc: Any, reserve: int) -> None:
+    """Stand in for the forward that filled ``reserve`` for the backward descriptor ``desc``
+    (on the cuDNN engine): the stub takes a backward's reserve only from a matching forward."""
+    Stub(library_module._library._cdll).fill_reserve(reserve, desc._kernel)
 
 
 def nothing_recorded(stub: Stub) -> bool:

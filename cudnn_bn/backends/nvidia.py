@@ -36,6 +36,7 @@ from .cudnn_engines import (
     CudnnBatchNormBackward,
     CudnnBatchNormForwardInference,
     CudnnBatchNormForwardTraining,
+    backward_bn_mode,
     bn_mode,
 )
 from .cupy_engines import (
@@ -47,7 +48,6 @@ from .cupy_engines import (
 CUDNN_MAX_NUMEL, MIN_CUDNN_NDIM = 2**31 - 1, 3
 CUDNN_MAX_BATCH_TRAINING, CUDNN_MAX_BATCH_INFERENCE = 880801, 65535
 CUDNN_BACKWARD_MODES = (Mode.TRAIN, Mode.SAVED, Mode.SAVED_INVSTD)
-CUDNN_SAVED_MODES = (Mode.SAVED, Mode.SAVED_INVSTD)
 CUDNN_DTYPES = (DataType.F16, DataType.F32, DataType.F64)
 FUSED_CHANNEL_MULTIPLE, FUSED_NDIM = 4, 4
 
@@ -100,16 +100,11 @@ def BatchNormBackward(
     """The backward engine for this problem on NVIDIA device ``device_id``."""
     a, t = attributes, tensors
     data = [d for d in (t.input, t.grad_output, t.grad_input, t.output, t.grad_z) if d is not None]
-    mode = bn_mode(t.input, True, a.persistent)
-    # cuDNN's fused backward reads the forward's saved statistics (no train mode there) and
-    # its reserve space (the ReLU mask): without one, the CuPy engine reads the mask from y.
-    fused = a.fusion != Fusion.BN
-    modes = CUDNN_SAVED_MODES if fused else CUDNN_BACKWARD_MODES
-    use_cudnn = (
-        a.mode in modes
-        and (a.reserve or not fused)
-        and cudnn_takes(data, a.fusion, mode, training=True)
-    )
+    # SPATIAL_PERSISTENT, the only mode of cuDNN's fused kernels, only from the forward's
+    # saved statistics and reserve (``backward_bn_mode``): a fused backward without them
+    # goes to the CuPy engine, which reads the ReLU mask from y.
+    mode = backward_bn_mode(t.input, a)
+    use_cudnn = a.mode in CUDNN_BACKWARD_MODES and cudnn_takes(data, a.fusion, mode, training=True)
     return _build(CudnnBatchNormBackward if use_cudnn else CupyBatchNormBackward, t, a, device_id)
 
 
