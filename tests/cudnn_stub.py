@@ -1,17 +1,104 @@
-"""A stub libcudnn for checking, without a GPU, the exact arguments the NVIDIA backend hands
-cuDNN; shared by ``test_nvidia_arguments.py`` (backward) and
-``test_nvidia_forward_arguments.py`` (forward).
+"""A stub libcudnn that holds the package to cuDNN's documented contract, without a GPU;
+shared by the tests of the NVIDIA path (grep ``cudnn_stub``).
 
 The stub, compiled from the C below, exports every function of the prototype table with
-cuDNN's C signatures and answers SUCCESS. It keeps tensor and activation descriptors well
-enough to be set, derived and read back (and counts the live ones), reports workspace and
-reserve sizes the tests may change, and records the arguments of the last
-``cudnnSetStream``, size query and batch-norm call, one record struct per function
-(generated from the ctypes mirrors here, so the two cannot disagree). ``install`` makes it
-the process's libcudnn, with an empty handle pool, and stands in for the CUDA seam
+cuDNN's C signatures. It keeps tensor and activation descriptors well enough to be set,
+derived and read back (and counts the live ones), reports workspace and reserve sizes the
+tests may change, and records the arguments of the last ``cudnnSetStream``, size query and
+batch-norm call, one record struct per function (generated from the ctypes mirrors here, so
+the two cannot disagree). Before it answers SUCCESS, every call is checked against the
+preconditions cuDNN documents for it (the table below): a broken one returns cuDNN's status
+and ``cudnnGetLastErrorString`` names the rule ("broke rule persistent-saved"). ``install``
+makes it the process's libcudnn, with an empty handle pool, and stands in for the CUDA seam
 (``cudnn_bn.backends.cuda``: device 0 current, one device). On the cuDNN fast path
 (per-channel tensors already in cuDNN's dtype with stride 1) nothing touches CuPy, so
 ``stream_scope`` fails the test if it is entered.
+
+Rules (``CHECK(..., rule)`` in the C; ``test_cudnn_stub_contract.py`` holds the two to each
+other). [h]: the sentence is in cuDNN 9.28's own headers (``cudnn_ops.h``, ``cudnn_graph.h``
+of the nvidia-cudnn-cu12 wheel); [d]: the cuDNN 9 API reference (cudnn_ops library), from the
+parameter lists and "returns" lists of cudnnBatchNormalizationForwardInference,
+cudnnBatchNormalizationForwardTraining(Ex), cudnnBatchNormalizationBackward(Ex),
+cudnnCreate and cudnnSetStream; [i]: quoted in issue 19; [s]: the stub's own strengthening,
+where cuDNN states the need but no status (the status is then the nearest cuDNN 9 one).
+
+handle-device: 5000 EXECUTION_FAILED [s]
+    cudnnCreate: "The cuDNN library handle is tied to the current CUDA device (context)" [d]
+stream-set: 2007 BAD_PARAM_STREAM_MISMATCH [s]
+    cudnnSetStream: "If the cuDNN library stream is not set, all kernels use the default
+    (NULL) stream" [d]: the package sets it before every call (a pooled handle serves many
+    streams)
+rank: 2000 BAD_PARAM
+    "The number of xDesc or yDesc or dxDesc tensor descriptor dimensions is not within the
+    range of [4,5] (only 4D and 5D tensors are supported)" [d];
+    cudnnDeriveBNTensorDescriptor likewise
+same-dims: 2000 BAD_PARAM
+    "Dimensions or data types mismatch for any pair of xDesc, dyDesc, dxDesc" (backward),
+    "for xDesc, yDesc" (forward) [d]
+bn-desc: 2000 BAD_PARAM
+    "bnScaleBiasMeanVarDesc dimensions are not 1xCx1x1 for spatial or 1xCxHxW for 4D per-
+    activation" [d]; its type: "type = (typeOf(x) == double) ? double : float" [h]
+non-null: 2000 BAD_PARAM
+    "Any of the pointers alpha, beta, x, dy, dx, bnScale, resultBnScaleDiff,
+    resultBnBiasDiff is NULL" (backward); "One of the pointers alpha, beta, x, y, bnScale,
+    bnBias is NULL" (forward; inference adds estimatedMean, estimatedInvVariance) [d]
+alpha-beta: 2000 BAD_PARAM [s]
+    "alpha, beta: Pointers to scaling factors (in host memory)": float for HALF and FLOAT
+    data, double for DOUBLE [d]; read as that type they must be the package's 1 and 0 (a
+    float read as a double is not)
+saved-pair: 2000 BAD_PARAM
+    "Exactly one of savedMean, savedInvVariance pointers is NULL" [d]
+    (resultSaveMean/resultSaveInvVariance in the forward)
+running-pair: 2000 BAD_PARAM
+    "Exactly one of resultRunningMean, resultRunningInvVariance pointers are NULL" [d]
+persistent-saved: 2000 BAD_PARAM
+    CUDNN_BATCHNORM_SPATIAL_PERSISTENT: "In the case of cudnnBatchNormalizationBackward(),
+    the savedMean and savedInvVariance arguments should not be NULL" [i][d]
+epsilon: 2000 BAD_PARAM
+    "epsilon value is less than CUDNN_BN_MIN_EPSILON" [d]; "Has to be >=
+    CUDNN_BN_MIN_EPSILON" [h]
+add-operand: 2000 BAD_PARAM
+    bnOps BN_ADD_ACTIVATION: "zDesc, zData: ... the tensor descriptor and data for the
+    residual addition"; dz likewise in the backward [d]
+fused-operands: 2000 BAD_PARAM
+    backward "bnBiasData: ... needed for activation" [h]; "yDesc, yData: ... the output of
+    the forward" for bnOps != BN [d]
+fused-activation: 2000 BAD_PARAM
+    "activationDesc: ... the activation operation. When bnOps is BN only, it is ignored"
+    [d]: ReLU, the one the fused kernels implement
+fused-mode: 3000 NOT_SUPPORTED
+    the fused (NHWC semi-persistent) path: "The input parameter mode must be set to
+    CUDNN_BATCHNORM_SPATIAL_PERSISTENT" [d]
+fused-dtype: 3003 NOT_SUPPORTED_DATA_TYPE
+    "All the tensors, that is, x, y, dz, dy, dx must be NHWC-fully packed, and must be of
+    the type CUDNN_DATA_HALF" [d]
+fused-layout: 3004 NOT_SUPPORTED_LAYOUT
+    the same sentence: NHWC fully packed (4-D)
+fused-add-channels: 3000 NOT_SUPPORTED
+    "The tensor C dimension should be a multiple of 4" [d], kept for BN_ADD_ACTIVATION only
+    (the package's rule since cuDNN 8.2)
+workspace-queried: 2000 BAD_PARAM
+    fast paths: "workspace is not NULL"; "If workspace is NULL and workSpaceSizeInBytes of
+    zero is passed in, this API will function exactly like the non-extended function" [d]
+workspace-size: 2006 BAD_PARAM_SIZE_INSUFFICIENT
+    "workSpaceSizeInBytes is equal to or larger than the amount required by
+    cudnnGetBatchNormalization...WorkspaceSize()" [d], per mode and bnOps asked for this
+    xDesc
+reserve-needed: 2000 BAD_PARAM
+    fast paths and fused ops: the reserve is "used to store values needed during backward"
+    [d]
+reserve-size: 2006 BAD_PARAM_SIZE_INSUFFICIENT
+    "reserveSpaceSizeInBytes is equal to or larger than the amount required by
+    cudnnGetBatchNormalizationTrainingExReserveSpaceSize()" [d]
+reserve-from-forward: 2000 BAD_PARAM
+    "The content in reserveSpace stored by cudnnBatchNormalizationForwardTrainingEx() must
+    be preserved" [d]: a backward's reserve comes from a forward of the same mode, bnOps and
+    x
+aligned: 2003 BAD_PARAM_MISALIGNED_POINTER
+    "Misaligned pointer passed" [h]: each data pointer aligned to its element size (CUDA's
+    natural alignment)
+workspace-aligned, reserve-aligned: 2003 BAD_PARAM_MISALIGNED_POINTER [s]
+    as above; 16 bytes, what every CUDA allocator gives
 
 Below the stub: fake device pointers and the layouts cuDNN must be told.
 """
@@ -456,6 +543,11 @@ static double scaling(const void *p, cudnnTensorDescriptor_t x) {
     return x != NULL && x->dtype == 1 ? *(const double *)p : (double)*(const float *)p;
 }
 
+/* The package never blends: alpha 1 and beta 0, read as cuDNN reads them. */
+static int one_and_zero(const void *alpha, const void *beta, cudnnTensorDescriptor_t x) {
+    return scaling(alpha, x) == 1.0 && scaling(beta, x) == 0.0;
+}
+
 size_t cudnnGetVersion(void) { return 92800; }
 size_t cudnnGetCudartVersion(void) { return 12080; }
 
@@ -621,6 +713,7 @@ cudnnStatus_t cudnnBatchNormalizationForwardInference(cudnnHandle_t handle,
           BAD_PARAM, "non-null");
     CHECK(rank_4_or_5(xDesc) && valid_mode(mode, 0), BAD_PARAM, "rank");
     CHECK(alike(xDesc, yDesc), BAD_PARAM, "same-dims");
+    CHECK(one_and_zero(alpha, beta, xDesc), BAD_PARAM, "alpha-beta");
     CHECK(bn_of(bnScaleBiasMeanVarDesc, xDesc, mode), BAD_PARAM, "bn-desc");
     CHECK(epsilon >= 0, BAD_PARAM, "epsilon");
     int64_t data = element_size(xDesc->dtype), stat = element_size(bnScaleBiasMeanVarDesc->dtype);
@@ -723,6 +816,7 @@ cudnnStatus_t cudnnBatchNormalizationForwardTrainingEx(cudnnHandle_t handle,
     CHECK(both_or_neither(resultRunningMean, resultRunningVariance), BAD_PARAM, "running-pair");
     CHECK(rank_4_or_5(xDesc) && valid_mode(mode, bnOps), BAD_PARAM, "rank");
     CHECK(alike(xDesc, yDesc), BAD_PARAM, "same-dims");
+    CHECK(one_and_zero(alpha, beta, xDesc), BAD_PARAM, "alpha-beta");
     CHECK(bnOps != OPS_ADD || (zData != NULL && alike(xDesc, zDesc)), BAD_PARAM, "add-operand");
     CHECK(bn_of(bnScaleBiasMeanVarDesc, xDesc, mode), BAD_PARAM, "bn-desc");
     CHECK(epsilon >= 0, BAD_PARAM, "epsilon");
@@ -792,6 +886,8 @@ cudnnStatus_t cudnnBatchNormalizationBackwardEx(cudnnHandle_t handle,
     CHECK(mode != PERSISTENT || savedMean != NULL, BAD_PARAM, "persistent-saved");
     CHECK(rank_4_or_5(xDesc) && valid_mode(mode, bnOps), BAD_PARAM, "rank");
     CHECK(alike(xDesc, dyDesc) && alike(xDesc, dxDesc), BAD_PARAM, "same-dims");
+    CHECK(one_and_zero(alphaDataDiff, betaDataDiff, xDesc)
+          && one_and_zero(alphaParamDiff, betaParamDiff, xDesc), BAD_PARAM, "alpha-beta");
     CHECK(bnOps == OPS_BN || (yData != NULL && bnBiasData != NULL && alike(xDesc, yDesc)),
           BAD_PARAM, "fused-operands");
     CHECK(bnOps != OPS_ADD || (dzData != NULL && alike(xDesc, dzDesc)), BAD_PARAM,
