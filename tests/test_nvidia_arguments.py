@@ -313,6 +313,18 @@ def test_staging_slices_follow_cudnn_workspace(stub, dtype, channel_dtype, mode,
 # --- calls refused before cuDNN ------------------------------------------------------------
 
 
+@pytest.mark.parametrize("offset", [1, 8])
+def test_a_misaligned_workspace_is_refused_before_cudnn(stub, offset):
+    """Finding 7: the workspace holds F64 scratch and cuDNN's own: 16-byte aligned or
+    BAD_PARAM, before anything is written."""
+    with (
+        descriptor((2, 3, 4, 5), F64) as desc,
+        pytest.raises(BadParamError, match="16-byte aligned"),
+    ):
+        compute(desc, workspace=WORKSPACE + offset)
+    assert stub.backward.calls == 0  # the C API's case: test_capi_hands_cudnn_the_same_...
+
+
 def test_small_workspace_is_refused_before_cudnn(stub):
     with descriptor((2, 3, 4, 5)) as desc:
         with pytest.raises(InsufficientWorkspaceError) as caught:
@@ -719,9 +731,12 @@ def test_capi_hands_cudnn_the_same_arguments(stub):
     assert fields(call, "saved_mean saved_inv_variance") == pointers("running_mean running_var")
     assert (call.workspace, call.workspace_size) == (WORKSPACE, STUB_WORKSPACE)
 
-    # Refused before cuDNN: a small workspace, a NULL input.
+    # Refused before cuDNN: a small or misaligned workspace, a NULL input.
     small = (desc, c_void_p(WORKSPACE), size.value - 1, *ptrs, c_void_p(STREAM))
     assert capi.infiniopBatchNormBackward(*small) == Status.INSUFFICIENT_WORKSPACE
+    misaligned = (desc, c_void_p(WORKSPACE + 8), size.value, *ptrs, c_void_p(STREAM))
+    assert capi.infiniopBatchNormBackward(*misaligned) == Status.BAD_PARAM
+    assert "16-byte aligned" in capi.last_error()
     null_x = (*args[:6], None, *args[7:])
     assert capi.infiniopBatchNormBackward(*null_x) == Status.NULL_POINTER
     assert "input is NULL" in capi.last_error()
