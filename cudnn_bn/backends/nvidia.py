@@ -6,7 +6,9 @@
   (``CUDNN_BN_MIN_EPSILON`` is 0 since cuDNN 7.6). Fused passes (BN+ReLU, BN+Add+ReLU) only
   where cuDNN's fused kernels run: F16 NHWC data in SPATIAL_PERSISTENT mode (BN+Add+ReLU
   also C % 4 == 0; cuDNN 8.2 lifted that for BN+ReLU), and a fused backward only from saved
-  statistics and the forward's reserve.
+  statistics and the forward's reserve. A backward runs in SPATIAL_PERSISTENT only from
+  both (``backward_bn_mode``: cuDNN wants saved statistics there, and its kernels read the
+  reserve); otherwise in SPATIAL.
 * ``cupy`` (``cupy_engines.py``): everything else — eval-mode backward (cuDNN has no call
   for it), BF16 data (PyTorch never sends BF16 to cuDNN's batch norm), 2-D input (cuDNN's
   PER_ACTIVATION mode, which PyTorch no longer uses), other strides, huge tensors; and every
