@@ -488,10 +488,10 @@ static cudnnStatus_t fused_ok(int mode, int ops, const struct cudnnTensorStruct 
 }
 
 /* The workspace: NULL with size 0, or aligned and as large as the query answered; the fast
-   paths (SPATIAL_PERSISTENT, fused) need it. */
+   paths (SPATIAL_PERSISTENT, fused) need it where the query answered more than 0. */
 static cudnnStatus_t workspace_ok(const void *workspace, size_t size, int64_t answered,
         int fast) {
-    if (workspace == NULL && size == 0 && !fast) return 0;
+    if (workspace == NULL && size == 0 && (!fast || answered == 0)) return 0;
     CHECK(workspace != NULL && answered >= 0, BAD_PARAM, "workspace-queried");
     CHECK((int64_t)size >= answered, SIZE_INSUFFICIENT, "workspace-size");
     CHECK(aligned(workspace, WORKSPACE_ALIGNMENT), MISALIGNED_POINTER, "workspace-aligned");
@@ -517,11 +517,12 @@ int stub_fill_reserve(uint64_t ptr, const struct cudnnTensorStruct *x, int64_t m
 
 void stub_forget_reserves(void) { memset(reserves, 0, sizeof reserves); }
 
-/* A reserve, where one is needed (SPATIAL_PERSISTENT, fused) or given: as large as the
-   query answered, and, for a backward, filled by a forward of the same mode, ops and x. */
+/* A reserve, where one is needed (SPATIAL_PERSISTENT, fused, and the query answered more
+   than 0) or given: as large as the query answered, and, for a backward, filled by a forward
+   of the same mode, ops and x. */
 static cudnnStatus_t reserve_ok(const void *reserve, size_t size, int64_t answered, int needed,
         int backward, int mode, int ops, const struct cudnnTensorStruct *x) {
-    if (reserve == NULL && !needed) return 0;
+    if (reserve == NULL && (!needed || answered == 0)) return 0;
     CHECK(reserve != NULL && answered >= 0, BAD_PARAM, "reserve-needed");
     CHECK((int64_t)size >= answered, SIZE_INSUFFICIENT, "reserve-size");
     CHECK(aligned(reserve, WORKSPACE_ALIGNMENT), MISALIGNED_POINTER, "reserve-aligned");
