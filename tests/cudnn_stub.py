@@ -22,6 +22,13 @@ cudnnBatchNormalizationForwardTraining(Ex), cudnnBatchNormalizationBackward(Ex),
 cudnnCreate and cudnnSetStream; [i]: quoted in issue 19; [s]: the stub's own strengthening,
 where cuDNN states the need but no status (the status is then the nearest cuDNN 9 one).
 
+tensor-dims: 2000 BAD_PARAM
+    cudnnSetTensorNdDescriptor: "At least one of the elements of the array dimA was negative
+    or zero" [d] (strides: negative ones likewise)
+tensor-rank: 3000 NOT_SUPPORTED
+    cudnnSetTensorNdDescriptor: "The parameter nbDims is outside the range [4,
+    CUDNN_DIM_MAX], or the total size of the tensor descriptor exceeds the maximum limit of 2
+    Giga-elements" [d]
 handle-device: 5000 EXECUTION_FAILED [s]
     cudnnCreate: "The cuDNN library handle is tied to the current CUDA device (context)" [d]
 stream-set: 2007 BAD_PARAM_STREAM_MISMATCH [s]
@@ -626,9 +633,13 @@ cudnnStatus_t cudnnDestroyTensorDescriptor(cudnnTensorDescriptor_t tensorDesc) {
 cudnnStatus_t cudnnSetTensorNdDescriptor(cudnnTensorDescriptor_t tensorDesc,
         cudnnDataType_t dataType, int nbDims, const int dimA[], const int strideA[]) {
     if (tensorDesc == NULL || dimA == NULL || strideA == NULL) return fail(NULL_POINTER);
-    if (nbDims < 1 || nbDims > MAX_DIMS) return fail(BAD_PARAM);
-    for (int i = 0; i < nbDims; i++)
-        if (dimA[i] < 1 || strideA[i] < 0) return fail(BAD_PARAM);
+    CHECK(nbDims >= 4 && nbDims <= MAX_DIMS, NOT_SUPPORTED, "tensor-rank");
+    int64_t numel = 1;
+    for (int i = 0; i < nbDims; i++) {
+        CHECK(dimA[i] > 0 && strideA[i] >= 0, BAD_PARAM, "tensor-dims");
+        numel *= dimA[i];
+    }
+    CHECK(numel <= 2147483647, NOT_SUPPORTED, "tensor-rank");
     tensorDesc->set = 1;
     tensorDesc->dtype = dataType;
     tensorDesc->nb_dims = nbDims;

@@ -19,12 +19,15 @@ from helpers import BACKWARD_ORDER, channels_last
 from test_nvidia_arguments import compute, descriptor
 
 from cudnn_bn import Mode, Status
+from cudnn_bn._cudnn.enums import CudnnDataType
+from cudnn_bn._cudnn.tensor import TensorDescriptor
 from cudnn_bn.backends import cudnn_engines, nvidia
 from cudnn_bn.enums import DataType
 from cudnn_bn.errors import InfiniError
 
 F16, F32 = DataType.F16, DataType.F32
 SHAPE = (2, 8, 3, 5)
+ONE = ctypes.c_float(1.0)
 RESERVE = {"reserve": POINTERS["reserve"], "reserve_size": STUB_RESERVE}
 
 
@@ -72,7 +75,7 @@ def test_a_reserve_no_forward_filled_is_refused(stub):
 BROKEN_ARGUMENTS = {  # rule: (position, value, status)
     "bn-desc": (1, 0, Status.BAD_PARAM),  # PER_ACTIVATION with a SPATIAL descriptor
     "fused-operands": (2, 1, Status.BAD_PARAM),  # BN_ACTIVATION with no y, bias
-    "alpha-beta": (4, ctypes.addressof(ctypes.c_float(1.0)), Status.BAD_PARAM),
+    "alpha-beta": (4, ctypes.addressof(ONE), Status.BAD_PARAM),  # beta 1: a blend
     "epsilon": (22, -1.0, Status.BAD_PARAM),
     "workspace-size": (27, 1, Status.INSUFFICIENT_WORKSPACE),
 }
@@ -125,3 +128,17 @@ def test_a_broken_fused_call_is_refused(stub, rule):
         desc._kernel._template[position] = value
         refused(desc, rule, status, **fused)
     assert stub.backward.calls == 0
+
+
+TENSOR_BREAKS = {  # rule: (shape, strides, status)
+    "tensor-dims": ((2, 0, 3, 4), (0, 12, 4, 1), Status.BAD_PARAM),
+    "tensor-rank": ((65536, 65536), (65536, 1), Status.NOT_IMPLEMENTED),  # 2^32 elements
+}
+
+
+@pytest.mark.parametrize("rule", TENSOR_BREAKS)
+def test_a_broken_tensor_descriptor_is_refused(stub, rule):
+    shape, strides, status = TENSOR_BREAKS[rule]
+    with pytest.raises(InfiniError, match=f"broke rule {rule}\\b") as caught:
+        TensorDescriptor.nd(CudnnDataType.FLOAT, shape, strides)
+    assert caught.value.status == status
