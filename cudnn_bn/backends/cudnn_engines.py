@@ -52,8 +52,9 @@ def bn_mode(x: TensorDesc, training: bool, persistent: bool | None) -> BatchNorm
 
 def backward_bn_mode(x: TensorDesc, attributes: BackwardAttributes) -> BatchNormMode:
     """The mode of a backward: its forward's (``bn_mode``) only when it runs from that
-    forward's saved statistics and reserve, as PyTorch's always does
-    (aten/src/ATen/native/cudnn/BatchNorm.cpp passes save_mean, save_var and reserve).
+    forward's saved statistics and reserve, as PyTorch's always does (Normalization.cpp's
+    ``_batch_norm_impl_index_backward`` hands aten/src/ATen/native/cudnn/BatchNorm.cpp's
+    ``cudnn_batch_norm_backward`` the forward's save_mean, save_var and reserve).
 
     cuDNN: "In the case of cudnnBatchNormalizationBackward(), the savedMean and
     savedInvVariance arguments should not be NULL" in SPATIAL_PERSISTENT mode, whose kernels
