@@ -13,6 +13,7 @@ Nothing is ever dereferenced: the stub libcudnn (``cudnn_stub.py``) only records
 here, the fake current device and the calling thread.
 """
 
+import ctypes
 import itertools
 import math
 import threading
@@ -336,20 +337,23 @@ RECORDED = (
 
 class RecordingLibrary(CudnnLibrary):
     """The stub libcudnn, recording ``(function, current device, thread)`` per call of
-    ``RECORDED``; ``device`` reads the fake current device (0 where there is none)."""
+    ``RECORDED``; ``device`` reads the fake current device (0 where there is none), which
+    every call tells the stub (it refuses a handle used off the device it was made on)."""
 
     def __init__(self, library: CudnnLibrary, device=lambda: 0) -> None:
         super().__init__(library._cdll, library.info)
         self.calls: list[tuple[str, int, str]] = []
         self._device = device
+        self._stub_device = ctypes.c_int64.in_dll(library._cdll, "stub_device")
 
     def __getattr__(self, name: str) -> Any:
         func = super().__getattr__(name)
-        if name not in RECORDED:
-            return func
 
         def recorded(*args: Any) -> Any:
-            self.calls.append((name, self._device(), threading.current_thread().name))
+            device = self._device()
+            self._stub_device.value = device
+            if name in RECORDED:
+                self.calls.append((name, device, threading.current_thread().name))
             return func(*args)
 
         recorded.__name__ = name
