@@ -5,8 +5,9 @@ dtype code and out-parameter forms, or one operator's whole cycle (create, attri
 queries, compute, destroy) on a good problem that one drawn spoiler may break: a bad
 dtype code, shape or stride, a NULL or wrong-kind or destroyed descriptor, a NULL data
 pointer, a bad attribute or workspace size, a wrong argument count or a keyword, misuse of
-the lifecycle. Scalars come as Python numbers, NumPy scalars or ctypes values; out-
-parameters as ``byref``, ``pointer``, arrays, addresses, or things ctypes would refuse.
+the lifecycle, or attribute changes racing computes from another thread. Scalars come as
+Python numbers, NumPy scalars or ctypes values; out-parameters as ``byref``, ``pointer``,
+arrays, addresses, or things ctypes would refuse.
 
 Invariants: every call returns a plain int among its function's documented statuses
 (never INTERNAL_ERROR on the CPU) with a message when it fails; out-parameter storage and
@@ -17,6 +18,8 @@ written; after the example, no object is left registered.
 
 import ctypes
 import math
+import sys
+import threading
 
 import numpy as np
 from fuzzing import COUNTS, SETTINGS, child_main, problem_values, violation
@@ -214,6 +217,9 @@ class Buffer:
     def unchanged(self) -> bool:
         return self.base.tobytes() == self.before
 
+    def restore(self) -> None:
+        self.base[...] = np.frombuffer(self.before, self.base.dtype)
+
 
 def layout_strides(shape, layout: str, rng: np.random.Generator) -> tuple[int, ...]:
     if layout == "padded":
@@ -332,8 +338,9 @@ SPOILERS = [
     "overlapping_output", "negative_stride", "null_desc", "handle_as_tensor", "tensor_as_handle",
     "destroyed_tensor", "destroyed_handle", "null_data", "bad_eps", "bad_mode_or_momentum",
     "bad_scalar", "workspace_size", "arg_count", "keyword", "wrong_kind_op", "double_destroy",
-    "use_after_destroy", "size_out",
+    "use_after_destroy", "size_out", "concurrent_attributes",
 ]  # fmt: skip
+RACES = 100  # computes racing attribute changes in a "concurrent_attributes" example
 
 
 @st.composite
@@ -476,6 +483,7 @@ def fuzz_cycle(data) -> None:
                 None,
             )
         setter = getattr(capi, f"infiniopSet{op}Attributes")
+        args_set = args
         status = call(setter, op_desc, *(a for a, _ in args))
         if status == S.SUCCESS:
             if any(seen is None for _, seen in args):
@@ -513,6 +521,10 @@ def fuzz_cycle(data) -> None:
             args = args[:-1] if data.draw(st.booleans()) else [*args, None]
         elif spoiler == "keyword":
             kwargs = {"stream": args.pop()}
+        if spoiler == "concurrent_attributes":
+            _race(setter, op_desc, attributes, [a for a, _ in args_set], p, compute, args)
+            for b in buffers.values():  # the raced computes updated running statistics
+                b.restore()
         status = call(compute, *args, **kwargs)
         computed = status == S.SUCCESS
         if spoiler == "double_destroy" and op_desc is not None:
@@ -527,6 +539,40 @@ def fuzz_cycle(data) -> None:
     if spoiler == "none" and not computed:
         raise violation("wrong", f"a good {op} problem failed: {capi.last_error()}")
     _destroy(handles)
+
+
+def _race(setter, op_desc: int, names: tuple, values: list, p: dict, compute, args: list) -> None:
+    """Compute ``RACES`` times while another thread sets other good attributes (eps 0.1, the
+    next mode, momentum 0.5) and the drawn ``values`` in turn, ending with the drawn ones,
+    threads switching often: each compute succeeds (the call after this one, on restored
+    buffers, checks the result)."""
+    other = [{"eps": 0.1, "mode": (p["mode"] + 1) % 4, "momentum": 0.5}[n] for n in names]
+    attributes = values
+    stop, failures = threading.Event(), []
+
+    def change() -> None:
+        try:
+            while not stop.is_set():
+                for values in (other, attributes):
+                    if call(setter, op_desc, *values) != S.SUCCESS:
+                        raise violation("wrong", f"setting {values} failed: {capi.last_error()}")
+        except BaseException as exc:  # reported by the computing thread
+            failures.append(exc)
+
+    thread, interval = threading.Thread(target=change), sys.getswitchinterval()
+    sys.setswitchinterval(1e-5)
+    thread.start()
+    try:
+        for _ in range(RACES):
+            COUNTS["raced_computes"] += 1
+            if call(compute, *args) != S.SUCCESS:
+                raise violation("wrong", f"a raced compute failed: {capi.last_error()}")
+    finally:
+        stop.set()
+        thread.join()
+        sys.setswitchinterval(interval)
+    if failures:
+        raise failures[0]
 
 
 CREATED: list = []  # (kind, value) of what the example created and has not destroyed
