@@ -190,7 +190,7 @@ def integer(value: int) -> st.SearchStrategy:
     return st.sampled_from(forms)
 
 
-BAD_SCALARS = ["1", b"1", None, [1], 1.5j, ctypes.c_char_p(b"x")]
+BAD_SCALARS = ["1", b"1", None, [1], 1.5j, ctypes.c_char_p(b"x"), 10**400, -(10**400)]
 
 
 # --- tensors in guarded buffers -------------------------------------------------------------
