@@ -62,6 +62,7 @@ class BatchNormBackwardDescriptor(OperatorDescriptor):
     """``infiniopBatchNormBackwardDescriptor_t``: validated tensors plus a built backend."""
 
     op_name = "BatchNormBackward"
+    zeroed_when_empty = ("grad_weight", "grad_bias")
 
     def __init__(
         self,

@@ -15,6 +15,7 @@ from typing import Any, ClassVar, NamedTuple, Self
 from ..enums import Device, Status
 from ..errors import InfiniError
 from ..runtime import Handle
+from .empty import EmptyProblem
 
 
 def backend_class(device: Device, op_name: str) -> Any:
@@ -61,6 +62,7 @@ class OperatorDescriptor:
     """
 
     op_name: ClassVar[str]
+    zeroed_when_empty: ClassVar[tuple[str, ...]] = ()  # outputs a problem with no values zeroes
 
     def __init__(self, handle: Handle, tensors: NamedTuple, attributes: Any) -> None:
         self.handle = handle
@@ -88,9 +90,19 @@ class OperatorDescriptor:
             self._live()  # BAD_PARAM
 
     def _make(self, attributes: Any) -> Build:
+        """A build for ``attributes``; a problem with no values per channel (a zero dimension
+        other than C) gets no backend kernel, only zeros for its ``zeroed_when_empty``."""
         attributes = self.check_attributes(attributes)
-        kernel = self._backend_type(self.tensors, attributes, self.handle.device_id)
-        return Build(attributes, kernel, self.needed_pointers(attributes))
+        needed = self.needed_pointers(attributes)
+        if self.tensors.input.numel:
+            kernel = self._backend_type(self.tensors, attributes, self.handle.device_id)
+            return Build(attributes, kernel, needed)
+        zeroed = {n: getattr(self.tensors, n) for n in self.zeroed_when_empty if n in needed}
+        kernel = EmptyProblem(zeroed, self.handle.device, self.handle.device_id)
+        empty = {
+            n for n, d in zip(self.tensors._fields, self.tensors, strict=True) if d and not d.numel
+        }
+        return Build(attributes, kernel, tuple(n for n in needed if n not in empty))
 
     def needed_pointers(self, attributes: Any) -> tuple[str, ...]:
         """The pointers a compute with ``attributes`` reads or writes, each required to be
@@ -119,7 +131,8 @@ class OperatorDescriptor:
 
     @property
     def engine(self) -> str:
-        """Which engine runs this problem: ``"numpy"``, ``"cudnn"`` or ``"cupy"``."""
+        """Which engine runs this problem: ``"numpy"``, ``"cudnn"`` or ``"cupy"``, or
+        ``"empty"`` for a problem with no values per channel."""
         return self._live().kernel.engine
 
     @property
