@@ -12,7 +12,8 @@ arrays, addresses, or things ctypes would refuse.
 Invariants: every call returns a plain int among its function's documented statuses
 (never INTERNAL_ERROR on the CPU) with a message when it fails; out-parameter storage and
 every tensor's buffer, with guard zones around it, are untouched by a failed call; a
-computed result equals PyTorch's float64 one within ``helpers.TOL``; inputs are never
+computed result equals PyTorch's float64 one within ``helpers.TOL`` (for an empty batch,
+drawn now and then: zero grad_weight/grad_bias and nothing else written); inputs are never
 written; after the example, no object is left registered.
 """
 
@@ -22,6 +23,7 @@ import sys
 import threading
 
 import numpy as np
+import torch
 from fuzzing import COUNTS, SETTINGS, child_main, problem_values, violation
 from helpers import TOL, reference, torch_inference, torch_training
 from hypothesis import given
@@ -201,6 +203,7 @@ class Buffer:
 
     def __init__(self, shape, strides, dtype, values=None) -> None:
         extent = sum((n - 1) * s for n, s in zip(shape, strides, strict=True)) + 1
+        extent = extent if 0 not in shape else 0
         self.base = np.full(extent + 2 * GUARD, FILL, dtype)
         item = self.base.itemsize
         self.view = np.lib.stride_tricks.as_strided(
@@ -352,6 +355,9 @@ def cycle(draw):
     shape = (rest[0], c, *rest[1:])
     if math.prod(shape) // c < 2:
         shape = (shape[0] + 1, *shape[1:])
+    if draw(st.integers(0, 7)) == 0:  # an empty batch: N = 0, or another size but C
+        axis = draw(st.sampled_from([0, *range(2, ndim)]))
+        shape = (*shape[:axis], 0, *shape[axis + 1 :])
     return dict(
         op=op,
         shape=shape,
@@ -535,6 +541,8 @@ def fuzz_cycle(data) -> None:
     written = set(tensors[:outputs]) | {
         n for n in READ_AND_WRITTEN.get(op, ()) if descs[n] is not None
     }
+    if 0 in shape:  # as torch: only zero weight and bias gradients, nothing else written
+        written &= {"grad_weight", "grad_bias"}
     _check_memory(op, buffers, rounded, computed, attrs, written, storage)
     if spoiler == "none" and not computed:
         raise violation("wrong", f"a good {op} problem failed: {capi.last_error()}")
@@ -589,7 +597,10 @@ def _check_memory(op, buffers, rounded, computed, attrs, written, storage) -> No
         return
     tol = TOL[np.dtype(storage)]
     got = {n: buffers[n].view.astype(np.float64) for n in written}
-    if op == "BatchNormBackward":
+    if rounded["input"].size == 0:
+        COUNTS["empty_batches_checked"] += 1
+        want = {n: torch.zeros(buffers[n].shape, dtype=torch.float64) for n in written}
+    elif op == "BatchNormBackward":
         mode = ["train", "saved", "eval", "saved"][attrs["mode"]]
         stats = {"mean": rounded["running_mean"]}
         stats["invstd" if attrs["mode"] == 3 else "var"] = rounded["running_var"]
