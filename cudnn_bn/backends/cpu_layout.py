@@ -91,3 +91,18 @@ class Layout:
             [c, inner, int(np.prod(row_sizes)), int(channel_inner), *row_sizes], dtype=np.int64
         )
         return cls(geometry, strides, tuple(spans), c, x.numel // c)
+
+    def items(self, chunks: int) -> list[tuple[int, int, int, int]]:
+        """Work items for ``chunks`` threads, each ``(first channel, end channel, first row,
+        end row)``: channels innermost, every channel and rows split in ``chunks``;
+        otherwise ``chunks`` blocks of channels, rows split too when there are fewer
+        channels. ``items(1)`` is the whole tensor."""
+        channels, rows = self.channels, int(self.geometry[2])
+        blocks = 1 if self.geometry[3] else min(channels, chunks)
+        split = min(rows, -(-chunks // blocks))
+        return [
+            (b * channels // blocks, (b + 1) * channels // blocks, s * rows // split,
+             (s + 1) * rows // split)
+            for b in range(blocks)
+            for s in range(split)
+        ]  # fmt: skip
