@@ -75,6 +75,7 @@ class _HostKernel:
         self.nbytes = [span * itemsize for span in self.layout.spans]
         self.parallel = self.layout.count * self.layout.channels >= PARALLEL_MIN_VALUES
         (self.whole,) = self.layout.items(1)
+        self.tile = int(self.layout.geometry[cpu_kernels.TILE])
         # Output slots whose layout equals an input's: the same address is safe for those.
         self.same_layout = {
             (o, i)
@@ -91,18 +92,24 @@ class _HostKernel:
         spans = self.layout.spans
         return [cpu_kernels.flat(a, n, self.like) for a, n in zip(addresses, spans, strict=True)]
 
+    def tiled(self, *values: np.ndarray) -> list[np.ndarray]:
+        """Per-channel arrays as the walk sees them (``cpu_kernels.tiled``)."""
+        return [cpu_kernels.tiled(v, self.tile) for v in values]
+
     def sums(self, x, dy, y, shift, items: list) -> np.ndarray:
         """``cpu_kernels.item_sums`` of every work item on the engine's threads, added in
-        item order (the same sums for the same thread count)."""
+        item order (the same sums for the same thread count), per channel."""
         geometry, strides = self.layout.geometry, self.layout.strides
-        partial = np.zeros((len(items), cpu_kernels.SUMS, self.layout.channels))
+        channels = self.layout.channels
+        partial = np.zeros((len(items), cpu_kernels.SUMS, channels * self.tile))
+        (shift,) = self.tiled(shift)
         cpu_pool.run(
             lambda i: cpu_kernels.item_sums(
                 x, dy, y, geometry, strides, shift, partial[i], items[i]
             ),
             len(items),
         )
-        return partial.sum(axis=0)
+        return cpu_kernels.folded(partial.sum(axis=0), channels)
 
     def overlapping(self, addresses: list[int]) -> list[int]:
         """Output slots that overlap an input other than element for element."""
@@ -182,9 +189,10 @@ class BatchNormBackward(_HostKernel):
         )
         if write_gi or write_gz:
             apply = (self.mode != cpu_kernels.EVAL, masked, write_gi, write_gz)
+            coefficients = self.tiled(k_dy, k_x, k_c)
             cpu_pool.run(
                 lambda i: k.item_backward(
-                    x, dy, y, gi, gz, geometry, strides, k_dy, k_x, k_c, apply, items[i]
+                    x, dy, y, gi, gz, geometry, strides, *coefficients, apply, items[i]
                 ),
                 len(items),
             )
@@ -238,10 +246,10 @@ class BatchNormForwardTraining(_HostKernel):
         items = layout.items(chunks)
         sums = self.sums(x, x[:0], x[:0], shift, items)
         stats = k.training_statistics(sums, shift, layout.count, self.eps)
-        mean, scale = stats[0], w * stats[2]
+        coefficients = self.tiled(stats[0], w * stats[2], b)
         cpu_pool.run(
             lambda i: k.item_forward(
-                x, z, y, geometry, strides, mean, scale, b, (add_z, relu), items[i]
+                x, z, y, geometry, strides, *coefficients, (add_z, relu), items[i]
             ),
             len(items),
         )
@@ -282,11 +290,13 @@ class BatchNormForwardInference(_HostKernel):
                                 self.spans, args, self.eps, self.plain, self.whole)  # fmt: skip
             return
         x, _, y = self.views(at)
-        mean, scale, b = k.inference_coefficients(*channel, args, layout.channels, self.eps)
+        coefficients = self.tiled(
+            *k.inference_coefficients(*channel, args, layout.channels, self.eps)
+        )
         items = layout.items(chunks)
         cpu_pool.run(
             lambda i: k.item_forward(
-                x, x, y, geometry, strides, mean, scale, b, self.plain, items[i]
+                x, x, y, geometry, strides, *coefficients, self.plain, items[i]
             ),
             len(items),
         )

@@ -42,7 +42,8 @@ from numba.extending import intrinsic, overload
 from ..enums import DataType
 
 F16, F32, F64, BF16 = (int(d) for d in (DataType.F16, DataType.F32, DataType.F64, DataType.BF16))
-ROW_DIMS = 4  # cpu_layout.ROW_DIMS: geometry is (C, inner, rows, channels_inner, *row_dims)
+ROW_DIMS = 4  # cpu_layout.ROW_DIMS: geometry is (C, inner, rows, channels_inner,
+TILE = 4 + ROW_DIMS  # *row_dims, tile): tile = rows of channels walked as one run
 SUMS = 4  # sum(x - k), sum((x - k)^2), sum(dy), sum(dy * (x - k))
 REASSOC = {"reassoc"}  # lets LLVM vectorize the float64 sums; no nnan/ninf: nan stays nan
 NO_CACHE_WARNING = (
@@ -252,15 +253,37 @@ def _walk(bounds, geometry, strides):
     c0, c1, r0, r1 = bounds
     across = geometry[3] != 0
     column = 0 if across else 1
-    return c0, c1, r0, r1, across, c1 - c0 if across else geometry[1], strides[:, column]
+    return c0, c1, r0, r1, across, c1 - c0 if across else geometry[1], _column(strides, column)
+
+
+@jit
+def _column(strides, column):
+    """A column of ``Layout.strides`` as values: loops that write memory would otherwise
+    reload them from the array (it might alias their output) and not vectorize."""
+    return (
+        strides[0, column],
+        strides[1, column],
+        strides[2, column],
+        strides[3, column],
+        strides[4, column],
+    )
+
+
+@jit
+def _at(offset, i, stride):
+    """Index of element ``i`` of a run: unsigned, so that numba adds no negative-index
+    wraparound, which would keep LLVM from vectorizing the loop (60x slower)."""
+    return np.uint64(offset + i * stride)
 
 
 # --- pass 1: per-channel sums --------------------------------------------------------------
 # A run is what the innermost loop visits: one channel's ``inner`` elements ("along"), or
-# every channel of one row when channels are innermost ("across"). Along a channel the sums
-# are scalars (kept in registers); across channels they are the item's (SUMS, C) table.
-# Each case a pass asks for (x alone; x and dy; x and masked dy) is its own loop, with no
-# test inside, so that it vectorizes.
+# every channel of one row when channels are innermost ("across": ``tile`` rows at once
+# where rows are dense, see ``cpu_layout``). Along a channel the sums are scalars (kept in
+# registers); across channels they are the item's (SUMS, C * tile) table, and the across
+# loops walk all the item's rows themselves (rows of few channels are short). Each case a
+# pass asks for (x alone; x and dy; x and masked dy) is its own loop, with no test inside,
+# so that it vectorizes.
 
 
 @jit(fastmath=REASSOC)
@@ -268,20 +291,20 @@ def _sums_along(x, dy, y, ox, od, oy, sx, sd, sy, n, k, has_dy, masked):
     s0 = s1 = s2 = s3 = 0.0
     if not has_dy:
         for i in range(n):
-            xv = decode(x[ox + i * sx]) - k
+            xv = decode(x[_at(ox, i, sx)]) - k
             s0 += xv
             s1 += xv * xv
     elif not masked:
         for i in range(n):
-            xv, dv = decode(x[ox + i * sx]) - k, decode(dy[od + i * sd])
+            xv, dv = decode(x[_at(ox, i, sx)]) - k, decode(dy[_at(od, i, sd)])
             s0 += xv
             s1 += xv * xv
             s2 += dv
             s3 += dv * xv
     else:
         for i in range(n):
-            xv, dv = decode(x[ox + i * sx]) - k, decode(dy[od + i * sd])
-            dv = dv if decode(y[oy + i * sy]) > 0 else 0.0
+            xv, dv = decode(x[_at(ox, i, sx)]) - k, decode(dy[_at(od, i, sd)])
+            dv = dv if decode(y[_at(oy, i, sy)]) > 0 else 0.0
             s0 += xv
             s1 += xv * xv
             s2 += dv
@@ -290,42 +313,48 @@ def _sums_along(x, dy, y, ox, od, oy, sx, sd, sy, n, k, has_dy, masked):
 
 
 @jit
-def _sums_across(x, dy, y, ox, od, oy, sx, sd, sy, n, shift, has_dy, masked, out):
-    if not has_dy:
-        for i in range(n):
-            xv = decode(x[ox + i * sx]) - shift[i]
-            out[0, i] += xv
-            out[1, i] += xv * xv
-    elif not masked:
-        for i in range(n):
-            xv, dv = decode(x[ox + i * sx]) - shift[i], decode(dy[od + i * sd])
-            out[0, i] += xv
-            out[1, i] += xv * xv
-            out[2, i] += dv
-            out[3, i] += dv * xv
-    else:
-        for i in range(n):
-            xv, dv = decode(x[ox + i * sx]) - shift[i], decode(dy[od + i * sd])
-            dv = dv if decode(y[oy + i * sy]) > 0 else 0.0
-            out[0, i] += xv
-            out[1, i] += xv * xv
-            out[2, i] += dv
-            out[3, i] += dv * xv
+def _sums_across(x, dy, y, geometry, strides, r0, r1, n, shift, out):
+    has_dy, masked = dy.size > 0, y.size > 0
+    sx, sd, sy = strides[0, 0], strides[1, 0], strides[2, 0]
+    for r in range(r0, r1):
+        ox, od = row_offset(r, geometry, strides[0]), row_offset(r, geometry, strides[1])
+        oy = row_offset(r, geometry, strides[2])
+        if not has_dy:
+            for i in range(n):
+                xv = decode(x[_at(ox, i, sx)]) - shift[i]
+                out[0, i] += xv
+                out[1, i] += xv * xv
+        elif not masked:
+            for i in range(n):
+                xv, dv = decode(x[_at(ox, i, sx)]) - shift[i], decode(dy[_at(od, i, sd)])
+                out[0, i] += xv
+                out[1, i] += xv * xv
+                out[2, i] += dv
+                out[3, i] += dv * xv
+        else:
+            for i in range(n):
+                xv, dv = decode(x[_at(ox, i, sx)]) - shift[i], decode(dy[_at(od, i, sd)])
+                dv = dv if decode(y[_at(oy, i, sy)]) > 0 else 0.0
+                out[0, i] += xv
+                out[1, i] += xv * xv
+                out[2, i] += dv
+                out[3, i] += dv * xv
 
 
 @jit
 def item_sums(x, dy, y, geometry, strides, shift, out, bounds):
-    """Add the sums of the work item ``bounds`` to ``out`` (``(SUMS, C)``): ``x - k``,
-    ``(x - k)^2``, ``dy``, ``dy * (x - k)`` with ``k = shift[c]``; ``dy`` zero where
-    ``y <= 0`` if ``y`` is not empty; with ``dy`` empty its sums stay zero."""
-    has_dy, masked = dy.size > 0, y.size > 0
+    """Add the sums of the work item ``bounds`` to ``out`` (``(SUMS, C * tile)``, ``shift``
+    tiled the same, see ``tiled``): ``x - k``, ``(x - k)^2``, ``dy``, ``dy * (x - k)`` with
+    ``k = shift[c]``; ``dy`` zero where ``y <= 0`` if ``y`` is not empty; with ``dy`` empty
+    its sums stay zero."""
     c0, c1, r0, r1, across, n, s = _walk(bounds, geometry, strides)
+    if across:
+        _sums_across(x, dy, y, geometry, strides, r0, r1, n, shift, out)
+        return
+    has_dy, masked = dy.size > 0, y.size > 0
     for r in range(r0, r1):
         ox, od = row_offset(r, geometry, strides[0]), row_offset(r, geometry, strides[1])
         oy = row_offset(r, geometry, strides[2])
-        if across:
-            _sums_across(x, dy, y, ox, od, oy, s[0], s[1], s[2], n, shift, has_dy, masked, out)
-            continue
         for c in range(c0, c1):
             sums = _sums_along(
                 x,
@@ -355,56 +384,86 @@ def first_values(x, geometry, strides):
     return shift
 
 
+@jit
+def tiled(values, tile):
+    """``values`` repeated ``tile`` times (itself for 1): per-channel values for a run of
+    ``tile`` rows of channels."""
+    if tile == 1:
+        return values
+    out = np.empty(values.size * tile)
+    for t in range(tile):
+        out[t * values.size : (t + 1) * values.size] = values
+    return out
+
+
+@jit
+def folded(sums, channels):
+    """``(SUMS, C * tile)`` sums added up per channel: ``(SUMS, C)``."""
+    if sums.shape[1] == channels:
+        return sums
+    out = np.zeros((SUMS, channels))
+    for j in range(SUMS):
+        for i in range(sums.shape[1]):
+            out[j, i % channels] += sums[j, i]
+    return out
+
+
 # --- pass 2: the elementwise results -------------------------------------------------------
 # The plain cases (no fusion) have loops of their own, with no test inside, so that they
-# vectorize; along a channel the coefficients are scalars, across channels arrays.
+# vectorize; along a channel the coefficients are scalars, across channels arrays (tiled).
 
 
 @jit
-def _forward_along(x, z, y, ox, oz, oy, sx, sz, sy, n, mean, scale, shift, add_z, relu):
-    if not (add_z or relu):
-        for i in range(n):
-            y[oy + i * sy] = encode((decode(x[ox + i * sx]) - mean) * scale + shift, y.dtype)
-        return
-    for i in range(n):
-        v = (decode(x[ox + i * sx]) - mean) * scale + shift
-        if add_z:
-            v += decode(z[oz + i * sz])
-        if relu and v < 0:
-            v = 0.0
-        y[oy + i * sy] = encode(v, y.dtype)
+def _forward_element(x, z, y, ox, oz, oy, mean, scale, shift, add_z, relu):
+    v = (decode(x[ox]) - mean) * scale + shift
+    if add_z:
+        v += decode(z[oz])
+    if relu and v < 0:
+        v = 0.0
+    y[oy] = encode(v, y.dtype)
 
 
 @jit
-def _forward_across(x, z, y, ox, oz, oy, sx, sz, sy, n, mean, scale, shift, add_z, relu):
+def _forward_along(x, z, y, ox, oz, oy, sx, sz, sy, n, mean, scale, shift, flags):
+    add_z, relu = flags
     if not (add_z or relu):
         for i in range(n):
-            v = (decode(x[ox + i * sx]) - mean[i]) * scale[i] + shift[i]
-            y[oy + i * sy] = encode(v, y.dtype)
+            y[_at(oy, i, sy)] = encode((decode(x[_at(ox, i, sx)]) - mean) * scale + shift, y.dtype)
         return
     for i in range(n):
-        v = (decode(x[ox + i * sx]) - mean[i]) * scale[i] + shift[i]
-        if add_z:
-            v += decode(z[oz + i * sz])
-        if relu and v < 0:
-            v = 0.0
-        y[oy + i * sy] = encode(v, y.dtype)
+        at = (_at(ox, i, sx), _at(oz, i, sz), _at(oy, i, sy))
+        _forward_element(x, z, y, *at, mean, scale, shift, add_z, relu)
+
+
+@jit
+def _forward_across(x, z, y, geometry, strides, r0, r1, n, mean, scale, shift, flags):
+    add_z, relu = flags
+    sx, sz, sy = strides[0, 0], strides[1, 0], strides[2, 0]
+    for r in range(r0, r1):
+        ox, oz = row_offset(r, geometry, strides[0]), row_offset(r, geometry, strides[1])
+        oy = row_offset(r, geometry, strides[2])
+        if not (add_z or relu):
+            for i in range(n):
+                v = (decode(x[_at(ox, i, sx)]) - mean[i]) * scale[i] + shift[i]
+                y[_at(oy, i, sy)] = encode(v, y.dtype)
+            continue
+        for i in range(n):
+            at = (_at(ox, i, sx), _at(oz, i, sz), _at(oy, i, sy))
+            _forward_element(x, z, y, *at, mean[i], scale[i], shift[i], add_z, relu)
 
 
 @jit
 def item_forward(x, z, y, geometry, strides, mean, scale, shift, flags, bounds):
-    """``y = relu?((x - mean)*scale + shift [+ z])`` over the work item ``bounds``.
-    ``flags``: add z, ReLU. Data slots: x, z, y."""
-    add_z, relu = flags
+    """``y = relu?((x - mean)*scale + shift [+ z])`` over the work item ``bounds`` (the
+    per-channel arrays tiled as ``tiled`` does). ``flags``: add z, ReLU. Data slots: x, z,
+    y."""
     c0, c1, r0, r1, across, n, s = _walk(bounds, geometry, strides)
+    if across:
+        _forward_across(x, z, y, geometry, strides, r0, r1, n, mean, scale, shift, flags)
+        return
     for r in range(r0, r1):
         ox, oz = row_offset(r, geometry, strides[0]), row_offset(r, geometry, strides[1])
         oy = row_offset(r, geometry, strides[2])
-        if across:
-            _forward_across(
-                x, z, y, ox, oz, oy, s[0], s[1], s[2], n, mean, scale, shift, add_z, relu
-            )
-            continue
         for c in range(c0, c1):
             _forward_along(
                 x,
@@ -420,30 +479,25 @@ def item_forward(x, z, y, geometry, strides, mean, scale, shift, flags, bounds):
                 mean[c],
                 scale[c],
                 shift[c],
-                add_z,
-                relu,
+                flags,
             )
 
 
 @jit
-def _backward_value(x, dy, y, ox, od, oy, k_dy, k_x, k_c, use_x, masked):
-    """One element's ``(grad_input, grad_z)``: ``k_dy*dv + k_x*x + k_c`` and ``dv``, the
-    (masked) dy."""
-    dv = decode(dy[od])
-    if masked and not decode(y[oy]) > 0:
+def _backward_element(x, dy, y, gi, gz, o, s, i, k_dy, k_x, k_c, flags):
+    """Element ``i`` of a run (offsets ``o``, strides ``s``): ``gi = k_dy*dv + k_x*x + k_c``
+    and ``gz = dv``, with ``dv`` the dy, zero where ``y <= 0`` if masked."""
+    use_x, masked, write_gi, write_gz = flags
+    dv = decode(dy[_at(o[1], i, s[1])])
+    if masked and not decode(y[_at(o[2], i, s[2])]) > 0:
         dv = 0.0
     v = k_dy * dv + k_c
     if use_x:
-        v += k_x * decode(x[ox])
-    return v, dv
-
-
-@jit
-def _backward_store(gi, gz, og, oz, v, dv, write_gi, write_gz):
+        v += k_x * decode(x[_at(o[0], i, s[0])])
     if write_gi:
-        gi[og] = encode(v, gi.dtype)
+        gi[_at(o[3], i, s[3])] = encode(v, gi.dtype)
     if write_gz:
-        gz[oz] = encode(dv, gz.dtype)
+        gz[_at(o[4], i, s[4])] = encode(dv, gz.dtype)
 
 
 @jit
@@ -452,54 +506,61 @@ def _backward_along(x, dy, y, gi, gz, o, s, n, a, b, k, flags):
     if write_gi and not (masked or write_gz):
         if use_x:
             for i in range(n):
-                v = a * decode(dy[o[1] + i * s[1]]) + b * decode(x[o[0] + i * s[0]]) + k
-                gi[o[3] + i * s[3]] = encode(v, gi.dtype)
+                v = a * decode(dy[_at(o[1], i, s[1])]) + b * decode(x[_at(o[0], i, s[0])])
+                gi[_at(o[3], i, s[3])] = encode(v + k, gi.dtype)
         else:
             for i in range(n):
-                gi[o[3] + i * s[3]] = encode(a * decode(dy[o[1] + i * s[1]]) + k, gi.dtype)
+                gi[_at(o[3], i, s[3])] = encode(a * decode(dy[_at(o[1], i, s[1])]) + k, gi.dtype)
         return
     for i in range(n):
-        at = (o[0] + i * s[0], o[1] + i * s[1], o[2] + i * s[2])
-        v, dv = _backward_value(x, dy, y, *at, a, b, k, use_x, masked)
-        _backward_store(gi, gz, o[3] + i * s[3], o[4] + i * s[4], v, dv, write_gi, write_gz)
+        _backward_element(x, dy, y, gi, gz, o, s, i, a, b, k, flags)
 
 
 @jit
-def _backward_across(x, dy, y, gi, gz, o, s, n, k_dy, k_x, k_c, flags):
+def _row_offsets(r, geometry, strides):
+    """Offsets of row ``r`` in the five data slots."""
+    return (
+        row_offset(r, geometry, strides[0]),
+        row_offset(r, geometry, strides[1]),
+        row_offset(r, geometry, strides[2]),
+        row_offset(r, geometry, strides[3]),
+        row_offset(r, geometry, strides[4]),
+    )
+
+
+@jit
+def _backward_across(x, dy, y, gi, gz, geometry, strides, r0, r1, n, k_dy, k_x, k_c, flags):
     use_x, masked, write_gi, write_gz = flags
-    if write_gi and not (masked or write_gz):
-        if use_x:
+    plain = write_gi and not (masked or write_gz)
+    s = _column(strides, 0)
+    for r in range(r0, r1):
+        o = _row_offsets(r, geometry, strides)
+        if plain and use_x:
             for i in range(n):
-                v = k_dy[i] * decode(dy[o[1] + i * s[1]]) + k_x[i] * decode(x[o[0] + i * s[0]])
-                gi[o[3] + i * s[3]] = encode(v + k_c[i], gi.dtype)
+                v = k_dy[i] * decode(dy[_at(o[1], i, s[1])])
+                v += k_x[i] * decode(x[_at(o[0], i, s[0])])
+                gi[_at(o[3], i, s[3])] = encode(v + k_c[i], gi.dtype)
+        elif plain:
+            for i in range(n):
+                v = k_dy[i] * decode(dy[_at(o[1], i, s[1])]) + k_c[i]
+                gi[_at(o[3], i, s[3])] = encode(v, gi.dtype)
         else:
             for i in range(n):
-                v = k_dy[i] * decode(dy[o[1] + i * s[1]]) + k_c[i]
-                gi[o[3] + i * s[3]] = encode(v, gi.dtype)
-        return
-    for i in range(n):
-        at = (o[0] + i * s[0], o[1] + i * s[1], o[2] + i * s[2])
-        v, dv = _backward_value(x, dy, y, *at, k_dy[i], k_x[i], k_c[i], use_x, masked)
-        _backward_store(gi, gz, o[3] + i * s[3], o[4] + i * s[4], v, dv, write_gi, write_gz)
+                _backward_element(x, dy, y, gi, gz, o, s, i, k_dy[i], k_x[i], k_c[i], flags)
 
 
 @jit
 def item_backward(x, dy, y, gi, gz, geometry, strides, k_dy, k_x, k_c, flags, bounds):
     """``gi = k_dy*dv + k_x*x + k_c`` and ``gz = dv`` (``dv``: dy, zero where ``y <= 0`` if
-    masked) over the work item ``bounds``. ``flags``: use x (all but eval), mask, write gi,
-    write gz. Data slots: x, dy, y, gi, gz."""
+    masked) over the work item ``bounds`` (the coefficients tiled as ``tiled`` does).
+    ``flags``: use x (all but eval), mask, write gi, write gz. Data slots: x, dy, y, gi,
+    gz."""
     c0, c1, r0, r1, across, n, s = _walk(bounds, geometry, strides)
+    if across:
+        _backward_across(x, dy, y, gi, gz, geometry, strides, r0, r1, n, k_dy, k_x, k_c, flags)
+        return
     for r in range(r0, r1):
-        o = (
-            row_offset(r, geometry, strides[0]),
-            row_offset(r, geometry, strides[1]),
-            row_offset(r, geometry, strides[2]),
-            row_offset(r, geometry, strides[3]),
-            row_offset(r, geometry, strides[4]),
-        )
-        if across:
-            _backward_across(x, dy, y, gi, gz, o, s, n, k_dy, k_x, k_c, flags)
-            continue
+        o = _row_offsets(r, geometry, strides)
         for c in range(c0, c1):
             oc = (
                 o[0] + c * strides[0, 0],
@@ -603,12 +664,16 @@ def backward(
     x, dy, y = flat(x_at, spans[0], like), flat(dy_at, spans[1], like), flat(y_at, spans[2], like)
     gi, gz = flat(gi_at, spans[3], like), flat(gz_at, spans[4], like)
     w, shift, stat = backward_inputs(x, geometry, strides, w_at, m_at, v_at, channel_args, mode)
-    sums = np.zeros((SUMS, geometry[0]))
-    item_sums(x, dy, y, geometry, strides, shift, sums, whole)
-    count = geometry[1] * geometry[2]
-    k_dy, k_x, k_c, gw, gb = backward_coefficients(sums, shift, stat, w, count, mode, eps)
+    channels, tile = geometry[0], geometry[TILE]
+    sums = np.zeros((SUMS, channels * tile))
+    item_sums(x, dy, y, geometry, strides, tiled(shift, tile), sums, whole)
+    count = geometry[1] * geometry[2] * tile
+    k_dy, k_x, k_c, gw, gb = backward_coefficients(
+        folded(sums, channels), shift, stat, w, count, mode, eps
+    )
     if write_gi or write_gz:
         apply = (mode != EVAL, masked, write_gi, write_gz)
+        k_dy, k_x, k_c = tiled(k_dy, tile), tiled(k_x, tile), tiled(k_c, tile)
         item_backward(x, dy, y, gi, gz, geometry, strides, k_dy, k_x, k_c, apply, whole)
     backward_outputs(gw, gb, gw_at, gb_at, channel_args, write_gw, write_gb)
 
@@ -691,11 +756,13 @@ def forward_training(
     w, b, old_mean, old_var, shift = training_inputs(
         x, geometry, strides, w_at, b_at, rm_at, rv_at, channel_args, updates
     )
-    sums = np.zeros((SUMS, geometry[0]))
-    item_sums(x, x[:0], x[:0], geometry, strides, shift, sums, whole)
-    count = geometry[1] * geometry[2]
-    mean, var, invstd = training_statistics(sums, shift, count, eps)
-    item_forward(x, z, y, geometry, strides, mean, w * invstd, b, (add_z, relu), whole)
+    channels, tile = geometry[0], geometry[TILE]
+    sums = np.zeros((SUMS, channels * tile))
+    item_sums(x, x[:0], x[:0], geometry, strides, tiled(shift, tile), sums, whole)
+    count = geometry[1] * geometry[2] * tile
+    mean, var, invstd = training_statistics(folded(sums, channels), shift, count, eps)
+    coefficients = tiled(mean, tile), tiled(w * invstd, tile), tiled(b, tile)
+    item_forward(x, z, y, geometry, strides, *coefficients, (add_z, relu), whole)
     at = (sm_at, si_at, rm_at, rv_at)
     old = (old_mean, old_var)
     training_outputs((mean, var, invstd), old, at, channel_args, count, momentum, updates)
@@ -734,4 +801,6 @@ def forward_inference(
     x, y = flat(x_at, spans[0], like), flat(y_at, spans[2], like)
     channel = (w_at, b_at, rm_at, rv_at)
     mean, scale, b = inference_coefficients(*channel, channel_args, geometry[0], eps)
+    tile = geometry[TILE]
+    mean, scale, b = tiled(mean, tile), tiled(scale, tile), tiled(b, tile)
     item_forward(x, x, y, geometry, strides, mean, scale, b, plain, whole)
