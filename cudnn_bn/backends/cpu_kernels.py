@@ -23,8 +23,8 @@ F16 goes through LLVM's ``half`` type, so it uses the CPU's conversion instructi
 Per-channel operands may have another dtype than the data (F32 for half data); they are
 read and written through a runtime dtype code, since they are small.
 
-Compiled code is cached on disk (numba's ``cache=True``, in ``__pycache__`` beside this
-file, else the user's cache directory, else ``NUMBA_CACHE_DIR``); where none is writable
+Compiled code is cached on disk (numba's ``cache=True``: in ``NUMBA_CACHE_DIR``, else in
+``__pycache__`` beside this file, else the user's cache directory); where none is writable
 the kernels compile in memory in every process, with one warning. References: numba's
 "Notes on caching", "Releasing the GIL" and ``numba.extending.intrinsic``; NumPy's
 ``astype(float16)`` is what the F16 rounding is tested against.
