@@ -73,6 +73,12 @@ def jit(function=None, **options):
     return compile_lazily if function is None else compile_lazily(function)
 
 
+def helper(function=None, **options):
+    """``jit`` for a function only other kernels call: no wrappers for calls from Python or
+    C, which is less to compile on first use."""
+    return jit(function, no_cpython_wrapper=True, no_cfunc_wrapper=True, **options)
+
+
 # --- memory --------------------------------------------------------------------------------
 
 
@@ -119,7 +125,7 @@ def _f32_to_f16(typingctx, value):
     return types.uint16(types.float32), codegen
 
 
-@jit
+@helper
 def _f64_to_f16(value):
     # One rounding from float64: first to float32 rounding to odd (toward zero, then the
     # last bit set if anything was cut off), then to half by the hardware's round to
@@ -135,12 +141,12 @@ def _f64_to_f16(value):
     return _f32_to_f16(np.int32(bits).view(np.float32))
 
 
-@jit
+@helper
 def _bf16_to_f64(stored):
     return np.float64(np.uint32((np.int64(stored) & 0xFFFF) << 16).view(np.float32))
 
 
-@jit
+@helper
 def _f64_to_bf16(value):
     single = np.float32(value)
     bits = np.int64(single.view(np.uint32))
@@ -230,7 +236,7 @@ def store_channels(values, address, stride, code):
 # --- walking the data ----------------------------------------------------------------------
 
 
-@jit
+@helper
 def row_offset(row, geometry, strides):
     """Element offset of row ``row`` in the tensor with ``strides`` (its row of
     ``Layout.strides``): row dimensions decomposed; the outermost needs no division, and
@@ -245,7 +251,7 @@ def row_offset(row, geometry, strides):
     return offset + row * strides[2]
 
 
-@jit
+@helper
 def _walk(bounds, geometry, strides):
     """What an item's loops need: its ``bounds`` (first channel, end channel, first row,
     end row; ``Layout.items``), whether a run crosses channels (channels innermost) or
@@ -256,7 +262,7 @@ def _walk(bounds, geometry, strides):
     return c0, c1, r0, r1, across, c1 - c0 if across else geometry[1], _column(strides, column)
 
 
-@jit
+@helper
 def _column(strides, column):
     """A column of ``Layout.strides`` as values: loops that write memory would otherwise
     reload them from the array (it might alias their output) and not vectorize."""
@@ -269,7 +275,7 @@ def _column(strides, column):
     )
 
 
-@jit
+@helper
 def _at(offset, i, stride):
     """Index of element ``i`` of a run: unsigned, so that numba adds no negative-index
     wraparound, which would keep LLVM from vectorizing the loop (60x slower)."""
@@ -286,7 +292,7 @@ def _at(offset, i, stride):
 # so that it vectorizes.
 
 
-@jit(fastmath=REASSOC)
+@helper(fastmath=REASSOC)
 def _sums_along(x, dy, y, ox, od, oy, sx, sd, sy, n, k, has_dy, masked):
     s0 = s1 = s2 = s3 = 0.0
     if not has_dy:
@@ -312,7 +318,7 @@ def _sums_along(x, dy, y, ox, od, oy, sx, sd, sy, n, k, has_dy, masked):
     return s0, s1, s2, s3
 
 
-@jit
+@helper
 def _sums_across(x, dy, y, geometry, strides, r0, r1, n, shift, out):
     has_dy, masked = dy.size > 0, y.size > 0
     sx, sd, sy = strides[0, 0], strides[1, 0], strides[2, 0]
@@ -375,7 +381,7 @@ def item_sums(x, dy, y, geometry, strides, shift, out, bounds):
                 out[j, c] += sums[j]
 
 
-@jit
+@helper
 def first_values(x, geometry, strides):
     """Each channel's first value: the shift that makes a constant channel sum to zero."""
     shift = np.empty(geometry[0])
@@ -413,7 +419,7 @@ def folded(sums, channels):
 # vectorize; along a channel the coefficients are scalars, across channels arrays (tiled).
 
 
-@jit
+@helper
 def _forward_element(x, z, y, ox, oz, oy, mean, scale, shift, add_z, relu):
     v = (decode(x[ox]) - mean) * scale + shift
     if add_z:
@@ -423,7 +429,7 @@ def _forward_element(x, z, y, ox, oz, oy, mean, scale, shift, add_z, relu):
     y[oy] = encode(v, y.dtype)
 
 
-@jit
+@helper
 def _forward_along(x, z, y, ox, oz, oy, sx, sz, sy, n, mean, scale, shift, flags):
     add_z, relu = flags
     if not (add_z or relu):
@@ -435,7 +441,7 @@ def _forward_along(x, z, y, ox, oz, oy, sx, sz, sy, n, mean, scale, shift, flags
         _forward_element(x, z, y, *at, mean, scale, shift, add_z, relu)
 
 
-@jit
+@helper
 def _forward_across(x, z, y, geometry, strides, r0, r1, n, mean, scale, shift, flags):
     add_z, relu = flags
     sx, sz, sy = strides[0, 0], strides[1, 0], strides[2, 0]
@@ -483,7 +489,7 @@ def item_forward(x, z, y, geometry, strides, mean, scale, shift, flags, bounds):
             )
 
 
-@jit
+@helper
 def _backward_element(x, dy, y, gi, gz, o, s, i, k_dy, k_x, k_c, flags):
     """Element ``i`` of a run (offsets ``o``, strides ``s``): ``gi = k_dy*dv + k_x*x + k_c``
     and ``gz = dv``, with ``dv`` the dy, zero where ``y <= 0`` if masked."""
@@ -500,7 +506,7 @@ def _backward_element(x, dy, y, gi, gz, o, s, i, k_dy, k_x, k_c, flags):
         gz[_at(o[4], i, s[4])] = encode(dv, gz.dtype)
 
 
-@jit
+@helper
 def _backward_along(x, dy, y, gi, gz, o, s, n, a, b, k, flags):
     use_x, masked, write_gi, write_gz = flags
     if write_gi and not (masked or write_gz):
@@ -516,7 +522,7 @@ def _backward_along(x, dy, y, gi, gz, o, s, n, a, b, k, flags):
         _backward_element(x, dy, y, gi, gz, o, s, i, a, b, k, flags)
 
 
-@jit
+@helper
 def _row_offsets(r, geometry, strides):
     """Offsets of row ``r`` in the five data slots."""
     return (
@@ -528,7 +534,7 @@ def _row_offsets(r, geometry, strides):
     )
 
 
-@jit
+@helper
 def _backward_across(x, dy, y, gi, gz, geometry, strides, r0, r1, n, k_dy, k_x, k_c, flags):
     use_x, masked, write_gi, write_gz = flags
     plain = write_gi and not (masked or write_gz)
