@@ -89,6 +89,7 @@ class Plan:
     arguments: tuple[str | int, ...]
     keywords: dict[str, str | int]
     returns: tuple[str | None, ...]
+    workspace_size: int
 
     def check(self, ptrs: dict[str, int], arrays: dict[str, Any], spelling: dict[str, str]) -> None:
         """What depends on addresses: alignment, and no written operand overlapping another."""
@@ -104,10 +105,9 @@ class Plan:
     def launch(self, ptrs: dict[str, int], workspace: int, stream: int) -> None:
         """The operator's ``compute`` on this call's pointers, by the argument template."""
         fill = ptrs.get
-        descriptor = self.descriptor
-        descriptor.compute(
+        self.descriptor.compute(
             workspace,
-            descriptor.workspace_size,
+            self.workspace_size,
             *[fill(a, 0) if a.__class__ is str else a for a in self.arguments],
             stream,
             **{k: fill(a, 0) if a.__class__ is str else a for k, a in self.keywords.items()},
@@ -192,10 +192,11 @@ def run(spec: Pass, arrays: dict[str, Any], raw: tuple, stream: Any) -> Any:
         call_on = call_stream(stream, like, device, device_id)
     signatures, ptrs, others = [spec.name, typed(raw)], {}, []
     for name, array in arrays.items():
-        kind = type(array)
         if array is None:
             signatures.append(None)
-        elif kind is np.ndarray:
+            continue
+        kind = type(array)
+        if kind is np.ndarray:
             signatures.append(
                 (kind, array.dtype, array.shape, array.strides, array.flags.writeable)
             )
@@ -233,7 +234,7 @@ def run(spec: Pass, arrays: dict[str, Any], raw: tuple, stream: Any) -> Any:
             for name, allocate in plan.allocators.items():
                 made[name], ptrs[name] = allocate()
             ptrs.update(plan.constants)
-            _workspace, workspace = plan.kind.scratch(like, plan.descriptor.workspace_size)
+            _workspace, workspace = plan.kind.scratch(like, plan.workspace_size)
             plan.launch(ptrs, workspace, call_on)
     return spec.result(plan, arrays, made)
 
@@ -293,4 +294,5 @@ def _build(
         built.arguments,
         built.keywords,
         built.returns,
+        built.descriptor.workspace_size,
     )
