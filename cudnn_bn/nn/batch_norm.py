@@ -83,8 +83,7 @@ class BatchNorm:
         self.bias_grad: Any = None
         # Until the arrays exist: their values on the host, made in the first input's library.
         self._pending: dict[str, np.ndarray] | None = {
-            name: np.full(self.num_features, value)
-            for name, value in self.defaults().items()
+            name: np.full(self.num_features, value) for name, value in self.defaults().items()
         }
         self._place: tuple[str, str] | None = None
         self.weight = self.bias = self.running_mean = self.running_var = None
@@ -268,7 +267,9 @@ class BatchNorm:
         """Copy a state (``state_dict()``'s names; arrays of any of the three libraries or
         anything NumPy reads, e.g. a torch module's state) into the layer's arrays, in place.
         ``strict``: missing or unexpected names raise. Everything is checked first."""
-        expected = [*self.defaults(), *(["num_batches_tracked"] if self.track_running_stats else [])]
+        expected = list(self.defaults())
+        if self.track_running_stats:
+            expected.append("num_batches_tracked")
         missing = [n for n in expected if n not in state]
         unexpected = [n for n in state if n not in expected]
         if strict and (missing or unexpected):
