@@ -32,20 +32,26 @@ DTYPES["torch"]["bf16"] = torch.bfloat16
 
 
 def host(array) -> np.ndarray:
-    """A float64 NumPy copy of a NumPy array or torch tensor."""
+    """A float64 NumPy copy of a NumPy or CuPy array or a torch tensor."""
     if isinstance(array, torch.Tensor):
-        return array.detach().to(torch.float64).numpy()
+        return array.detach().to("cpu", torch.float64).numpy()
+    if type(array).__module__.startswith("cupy"):
+        return array.get().astype(np.float64)
     return np.asarray(array, dtype=np.float64)
 
 
 def make(values: np.ndarray, lib: str, dtype: str, channels_last: bool = False):
-    """``values`` as a ``lib`` array of ``dtype``, optionally with the channels innermost."""
-    if lib == "numpy":
-        array = values.astype(DTYPES[lib][dtype])
+    """``values`` as a ``lib`` array of ``dtype``, optionally with the channels innermost:
+    ``lib`` is ``"numpy"``, ``"torch"`` (CPU), ``"cupy"`` or ``"cuda"`` (torch on a GPU)."""
+    if lib in ("numpy", "cupy"):
+        xp = np if lib == "numpy" else pytest.importorskip("cupy")
+        array = xp.asarray(values.astype(DTYPES["numpy"][dtype]))
         if channels_last:
-            array = np.moveaxis(np.ascontiguousarray(np.moveaxis(array, 1, -1)), -1, 1)
+            array = xp.moveaxis(xp.ascontiguousarray(xp.moveaxis(array, 1, -1)), -1, 1)
         return array
-    tensor = torch.tensor(values).to(DTYPES[lib][dtype])
+    tensor = torch.tensor(values).to(DTYPES["torch"][dtype])
+    if lib == "cuda":
+        tensor = tensor.cuda()
     if channels_last:
         tensor = tensor.movedim(1, -1).contiguous().movedim(-1, 1)
     return tensor
@@ -399,3 +405,20 @@ def test_sync_batch_norm_in_a_group_of_one_is_batch_norm():
             for name, value in plain.state_dict().items():
                 close(name, sync.state_dict()[name], value, 1e-12)
             close("weight_grad", sync.weight_grad, plain.weight_grad, 1e-12)
+
+
+# --- on a GPU: CuPy arrays and torch CUDA tensors (cuDNN and the CuPy kernels) ----------------
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("lib", ["cupy", "cuda"])
+@pytest.mark.parametrize("dtype", ["f32", "f16"])
+@pytest.mark.parametrize(
+    ("shape", "channels_last", "fusion"),
+    [((8, 3), False, None), ((3, 4, 4, 5), True, "add_relu"), ((2, 3, 2, 3, 4), False, "relu")],
+)
+def test_gpu_arrays_match_torch(lib, dtype, shape, channels_last, fusion):
+    layer = run_scenario(
+        shape, lib=lib, dtype=dtype, fusion=fusion, channels_last=channels_last, momentum=None
+    )
+    assert all(type(a) is type(layer.weight) for a in layer.state_dict().values())

@@ -51,6 +51,7 @@ class BatchNorm:
     raises ``InfiniError`` and changes nothing.
     """
 
+    @_public
     def __init__(
         self,
         num_features: int,
