@@ -13,18 +13,11 @@ import argparse
 import os
 import platform
 import statistics
-import sys
-import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
 
-import pytest
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-
-import cudnn_stub
-from helpers import BACKWARD_ORDER, INFERENCE_ORDER, TRAINING_ORDER
+from stand_ins import cudnn_stub, helpers, stub_cudnn
 
 import cudnn_bn
 from cudnn_bn import DataType, Device, Handle, Mode, TensorDesc
@@ -61,15 +54,15 @@ def compute_calls() -> dict[str, Callable[[], None]]:
     def pointers(names: tuple[str, ...]) -> tuple[int, ...]:
         return tuple(p[name] for name in names)
 
-    b = (ws, backward.workspace_size, *pointers(BACKWARD_ORDER))
+    b = (ws, backward.workspace_size, *pointers(helpers.BACKWARD_ORDER))
     t = (
         ws,
         training.workspace_size,
         p["reserve"],
         training.reserve_size,
-        *pointers(TRAINING_ORDER),
+        *pointers(helpers.TRAINING_ORDER),
     )
-    i = (ws, inference.workspace_size, *pointers(INFERENCE_ORDER))
+    i = (ws, inference.workspace_size, *pointers(helpers.INFERENCE_ORDER))
     return {
         "BatchNormBackward.compute": lambda: backward.compute(*b, stream=stream),
         "BatchNormForwardTraining.compute": lambda: training.compute(*t, stream=stream),
@@ -82,8 +75,7 @@ def main() -> None:
     parser.add_argument("--calls", type=int, default=20000)
     parser.add_argument("--out", type=Path, help="also write the table as Markdown here")
     args = parser.parse_args()
-    with tempfile.TemporaryDirectory() as tmp, pytest.MonkeyPatch.context() as patch:
-        cudnn_stub.install(cudnn_stub._compile(Path(tmp)), patch)
+    with stub_cudnn():
         rows = [(name, per_call_us(call, args.calls)) for name, call in compute_calls().items()]
     lines = [
         "# Host overhead per compute, against the stub libcudnn (no GPU)",

@@ -13,11 +13,27 @@ build the same key at once, the second one's copy is closed and the first one's 
 
 import threading
 from collections import OrderedDict
-from collections.abc import Callable, Hashable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable, Hashable
 from typing import Any
 
 DEFAULT_CAPACITY = 256
+
+
+class _Lease:
+    """``with cache.lease(key, build) as descriptor:`` (a class, not a generator: a lease is
+    taken on every array-API call)."""
+
+    __slots__ = ("build", "cache", "held", "key")
+
+    def __init__(self, cache: "DescriptorCache", key: Hashable, build: Callable[[], Any]) -> None:
+        self.cache, self.key, self.build = cache, key, build
+
+    def __enter__(self) -> Any:
+        self.held = self.cache._acquire(self.key, self.build)
+        return self.held
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.cache._release(self.held)
 
 
 class DescriptorCache:
@@ -30,15 +46,10 @@ class DescriptorCache:
         self._evicted: dict[int, Any] = {}  # leased descriptors to close on last release
         self._lock = threading.Lock()
 
-    @contextmanager
-    def lease(self, key: Hashable, build: Callable[[], Any]) -> Iterator[Any]:
+    def lease(self, key: Hashable, build: Callable[[], Any]) -> "_Lease":
         """The descriptor for ``key`` (built by ``build()`` on a miss), kept open while the
         ``with`` block runs."""
-        descriptor = self._acquire(key, build)
-        try:
-            yield descriptor
-        finally:
-            self._release(descriptor)
+        return _Lease(self, key, build)
 
     def _acquire(self, key: Hashable, build: Callable[[], Any]) -> Any:
         with self._lock:
@@ -94,6 +105,11 @@ class DescriptorCache:
             free = [d for entry in entries for d in self._retire(entry)]
         for descriptor in free:
             descriptor.__exit__(None, None, None)
+
+    def descriptors(self) -> list[Any]:
+        """The operator descriptors of the cached plans, least recently used first."""
+        with self._lock:
+            return [plan.descriptor for plan in self._entries.values()]
 
     def __len__(self) -> int:
         return len(self._entries)

@@ -9,7 +9,10 @@ spells argument names in its messages as that entry point's caller does.
 """
 
 import functools
+import os
 import re
+import site
+import sysconfig
 from collections.abc import Callable, Mapping
 from typing import ClassVar, ParamSpec, TypeVar
 
@@ -98,16 +101,46 @@ class CudnnSymbolError(NotImplementedInfiniError):
     """The loaded libcudnn does not export a function this package needs."""
 
 
+def respelled(exc: InfiniError, spelling: Mapping[str, str]) -> InfiniError:
+    """``exc`` with the words of its message renamed by ``spelling`` (whole words), keeping
+    its class; ``exc`` itself where nothing changes."""
+    if not spelling:
+        return exc
+    pattern = re.compile(
+        r"\b(" + "|".join(sorted(map(re.escape, spelling), key=len)[::-1]) + r")\b"
+    )
+    message = str(exc).partition(": ")[2]
+    spelled = pattern.sub(lambda m: spelling[m[0]], message)
+    return exc if spelled == message else type(exc)(exc.status, spelled)
+
+
+_PACKAGE = os.path.dirname(os.path.abspath(__file__))
+_LIBRARIES = tuple(
+    {os.path.abspath(p) for p in (sysconfig.get_paths()["stdlib"], *site.getsitepackages())}
+)
+
+
+def raised_by_caller(exc: BaseException) -> bool:
+    """Whether ``exc`` was raised by the caller's own code run inside a call (a signal
+    handler, a producer's own method): its innermost frame is neither this package's nor a
+    library's (the standard library, site-packages)."""
+    tb = exc.__traceback__
+    if tb is None:
+        return False
+    while tb.tb_next is not None:
+        tb = tb.tb_next
+    filename = os.path.abspath(tb.tb_frame.f_code.co_filename)
+    return not filename.startswith((_PACKAGE, *_LIBRARIES)) and not filename.startswith("<")
+
+
 def raises_only_infini_errors(
     spelling: Mapping[str, str],
 ) -> Callable[[Callable[P, R]], Callable[P, R]]:
     """Decorate a public entry point: an ``InfiniError`` from below gets its message's words
-    renamed by ``spelling`` (whole words: the operators' names to the caller's, e.g.
-    ``"weight_desc" -> "gamma"``), keeping its class; any other exception, which would be a
+    renamed by ``spelling`` (``respelled``: the operators' names to the caller's, e.g.
+    ``"weight_desc" -> "gamma"``); an exception the caller's own code raised inside the call
+    (``raised_by_caller``) passes through unchanged; any other exception, which would be a
     bug of this package, becomes INTERNAL_ERROR, so callers catch one type."""
-    pattern = re.compile(
-        r"\b(" + "|".join(sorted(map(re.escape, spelling), key=len)[::-1]) + r")\b"
-    )
 
     def decorate(func: Callable[P, R]) -> Callable[P, R]:
         @functools.wraps(func)
@@ -115,12 +148,13 @@ def raises_only_infini_errors(
             try:
                 return func(*args, **kwargs)
             except InfiniError as exc:
-                message = str(exc).partition(": ")[2]
-                spelled = pattern.sub(lambda m: spelling[m[0]], message) if spelling else message
-                if spelled == message:
+                spelled = respelled(exc, spelling)
+                if spelled is exc:
                     raise
-                raise type(exc)(exc.status, spelled) from exc
+                raise spelled from exc
             except Exception as exc:
+                if raised_by_caller(exc):
+                    raise
                 raise InfiniError(
                     Status.INTERNAL_ERROR,
                     f"unexpected {type(exc).__name__} in {func.__name__}: {exc}",

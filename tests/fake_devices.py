@@ -52,6 +52,24 @@ class FakeArray:
             self._fake, self.shape[1:], self.dtype, ptr, self.device.id, self.strides[1:]
         )
 
+    def swapaxes(self, a: int, b: int) -> "FakeArray":
+        return FakeArray(
+            self._fake, _swap(self.shape, a, b), self.dtype, self.data.ptr, self.device.id,
+            _swap(self.strides, a, b),
+        )  # fmt: skip
+
+    def reshape(self, *shape: int) -> "FakeArray":
+        """A packed array's view in another shape (all the package reshapes)."""
+        packed = FakeArray(self._fake, self.shape, self.dtype, 0, 0).strides
+        assert self.strides == packed, "only packed fake arrays reshape"
+        shape = _resolve_shape(shape, int(np.prod(self.shape, dtype=int)))
+        return FakeArray(self._fake, shape, self.dtype, self.data.ptr, self.device.id)
+
+    def __setitem__(self, index: Any, value: Any) -> None:
+        """A copy on CuPy's current stream: recorded as one of the fake's events."""
+        fake = self._fake
+        fake.log.append(("copy", fake.device, fake.stacks[fake.device][-1]))
+
     @property
     def __cuda_array_interface__(self) -> dict:
         """As CuPy exports it: ``stream`` is CuPy's current stream, whatever wrote the data."""
@@ -68,6 +86,20 @@ class FakeArray:
 
 
 FakeArray.__module__ = "cupy"  # how the package tells CuPy arrays apart
+
+
+def _swap(values: tuple, a: int, b: int) -> tuple:
+    swapped = list(values)
+    swapped[a], swapped[b] = swapped[b], swapped[a]
+    return tuple(swapped)
+
+
+def _resolve_shape(shape: tuple, size: int) -> tuple[int, ...]:
+    shape = tuple(shape[0]) if len(shape) == 1 and isinstance(shape[0], tuple) else shape
+    if -1 in shape:
+        known = int(np.prod([n for n in shape if n != -1], dtype=int))
+        shape = tuple(size // known if n == -1 else n for n in shape)
+    return tuple(shape)
 
 
 class FakeStream:
@@ -196,6 +228,26 @@ class FakeTensor:
     def record_stream(self, stream: Any) -> None:
         """Marks a later reuse (what the package did before allocating on the stream)."""
 
+    def swapaxes(self, a: int, b: int) -> "FakeTensor":
+        return FakeTensor(
+            _swap(self.shape, a, b), _swap(self._strides, a, b), self.dtype, self.device, self._ptr
+        )
+
+    def reshape(self, *shape: int) -> "FakeTensor":
+        """A packed tensor's view in another shape (all the package reshapes)."""
+        assert tuple(self._strides) == _packed(self.shape), "only packed fake tensors reshape"
+        shape = _resolve_shape(shape, int(np.prod(self.shape, dtype=int)))
+        return FakeTensor(shape, _packed(shape), self.dtype, self.device, self._ptr)
+
+    def __setitem__(self, index: Any, value: Any) -> None:
+        """A copy: its data is not simulated."""
+
+    def is_neg(self) -> bool:
+        return False
+
+    def is_conj(self) -> bool:
+        return False
+
     def __getitem__(self, index: int) -> "FakeTensor":
         element = self.dtype.itemsize
         ptr = self._ptr + index * self._strides[0] * element
@@ -207,6 +259,10 @@ class FakeTensor:
 
 
 FakeTensor.__module__ = "torch"
+
+
+def _packed(shape: tuple) -> tuple[int, ...]:
+    return tuple(int(np.prod(shape[i + 1 :], dtype=int)) for i in range(len(shape)))
 
 
 @contextmanager

@@ -293,10 +293,10 @@ def test_descriptor_cache_evicts_least_recently_used_and_closes_it():
 def test_descriptor_cache_evicts_real_descriptors(monkeypatch):
     """An evicted ``BatchNormBackwardDescriptor`` is closed; the next call rebuilds it."""
     cache = DescriptorCache(capacity=1)
-    monkeypatch.setattr(cudnn_bn.api, "descriptor_cache", cache)
+    monkeypatch.setattr(cudnn_bn.api.call, "descriptor_cache", cache)
     x, dy, w, _, _ = problem((2, 3, 4))
     cudnn_bn.batch_norm_backward(x, dy, w, None, None)
-    (first,) = cache._entries.values()
+    (first,) = cache.descriptors()
     cudnn_bn.batch_norm_backward(x, dy, w, None, None, eps=0.1)
     assert len(cache) == 1 and first._kernel is None  # closed
     results = cudnn_bn.batch_norm_backward(x, dy, w, None, None)

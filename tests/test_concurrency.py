@@ -35,7 +35,7 @@ SHAPES = [(4, 3, 5), (3, 2, 4), (6, 3), (2, 4, 3, 2)]
 def busy(monkeypatch):
     """A two-entry cache and a one-microsecond thread switch interval."""
     cache = DescriptorCache(capacity=2)
-    monkeypatch.setattr(cudnn_bn.api, "descriptor_cache", cache)
+    monkeypatch.setattr(cudnn_bn.api.call, "descriptor_cache", cache)
     interval = sys.getswitchinterval()
     sys.setswitchinterval(1e-6)
     yield cache

@@ -77,7 +77,7 @@ def statistics(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch
 def test_the_problems_here_run_on_the_cupy_engine():
     p = {n: convert(v, F32) for n, v in random_values((2, 3, 4, 5)).items()}
     batch_norm_backward(p["input"], p["grad_output"], p["weight"], None, None)
-    (built,) = cudnn_bn.descriptor_cache._entries.values()
+    (built,) = cudnn_bn.descriptor_cache.descriptors()
     assert built.handle.device == cudnn_bn.Device.CPU  # the array API's choice for host arrays
     assert built.engine == "cupy"
     assert built.workspace_size > 0  # per-channel scratch in the caller's (NumPy) workspace

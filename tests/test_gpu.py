@@ -121,7 +121,7 @@ def assert_close(actual, expected, tol: float, what: str) -> None:
 
 def used_engine() -> str:
     """The engine of the one descriptor in the cache (cleared before the call)."""
-    entries = list(cudnn_bn.descriptor_cache._entries.values())
+    entries = list(cudnn_bn.descriptor_cache.descriptors())
     assert len(entries) == 1
     return entries[0].engine
 

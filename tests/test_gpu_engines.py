@@ -38,7 +38,7 @@ PERSISTENT_F32_TOL = 1e-4  # cuDNN's SPATIAL_PERSISTENT kernels (see test_gpu_fo
 
 def engines() -> list[str]:
     """The engines of the cached descriptors, oldest first (clear the cache before)."""
-    return [d.engine for d in cudnn_bn.descriptor_cache._entries.values()]
+    return [d.engine for d in cudnn_bn.descriptor_cache.descriptors()]
 
 
 def channels_last(t: torch.Tensor) -> torch.Tensor:

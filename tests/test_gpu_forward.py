@@ -180,7 +180,7 @@ def check(actual, expected, tol: float, what: str) -> None:
 
 def cached_engines() -> list[str]:
     """The engines of the cached descriptors, oldest first (clear the cache before)."""
-    return [desc.engine for desc in cudnn_bn.descriptor_cache._entries.values()]
+    return [desc.engine for desc in cudnn_bn.descriptor_cache.descriptors()]
 
 
 # --- the problems ---------------------------------------------------------------------------

@@ -30,7 +30,7 @@ def routed_on_host(stub, host_cupy, monkeypatch):
 
 
 def engines() -> list[str]:
-    return [d.engine for d in cudnn_bn.descriptor_cache._entries.values()]
+    return [d.engine for d in cudnn_bn.descriptor_cache.descriptors()]
 
 
 def channels_last_copy(t: torch.Tensor) -> torch.Tensor:

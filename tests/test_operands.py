@@ -4,8 +4,8 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from cudnn_bn.arrays import _from_interface, operand
-from cudnn_bn.enums import Device
+from cudnn_bn.arrays import NUMPY, operand
+from cudnn_bn.arrays.numpy_arrays import from_array_interface
 
 BASE = np.arange(4 * 6 * 5, dtype=np.float32).reshape(4, 6, 5)
 
@@ -28,7 +28,7 @@ ARRAYS = {
     "read-only": _read_only(BASE),
     "from bytes": np.frombuffer(BASE.tobytes(), np.float32).reshape(BASE.shape),
     "empty": BASE[:0],
-    "0-d": np.float64(2.0).reshape(()),
+    "0-d": np.array(2.0),
     "float16": BASE.astype(np.float16),
     "bfloat16": BASE.astype(ml_dtypes.bfloat16),
 }
@@ -36,5 +36,8 @@ ARRAYS = {
 
 @pytest.mark.parametrize("array", ARRAYS.values(), ids=ARRAYS.keys())
 def test_ndarray_operand_is_its_interfaces(array):
-    expected = _from_interface("x", array.__array_interface__, Device.CPU, 0, array.dtype)
-    assert operand("x", array) == expected
+    class Interface:  # the array seen only through its interface (and dtype, for bfloat16)
+        __array_interface__ = array.__array_interface__
+        dtype = array.dtype
+
+    assert operand("x", array) == from_array_interface("x", Interface(), NUMPY)

@@ -38,7 +38,8 @@ from cudnn_bn import (
 )
 from cudnn_bn import arrays as arrays_module
 from cudnn_bn._cudnn import library as library_module
-from cudnn_bn.arrays import _DLDataType, _DLDevice, _DLTensor, operand
+from cudnn_bn.arrays import operand
+from cudnn_bn.arrays.dlpack import _DLDataType, _DLDevice, _DLTensor
 from cudnn_bn.backends import cuda
 from cudnn_bn.errors import InfiniError
 
@@ -62,11 +63,11 @@ def fake(stub, monkeypatch):
     monkeypatch.setattr(cuda, "_streams", {})
     fake.cudnn = RecordingLibrary(library_module._library, lambda: fake.device)
     monkeypatch.setattr(library_module, "_library", fake.cudnn)
-    arrays_module._torch_stream.cache_clear()
+    arrays_module.torch_stream.cache_clear()
     cudnn_bn.descriptor_cache.clear()  # nothing built on another test's library
     yield fake
     cudnn_bn.descriptor_cache.clear()
-    arrays_module._torch_stream.cache_clear()
+    arrays_module.torch_stream.cache_clear()
 
 
 def problem(make, device: int) -> dict:

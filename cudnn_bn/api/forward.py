@@ -1,0 +1,197 @@
+"""``batch_norm_forward_training`` and ``batch_norm_forward_inference``: the forward passes."""
+
+from typing import Any, ClassVar
+
+from ..enums import Status
+from ..errors import InfiniError
+from ..ops.batch_norm_backward import parse_fusion
+from ..ops.batch_norm_forward_inference import BatchNormForwardInferenceDescriptor
+from ..ops.batch_norm_forward_training import BatchNormForwardTrainingDescriptor
+from ..ops.validation import check_eps, check_flag, check_fraction
+from ..problems import ForwardInferenceTensors, ForwardTrainingTensors
+from ..runtime import Handle
+from ..tensor import TensorDesc
+from .call import Built, Plan, run
+from .outputs import absent_parameter, named_outputs, packed_like, statistics_dtype
+from .spelling import array_api
+
+TRAINING_OUTPUTS = ("output", "saved_mean", "saved_invstd")
+_PER_CHANNEL = ("weight", "bias", "running_mean", "running_var")
+
+
+class TrainingOutputs(tuple):
+    """``(output, saved_mean, saved_invstd)`` of a training forward; ``.reserve`` is the
+    reserve space (a byte array, or None when empty) its backward takes as ``reserve=``."""
+
+    reserve: Any
+
+    def __new__(
+        cls, output: Any, saved_mean: Any, saved_invstd: Any, reserve: Any
+    ) -> "TrainingOutputs":
+        outputs = super().__new__(cls, (output, saved_mean, saved_invstd))
+        outputs.reserve = reserve
+        return outputs
+
+
+def parameters(descs: dict[str, TensorDesc | None]) -> tuple[dict, dict]:
+    """``(descs, constants)`` with an absent weight (ones) or bias (zeros) stood in for."""
+    descs, constants = dict(descs), {}
+    for name, value in (("weight", 1.0), ("bias", 0.0)):
+        if descs[name] is None:
+            descs[name] = absent_parameter(descs["input"], descs, _PER_CHANNEL)
+            constants[name] = (value, descs[name])
+    return descs, constants
+
+
+def _batch_shape(x: TensorDesc) -> None:
+    if x.ndim < 2:
+        raise InfiniError(
+            Status.BAD_TENSOR_SHAPE, f"input has shape {x.shape}; expected (N, C, ...)"
+        )
+
+
+class ForwardTraining:
+    """The training forward: writes the running statistics and the ``out=`` arrays."""
+
+    name = "forward_training"
+    written = frozenset(("running_mean", "running_var", *TRAINING_OUTPUTS))
+    spelling: ClassVar[dict[str, str]] = {o: f"out[{i}]" for i, o in enumerate(TRAINING_OUTPUTS)}
+
+    def options(self, raw: tuple, arrays: dict[str, Any]) -> tuple:
+        eps, momentum, fusion, persistent, check_overflow = raw
+        return (
+            check_eps(eps),
+            check_fraction("momentum", momentum),
+            parse_fusion(fusion),
+            check_flag("persistent", persistent),
+            check_flag("check_overflow", check_overflow) is True,
+        )
+
+    def build(self, handle: Handle, descs: dict[str, TensorDesc | None], options: tuple) -> Built:
+        eps, momentum, fusion, persistent, check_overflow = options
+        _batch_shape(descs["input"])
+        descs, constants = parameters(descs)
+        x = descs["input"]
+        stats = TensorDesc.contiguous(statistics_dtype(x), (x.shape[1],))
+        made = {"output": packed_like(x), "saved_mean": stats, "saved_invstd": stats}
+        tensors = ForwardTrainingTensors(
+            *(descs[o] or made[o] for o in TRAINING_OUTPUTS),
+            x,
+            *(descs[n] for n in _PER_CHANNEL),
+            descs["z"],
+        )
+        descriptor = BatchNormForwardTrainingDescriptor(
+            handle,
+            *tensors[:8],
+            z_desc=tensors.z,
+            eps=eps,
+            momentum=momentum,
+            fusion=fusion,
+            persistent=persistent,
+            check_overflow=check_overflow,
+        )
+        outputs = {o: made[o] for o in TRAINING_OUTPUTS if descs[o] is None}
+        arguments = ("reserve", descriptor.reserve_size, *TRAINING_OUTPUTS, "input", *_PER_CHANNEL)
+        returns = (*TRAINING_OUTPUTS, "reserve")
+        return Built(descriptor, arguments, {"z": "z"}, outputs, returns, constants, reserve=True)
+
+    def result(self, plan: Plan, arrays: dict[str, Any], made: dict[str, Any]) -> TrainingOutputs:
+        return TrainingOutputs(*plan.returned(arrays, made))
+
+
+class ForwardInference:
+    """The inference forward: writes only the ``out=`` array, if given."""
+
+    name = "forward_inference"
+    written = frozenset(("output",))
+    spelling: ClassVar[dict[str, str]] = {"output": "out"}
+
+    def options(self, raw: tuple, arrays: dict[str, Any]) -> tuple:
+        return (check_eps(raw[0]),)
+
+    def build(self, handle: Handle, descs: dict[str, TensorDesc | None], options: tuple) -> Built:
+        (eps,) = options
+        _batch_shape(descs["input"])
+        descs, constants = parameters(descs)
+        x = descs["input"]
+        tensors = ForwardInferenceTensors(
+            descs["output"] or packed_like(x), x, *(descs[n] for n in _PER_CHANNEL)
+        )
+        descriptor = BatchNormForwardInferenceDescriptor(handle, *tensors, eps=eps)
+        outputs = {} if descs["output"] is not None else {"output": tensors.output}
+        arguments = ("output", "input", *_PER_CHANNEL)
+        return Built(descriptor, arguments, {}, outputs, ("output",), constants)
+
+    def result(self, plan: Plan, arrays: dict[str, Any], made: dict[str, Any]) -> Any:
+        return plan.returned(arrays, made)[0]
+
+
+FORWARD_TRAINING, FORWARD_INFERENCE = ForwardTraining(), ForwardInference()
+
+
+@array_api
+def batch_norm_forward_training(
+    input: Any,
+    weight: Any,
+    bias: Any,
+    running_mean: Any,
+    running_var: Any,
+    *,
+    momentum: float = 0.1,
+    eps: float = 1e-5,
+    stream: Any = None,
+    fusion: str | None = None,
+    z: Any = None,
+    persistent: bool | None = None,
+    check_overflow: bool = False,
+    out: tuple[Any, Any, Any] | None = None,
+) -> TrainingOutputs:
+    """Training-mode batch norm: ``(output, saved_mean, saved_invstd)`` with ``.reserve``.
+
+    Statistics are per channel (axis 1) over every other axis; ``running_mean`` and
+    ``running_var`` (either may be None) are updated in place with PyTorch's semantics:
+    ``running = (1 - momentum) * running + momentum * batch``, the batch variance unbiased.
+    ``weight=None``/``bias=None`` stand for 1/0 (``affine=False``). ``saved_invstd`` is
+    ``1/sqrt(biased var + eps)``; both saved statistics are F32 for F16/BF16 input and go
+    straight into ``batch_norm_backward(..., mode="saved", saved_mean=..., saved_invstd=...,
+    reserve=outputs.reserve)``. ``fusion`` ``"relu"`` or ``"add_relu"`` (with the residual
+    ``z``) gives ``relu(bn(x) [+ z])``. ``out=(output, saved_mean, saved_invstd)`` gives
+    preallocated outputs (None entries are allocated). ``check_overflow=True`` is
+    ``batch_norm_backward``'s synchronizing debug aid.
+    """
+    arrays = dict(
+        input=input,
+        weight=weight,
+        bias=bias,
+        running_mean=running_mean,
+        running_var=running_var,
+        z=z,
+        **named_outputs(out, TRAINING_OUTPUTS),
+    )
+    raw = (eps, momentum, fusion, persistent, check_overflow)
+    return run(FORWARD_TRAINING, arrays, raw, stream)
+
+
+@array_api
+def batch_norm_forward_inference(
+    input: Any,
+    weight: Any,
+    bias: Any,
+    running_mean: Any,
+    running_var: Any,
+    *,
+    eps: float = 1e-5,
+    stream: Any = None,
+    out: Any = None,
+) -> Any:
+    """Inference-mode batch norm with fixed statistics, as an array of ``input``'s kind
+    (``out``, if given); ``weight=None``/``bias=None`` stand for 1/0."""
+    arrays = dict(
+        input=input,
+        weight=weight,
+        bias=bias,
+        running_mean=running_mean,
+        running_var=running_var,
+        output=out,
+    )
+    return run(FORWARD_INFERENCE, arrays, (eps,), stream)

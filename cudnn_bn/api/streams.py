@@ -1,0 +1,52 @@
+"""The CUDA stream an array-API call runs on."""
+
+from typing import Any
+
+from ..arrays import common_place
+from ..arrays.torch_tensors import is_torch
+from ..enums import Device, Status
+from ..errors import InfiniError
+
+
+def resolve_stream(stream: Any, like: Any) -> int:
+    """The ``cudaStream_t`` address a call on ``like``'s device runs on for ``stream=``
+    (0 on the CPU), as every array-API pass resolves it: for code that composes passes."""
+    device, device_id = common_place({"input": like})
+    return call_stream(stream, like, device, device_id)
+
+
+def call_stream(stream: Any, like: Any, device: Device, device_id: int) -> int:
+    """A ``cudaStream_t`` address from an int, a CuPy or torch stream, a ``__cuda_stream__``
+    object, or the current stream of the arrays' device (torch's for torch tensors, else
+    CuPy's)."""
+    if device == Device.CPU:
+        return 0
+    if stream is None:
+        if is_torch(like):
+            import torch
+
+            return torch.cuda.current_stream(like.device).cuda_stream
+        from ..backends.cuda import current_stream
+
+        return current_stream(device_id)
+    if isinstance(stream, int) and not isinstance(stream, bool):
+        if not 0 <= stream < 1 << 64:
+            raise InfiniError(Status.BAD_PARAM, f"stream {stream} is not a cudaStream_t")
+        return stream
+    if hasattr(stream, "__cuda_stream__"):  # the CUDA stream protocol: (version 0, address)
+        ptr = stream.__cuda_stream__()[1]
+    elif hasattr(stream, "ptr") or hasattr(stream, "cuda_stream"):
+        ptr = stream.ptr if hasattr(stream, "ptr") else stream.cuda_stream
+    else:
+        raise InfiniError(
+            Status.BAD_PARAM,
+            f"stream must be an int, a CuPy or torch stream, or None; got {stream!r}",
+        )
+    # CuPy streams know their device as .device_id (-1: unknown), torch's as .device.
+    owner = getattr(stream, "device_id", getattr(getattr(stream, "device", None), "index", None))
+    if isinstance(owner, int) and owner >= 0 and owner != device_id:
+        raise InfiniError(
+            Status.BAD_PARAM,
+            f"stream is on device {owner} but the arrays are on NVIDIA:{device_id}",
+        )
+    return int(ptr)

@@ -1,0 +1,102 @@
+"""The checks every protocol reader applies, so each producer is held to the same rules:
+element type and byte order, sizes and strides a buffer can hold (``TensorDesc.checked``),
+whole-element strides, an aligned, non-NULL data pointer."""
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from ..dtypes import from_numpy
+from ..enums import DataType, Status
+from ..errors import InfiniError
+from ..tensor import ITEMSIZE, TensorDesc, contiguous_strides
+
+EXPECTED = "expected float16, bfloat16, float32 or float64"
+# Element types a byte buffer (a reserve space) may come in, besides the float ones.
+_BYTES = {np.dtype(np.uint8): DataType.U8, np.dtype(np.int8): DataType.I8}
+
+
+def numpy_data_type(name: str, dtype: np.dtype) -> DataType:
+    """The ``DataType`` of a NumPy dtype (ml_dtypes' bfloat16 included), in native byte order
+    only: a byte-swapped array would be read as garbage (BAD_TENSOR_DTYPE)."""
+    if not dtype.isnative:
+        raise InfiniError(
+            Status.BAD_TENSOR_DTYPE,
+            f"{name} has dtype {dtype.str} in non-native byte order; pass "
+            f"{name}.astype({name}.dtype.newbyteorder('='))",
+        )
+    found = from_numpy(dtype) or _BYTES.get(dtype)
+    if found is None and _is_bfloat16(dtype):
+        found = DataType.BF16
+    if found is None:
+        raise InfiniError(Status.BAD_TENSOR_DTYPE, f"{name} has dtype {dtype}; {EXPECTED}")
+    return found
+
+
+def _is_bfloat16(dtype: np.dtype) -> bool:
+    """ml_dtypes' bfloat16 (typestr ``<V2``: only its scalar type names it)."""
+    return dtype.itemsize == 2 and getattr(dtype.type, "__name__", "") == "bfloat16"
+
+
+def integers(name: str, what: str, values: Any) -> tuple[int, ...]:
+    """A protocol's shape or strides as a tuple of Python ints; BAD_PARAM otherwise."""
+    try:
+        if isinstance(values, str | bytes) or not isinstance(values, Sequence | np.ndarray):
+            raise TypeError
+        found = tuple(values)
+        if not all(isinstance(v, int | np.integer) and not isinstance(v, bool) for v in found):
+            raise TypeError
+    except TypeError:
+        raise InfiniError(
+            Status.BAD_PARAM, f"{name} has {what} {values!r}; expected a tuple of integers"
+        ) from None
+    return tuple(int(v) for v in found)
+
+
+def element_strides(
+    name: str, shape: tuple[int, ...], byte_strides: tuple[int, ...] | None, itemsize: int
+) -> tuple[int, ...]:
+    """Strides in elements from byte strides (None: packed row-major)."""
+    if byte_strides is None:
+        return contiguous_strides(shape)
+    if len(byte_strides) != len(shape):
+        raise InfiniError(
+            Status.BAD_TENSOR_STRIDES,
+            f"{name} has {len(byte_strides)} strides for {len(shape)} dimensions",
+        )
+    if any(s % itemsize for s in byte_strides):
+        raise InfiniError(
+            Status.BAD_TENSOR_STRIDES,
+            f"{name} has byte strides {byte_strides} that are not whole elements",
+        )
+    return tuple(s // itemsize for s in byte_strides)
+
+
+def described(
+    name: str, dtype: DataType, shape: tuple[int, ...], strides: tuple[int, ...], ptr: int
+) -> TensorDesc:
+    """``TensorDesc.checked`` (sizes in [0, 2**63), element counts and reach that fit a
+    ``ptrdiff_t``), a data pointer that is aligned to the element and not NULL where there are
+    elements; errors name ``name``."""
+    if len(strides) != len(shape):
+        raise InfiniError(
+            Status.BAD_TENSOR_STRIDES,
+            f"{name} has {len(strides)} strides for {len(shape)} dimensions",
+        )
+    try:
+        desc = TensorDesc.checked(dtype, shape, strides)
+    except InfiniError as exc:
+        raise InfiniError(exc.status, f"{name}: {str(exc).partition(': ')[2]}") from None
+    if not 0 <= ptr < 1 << 64:
+        raise InfiniError(Status.BAD_PARAM, f"{name} has data address {ptr}, not a pointer")
+    if desc.numel:
+        if not ptr:
+            raise InfiniError(Status.NULL_POINTER, f"{name} has {desc.numel} elements at NULL")
+        if ptr % ITEMSIZE[desc.dtype]:
+            raise InfiniError(
+                Status.BAD_TENSOR_STRIDES,
+                f"{name}'s data at {ptr:#x} is not aligned to its {ITEMSIZE[desc.dtype]}-byte "
+                "elements",
+            )
+    return desc

@@ -1,0 +1,174 @@
+"""The one table of where a call's new arrays come from: the library of its input operand.
+
+The door (``door.operand``) gives every operand a ``Kind``: NumPy for host memory (ndarrays,
+array interfaces, CPU DLPack), torch for torch tensors wherever they live, CuPy for device
+memory that is not torch's (CuPy arrays, CUDA array interfaces, CUDA DLPack). A call allocates
+its outputs, scratch and constants with its input's kind, on its device and, on a GPU,
+inside ``scope``: its device current and its stream the allocating one. Both caching
+allocators hand a freed block back only to allocations from the stream it was allocated on
+(CuPy: one arena per stream; torch: "the caching allocator is aware of only the stream where
+a tensor was allocated", the ``Tensor.record_stream`` documentation), so memory written on
+the call's stream must come from it.
+"""
+
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
+from typing import Any
+
+import numpy as np
+
+from ..dtypes import FLOAT_TYPES
+from ..enums import DataType
+from ..tensor import TensorDesc, contiguous_strides
+from .numpy_arrays import ndarray_data
+from .torch_tensors import torch_dtypes, torch_stream
+
+# Makes one new array of a planned layout and returns it with its data pointer.
+Allocator = Callable[[], tuple[Any, int]]
+_ANYWHERE = nullcontext()  # no device to enter, no stream to allocate from
+
+
+def _memory_order(desc: TensorDesc) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """``(order, inverse)``: the axes from outermost to innermost in memory, and the
+    permutation that brings an array allocated in that order back to ``desc``'s axes."""
+    order = tuple(sorted(range(desc.ndim), key=lambda a: (-desc.strides[a], a)))
+    inverse = tuple(order.index(a) for a in range(desc.ndim))
+    return order, inverse
+
+
+def _packed_in_some_order(desc: TensorDesc) -> bool:
+    order, _ = _memory_order(desc)
+    packed = contiguous_strides(tuple(desc.shape[a] for a in order))
+    return all(
+        desc.shape[a] == 1 or desc.strides[a] == s for a, s in zip(order, packed, strict=True)
+    )
+
+
+class NumpyKind:
+    """Host arrays: NumPy allocates (BF16 as ml_dtypes' bfloat16 where the input has it,
+    else as its uint16 bits)."""
+
+    name = "numpy"
+
+    def scope(self, like: Any, stream: int, device_id: int) -> AbstractContextManager:
+        return _ANYWHERE
+
+    def storage(self, like: Any, dtype: DataType) -> np.dtype:
+        own = (
+            dtype == DataType.BF16
+            and getattr(getattr(like, "dtype", None), "name", "") == "bfloat16"
+        )
+        return like.dtype if own else FLOAT_TYPES[dtype].storage
+
+    def allocator(self, like: Any, desc: TensorDesc) -> Allocator:
+        """New arrays of ``desc``: allocated packed in its memory order and transposed to its
+        axes (no as_strided), so a channels-last output costs what a row-major one does."""
+        storage = self.storage(like, desc.dtype)
+        shape = desc.shape
+        if desc.strides == contiguous_strides(shape):
+            return lambda: _with_pointer(np.empty(shape, storage))
+        if not _packed_in_some_order(desc):
+            raise ValueError(f"no packed layout has strides {desc.strides}")  # a caller's bug
+        order, inverse = _memory_order(desc)
+        in_order = tuple(shape[a] for a in order)
+        return lambda: _with_pointer(np.empty(in_order, storage).transpose(inverse))
+
+    def scratch(self, like: Any, nbytes: int) -> tuple[Any, int]:
+        if nbytes == 0:
+            return None, 0
+        return _with_pointer(np.empty(nbytes, np.uint8))
+
+    def constant(self, like: Any, value: float, desc: TensorDesc) -> tuple[Any, int]:
+        return _with_pointer(np.full(desc.shape, value, self.storage(like, desc.dtype)))
+
+
+def _with_pointer(array: np.ndarray) -> tuple[np.ndarray, int]:
+    return array, ndarray_data(array)
+
+
+class TorchKind:
+    """torch tensors, on the input's device, from torch's allocator on the call's stream."""
+
+    name = "torch"
+
+    def scope(self, like: Any, stream: int, device_id: int) -> AbstractContextManager:
+        if like.device.type != "cuda":
+            return _ANYWHERE
+        import torch
+
+        if stream == torch.cuda.current_stream(like.device).cuda_stream:
+            return _ANYWHERE
+        return torch.cuda.stream(torch_stream(stream, like.device.index or 0))
+
+    def allocator(self, like: Any, desc: TensorDesc) -> Allocator:
+        import torch
+
+        dtype, device = torch_dtypes()[desc.dtype], like.device
+        shape, strides = desc.shape, desc.strides
+
+        def allocate() -> tuple[Any, int]:
+            array = torch.empty_strided(shape, strides, dtype=dtype, device=device)
+            return array, array.data_ptr()
+
+        return allocate
+
+    def scratch(self, like: Any, nbytes: int) -> tuple[Any, int]:
+        if nbytes == 0:
+            return None, 0
+        import torch
+
+        buffer = torch.empty(nbytes, dtype=torch.uint8, device=like.device)
+        return buffer, buffer.data_ptr()
+
+    def constant(self, like: Any, value: float, desc: TensorDesc) -> tuple[Any, int]:
+        import torch
+
+        array = torch.full(desc.shape, value, dtype=torch_dtypes()[desc.dtype], device=like.device)
+        return array, array.data_ptr()
+
+
+class CupyKind:
+    """CuPy arrays on the operands' device, from CuPy's pool on the call's stream."""
+
+    name = "cupy"
+
+    def scope(self, like: Any, stream: int, device_id: int) -> AbstractContextManager:
+        from ..backends.cuda import stream_scope
+
+        return stream_scope(stream, device_id)
+
+    def allocator(self, like: Any, desc: TensorDesc) -> Allocator:
+        storage = NUMPY.storage(like, desc.dtype)
+        shape, strides = desc.shape, desc.strides
+
+        def allocate() -> tuple[Any, int]:
+            import cupy
+
+            if strides == contiguous_strides(shape):
+                array = cupy.empty(shape, storage)
+            else:
+                extent = sum((n - 1) * s for n, s in zip(shape, strides, strict=True)) + 1
+                base = cupy.empty(extent, storage)
+                array = cupy.lib.stride_tricks.as_strided(
+                    base, shape, tuple(s * base.itemsize for s in strides)
+                )
+            return array, array.data.ptr
+
+        return allocate
+
+    def scratch(self, like: Any, nbytes: int) -> tuple[Any, int]:
+        if nbytes == 0:
+            return None, 0
+        import cupy
+
+        buffer = cupy.empty(nbytes, cupy.uint8)
+        return buffer, buffer.data.ptr
+
+    def constant(self, like: Any, value: float, desc: TensorDesc) -> tuple[Any, int]:
+        import cupy
+
+        array = cupy.full(desc.shape, value, NUMPY.storage(like, desc.dtype))
+        return array, array.data.ptr
+
+
+NUMPY, TORCH, CUPY = NumpyKind(), TorchKind(), CupyKind()

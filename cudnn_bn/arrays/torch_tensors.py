@@ -1,0 +1,107 @@
+"""torch tensors (and subclasses) as operands, read from their own attributes.
+
+torch's lazy views are resolved: a tensor with the negative or conjugate bit (``z.conj().imag``
+is a public one) stores values that must be negated or conjugated on read, which a raw
+pointer cannot do. Read, such a tensor is materialized (``resolve_neg``/``resolve_conj``) and
+the copy is the operand; written in place, it is refused, since the copy is not the caller's.
+Sparse, nested and storage-less (wrapper subclass, fake) tensors have no strided memory to
+hand over and are refused.
+"""
+
+import functools
+import sys
+from typing import Any
+
+from ..enums import DataType, Device, Status
+from ..errors import InfiniError
+from .checks import EXPECTED, described
+from .operand import Operand
+
+
+def is_torch(array: Any) -> bool:
+    """A torch tensor, a subclass of one, or an object standing in for one (module torch)."""
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(array, torch.Tensor):
+        return True
+    return type(array).__module__.partition(".")[0] == "torch"
+
+
+@functools.cache
+def torch_dtypes() -> dict[DataType, Any]:
+    import torch
+
+    return {
+        DataType.F16: torch.float16,
+        DataType.BF16: torch.bfloat16,
+        DataType.F32: torch.float32,
+        DataType.F64: torch.float64,
+        DataType.U8: torch.uint8,
+        DataType.I8: torch.int8,
+    }
+
+
+@functools.cache
+def _from_torch_dtypes() -> dict[Any, DataType]:
+    return {torch_dtype: dtype for dtype, torch_dtype in torch_dtypes().items()}
+
+
+def torch_place(name: str, tensor: Any) -> tuple[Device, int]:
+    devices = {"cpu": Device.CPU, "cuda": Device.NVIDIA}
+    if tensor.device.type not in devices:
+        raise InfiniError(
+            Status.DEVICE_TYPE_NOT_SUPPORTED, f"{name} is on {tensor.device}; expected cpu or cuda"
+        )
+    return devices[tensor.device.type], tensor.device.index or 0
+
+
+def _refuse_layout(name: str, tensor: Any) -> None:
+    import torch
+
+    if getattr(tensor, "is_nested", False):
+        raise InfiniError(Status.BAD_PARAM, f"{name} is a nested tensor; expected a strided one")
+    layout = getattr(tensor, "layout", torch.strided)
+    if layout is not torch.strided:
+        raise InfiniError(Status.BAD_PARAM, f"{name} has layout {layout}; expected torch.strided")
+
+
+def _lazy_bits(tensor: Any) -> str:
+    """Which of torch's lazy-view bits ``tensor`` has set ("" for none)."""
+    bits = [
+        bit
+        for bit, method in (("negative", "is_neg"), ("conjugate", "is_conj"))
+        if getattr(tensor, method, None) is not None and getattr(tensor, method)()
+    ]
+    return " and ".join(bits)
+
+
+def from_torch(name: str, tensor: Any, kind: Any) -> Operand:
+    """A torch tensor, with torch's dtype, shape, strides, device and data pointer."""
+    dtypes = _from_torch_dtypes()
+    if tensor.dtype not in dtypes:
+        raise InfiniError(Status.BAD_TENSOR_DTYPE, f"{name} has dtype {tensor.dtype}; {EXPECTED}")
+    device, device_id = torch_place(name, tensor)
+    _refuse_layout(name, tensor)
+    owner, readonly = tensor, ""
+    if bits := _lazy_bits(tensor):
+        owner = tensor.resolve_neg().resolve_conj()
+        readonly = f"a torch view with the {bits} bit set (resolve it first)"
+    try:
+        ptr = owner.data_ptr()
+        shape, strides = tuple(owner.shape), tuple(owner.stride())
+    except (RuntimeError, NotImplementedError) as exc:
+        raise InfiniError(
+            Status.BAD_PARAM, f"{name} is a tensor without strided storage ({exc})"
+        ) from None
+    desc = described(name, dtypes[tensor.dtype], shape, strides, ptr)
+    return Operand(device, device_id, desc, ptr, readonly, kind, owner)
+
+
+@functools.cache
+def torch_stream(stream: int, device_index: int) -> Any:
+    """torch's object for ``cudaStream_t`` ``stream`` on device ``device_index`` (0: the
+    device's default stream). The device matters: torch enters it with the stream."""
+    import torch
+
+    if stream == 0:
+        return torch.cuda.default_stream(device_index)
+    return torch.cuda.ExternalStream(stream, device=device_index)

@@ -1,0 +1,368 @@
+"""Every producer through one door (issue 16): lying and odd producers are refused by name,
+views are resolved or refused, allocation follows the producer's kind, and nothing the
+caller owns is written when a call fails. References: NumPy's array interface protocol
+(v3), DLPack 1.0 (``dlpack.h``), torch's own reading of its tensors (``resolve_neg``)."""
+
+import ctypes
+import signal
+import weakref
+
+import ml_dtypes
+import numpy as np
+import pytest
+import torch
+
+import cudnn_bn
+from cudnn_bn import InfiniError, Status
+
+C = 3
+
+
+def problem(dtype=np.float64, shape=(4, C, 5)):
+    rng = np.random.default_rng(7)
+    x = rng.standard_normal(shape).astype(dtype)
+    dy = rng.standard_normal(shape).astype(dtype)
+    w = rng.uniform(0.5, 1.5, shape[1]).astype(dtype)
+    b = rng.standard_normal(shape[1]).astype(dtype)
+    return x, dy, w, b
+
+
+class Interface:
+    """Any object exposing ``__array_interface__`` (NumPy's protocol): the dict as given."""
+
+    def __init__(self, **iface):
+        self.__array_interface__ = {"version": 3, **iface}
+
+
+def torch_backward(x, dy, w):
+    """grad_input, grad_weight, grad_bias of training batch norm by torch in float64."""
+    xt = torch.tensor(np.asarray(x, np.float64), requires_grad=True)
+    wt = torch.tensor(np.asarray(w, np.float64), requires_grad=True)
+    bt = torch.zeros(w.shape[0], dtype=torch.float64, requires_grad=True)
+    y = torch.nn.functional.batch_norm(xt, None, None, wt, bt, True, 0.1, 1e-5)
+    y.backward(torch.tensor(np.asarray(dy, np.float64)))
+    return xt.grad.numpy(), wt.grad.numpy(), bt.grad.numpy()
+
+
+# --- finding 1: buffer objects as __array_interface__ data -----------------------------------
+
+
+def test_a_buffer_smaller_than_its_shape_is_refused_not_read():
+    """NumPy's spec lets ``data`` be any buffer; a 2-byte one once became address 0x01."""
+    x, dy, w, _ = problem()
+    lying = Interface(shape=x.shape, typestr="<f8", data=bytearray(2))
+    with pytest.raises(InfiniError) as caught:
+        cudnn_bn.batch_norm_backward(lying, dy, w, None, None)
+    assert caught.value.status == Status.BAD_TENSOR_STRIDES
+    assert "input" in str(caught.value) and "2-byte buffer" in str(caught.value)
+
+
+@pytest.mark.parametrize("data", ["bytearray", "memoryview", "bytes", "None"])
+def test_buffer_data_is_read_from_the_buffer(data):
+    x, dy, w, _ = problem()
+    raw = x.tobytes()
+    buffers = {"bytearray": bytearray(raw), "memoryview": memoryview(bytearray(raw)), "bytes": raw}
+
+    class OwnBuffer(bytearray):  # data None: the object's own buffer
+        @property
+        def __array_interface__(self):
+            return {"version": 3, "shape": x.shape, "typestr": "<f8", "data": None}
+
+    source = (
+        OwnBuffer(raw)
+        if data == "None"
+        else Interface(shape=x.shape, typestr="<f8", data=buffers[data])
+    )
+    got = cudnn_bn.batch_norm_backward(source, dy, w, None, None)
+    for ours, ref in zip(got, torch_backward(x, dy, w), strict=True):
+        np.testing.assert_allclose(ours, ref, rtol=1e-10, atol=1e-12)
+
+
+def test_a_read_only_buffer_is_not_written():
+    x, _, w, b = problem()
+    frozen = Interface(shape=(C,), typestr="<f8", data=np.zeros(C).tobytes())
+    with pytest.raises(InfiniError, match="running_mean is read-only") as caught:
+        cudnn_bn.batch_norm_forward_training(x, w, b, frozen, None)
+    assert caught.value.status == Status.BAD_PARAM
+
+
+# --- finding 13: malformed interfaces are the caller's error, named ----------------------------
+
+DATA = {"shape": (4, C, 5), "typestr": "<f8", "data": (8, False)}
+MALFORMED = {
+    "no shape": ({"typestr": "<f8", "data": (8, False)}, Status.BAD_PARAM, "no 'shape'"),
+    "bad typestr": (DATA | {"typestr": "zz"}, Status.BAD_TENSOR_DTYPE, "typestr"),
+    "short strides": (DATA | {"strides": (8,)}, Status.BAD_TENSOR_STRIDES, "1 strides for 3"),
+    "negative size": (DATA | {"shape": (-4, C, 5)}, Status.BAD_TENSOR_SHAPE, "outside"),
+    "mask": (DATA | {"mask": np.ones(1)}, Status.BAD_PARAM, "mask"),
+    "data of the wrong form": (DATA | {"data": (8,)}, Status.BAD_PARAM, "data"),
+    "not a dict": (None, Status.BAD_PARAM, "wants a dict"),
+    "zero stride, 2**63 values": (
+        DATA | {"shape": (1 << 62, C, 4), "strides": (0, 0, 0)},
+        Status.BAD_TENSOR_SHAPE,
+        "more bytes",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", MALFORMED.values(), ids=MALFORMED.keys())
+def test_malformed_array_interfaces_are_refused_naming_the_argument(case):
+    iface, status, words = case
+    _, dy, w, _ = problem()
+    lying = Interface(**iface) if iface is not None else Interface()
+    if iface is None:
+        lying.__array_interface__ = ["not", "a", "dict"]
+    with pytest.raises(InfiniError) as caught:
+        cudnn_bn.batch_norm_backward(dy, lying, w, None, None)
+    assert caught.value.status == status, str(caught.value)
+    assert "grad_output" in str(caught.value) and words in str(caught.value)
+
+
+def test_torch_sparse_and_nested_tensors_are_refused_naming_them():
+    x, dy, w, _ = problem()
+    sparse = torch.tensor(dy).to_sparse()
+    with pytest.raises(InfiniError, match=r"grad_output has layout torch\.sparse_coo") as caught:
+        cudnn_bn.batch_norm_backward(torch.tensor(x), sparse, torch.tensor(w), None, None)
+    assert caught.value.status == Status.BAD_PARAM
+    nested = torch.nested.nested_tensor([torch.tensor(x[0]), torch.tensor(x[1])])
+    with pytest.raises(InfiniError, match="input is a nested tensor"):
+        cudnn_bn.batch_norm_forward_inference(nested, None, None, None, None)
+
+
+def test_a_callers_own_exception_passes_through_unchanged():
+    """A signal handler's TimeoutError raised while the call runs is the caller's: not an
+    INTERNAL_ERROR."""
+
+    class Slow:
+        @property
+        def __array_interface__(self):
+            signal.raise_signal(signal.SIGALRM)
+            return {}
+
+    def handler(signum, frame):
+        raise TimeoutError("the caller's deadline")
+
+    previous = signal.signal(signal.SIGALRM, handler)
+    try:
+        with pytest.raises(TimeoutError, match="the caller's deadline"):
+            cudnn_bn.batch_norm_backward(Slow(), Slow(), None, None, None)
+    finally:
+        signal.signal(signal.SIGALRM, previous)
+
+
+# --- finding 4: byte order, every dtype --------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [np.float16, np.float32, np.float64, ml_dtypes.bfloat16])
+def test_big_endian_input_is_refused_for_every_dtype(dtype):
+    x, dy, _, _ = problem(np.float32)
+    swapped = x.astype(np.dtype(dtype).newbyteorder(">"))
+    assert not swapped.dtype.isnative
+    with pytest.raises(InfiniError, match=r"input has dtype .* non-native byte order") as caught:
+        cudnn_bn.batch_norm_backward(swapped, dy.astype(dtype), None, None, None)
+    assert caught.value.status == Status.BAD_TENSOR_DTYPE
+
+
+def test_big_endian_output_is_refused_and_not_written():
+    x, _, w, b = problem(np.float32)
+    running = np.zeros(C, np.dtype(np.float32).newbyteorder(">"))
+    with pytest.raises(InfiniError, match="running_mean has dtype >f4"):
+        cudnn_bn.batch_norm_forward_training(x, w, b, running, None)
+    assert not running.any()
+
+
+# --- finding 3: torch's negative and conjugate bits ----------------------------------------
+
+
+def negative_view(values: np.ndarray) -> torch.Tensor:
+    """``values`` as a torch view with the negative bit set (``z.conj().imag``)."""
+    z = torch.complex(torch.zeros(values.shape, dtype=torch.float64), -torch.tensor(values))
+    view = z.conj().imag
+    assert view.is_neg() and torch.equal(view, torch.tensor(values))
+    return view
+
+
+def test_inputs_with_the_negative_bit_are_read_as_torch_reads_them():
+    x, dy, w, _ = problem()
+    got = cudnn_bn.batch_norm_backward(
+        negative_view(x), negative_view(dy), torch.tensor(w), None, None
+    )
+    for ours, ref in zip(got, torch_backward(x, dy, w), strict=True):
+        np.testing.assert_allclose(ours.numpy(), ref, rtol=1e-10, atol=1e-12)
+
+
+def test_a_written_operand_with_the_negative_bit_is_refused_and_not_written():
+    x, _, w, b = problem()
+    running = negative_view(np.ones(C))
+    with pytest.raises(
+        InfiniError, match="running_var is a torch view with the negative bit"
+    ) as caught:
+        cudnn_bn.batch_norm_forward_training(
+            torch.tensor(x), torch.tensor(w), torch.tensor(b), None, running
+        )
+    assert caught.value.status == Status.BAD_PARAM
+    assert torch.equal(running, torch.ones(C, dtype=torch.float64))
+
+
+# --- finding 12: outputs follow the producer's place and kind -----------------------------------
+
+
+class Subclass(torch.Tensor):
+    """A user's subclass of torch.Tensor."""
+
+
+class CpuDLPack:
+    """A CPU DLPack producer (NumPy 2's own ``__dlpack__``), as another library exports it."""
+
+    def __init__(self, array):
+        self.array = array
+
+    def __dlpack__(self, **kwargs):
+        return self.array.__dlpack__(**kwargs)
+
+    def __dlpack_device__(self):
+        return self.array.__dlpack_device__()
+
+
+def test_cpu_dlpack_producers_get_numpy_outputs():
+    x, dy, w, _ = problem()
+    got = cudnn_bn.batch_norm_backward(CpuDLPack(x), CpuDLPack(dy), w, None, None)
+    assert all(type(g) is np.ndarray for g in got)
+    np.testing.assert_allclose(got[0], torch_backward(x, dy, w)[0], rtol=1e-10, atol=1e-12)
+
+
+def test_torch_subclasses_get_torch_outputs():
+    x, dy, w, _ = problem()
+    sub = torch.tensor(x).as_subclass(Subclass)
+    got = cudnn_bn.batch_norm_backward(sub, torch.tensor(dy), torch.tensor(w), None, None)
+    assert all(isinstance(g, torch.Tensor) for g in got)
+    np.testing.assert_allclose(got[0].numpy(), torch_backward(x, dy, w)[0], rtol=1e-10, atol=1e-12)
+
+
+# --- DLPack 1.0: flags and lifetime (issue 19, finding 6) -----------------------------------
+
+
+class DLDevice(ctypes.Structure):  # dlpack.h v1.0, written out here from the header
+    _fields_ = [("device_type", ctypes.c_int32), ("device_id", ctypes.c_int32)]
+
+
+class DLDataType(ctypes.Structure):
+    _fields_ = [("code", ctypes.c_uint8), ("bits", ctypes.c_uint8), ("lanes", ctypes.c_uint16)]
+
+
+class DLTensor(ctypes.Structure):
+    _fields_ = [
+        ("data", ctypes.c_void_p), ("device", DLDevice), ("ndim", ctypes.c_int32),
+        ("dtype", DLDataType), ("shape", ctypes.POINTER(ctypes.c_int64)),
+        ("strides", ctypes.POINTER(ctypes.c_int64)), ("byte_offset", ctypes.c_uint64),
+    ]  # fmt: skip
+
+
+class DLManagedTensorVersioned(ctypes.Structure):
+    _fields_ = [
+        ("major", ctypes.c_uint32), ("minor", ctypes.c_uint32), ("manager_ctx", ctypes.c_void_p),
+        ("deleter", ctypes.c_void_p), ("flags", ctypes.c_uint64), ("dl_tensor", DLTensor),
+    ]  # fmt: skip
+
+
+_new_capsule = ctypes.pythonapi.PyCapsule_New
+_new_capsule.restype = ctypes.py_object
+_new_capsule.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p]
+READ_ONLY, IS_COPIED = 1, 2
+
+
+class Versioned:
+    """A DLPack 1.0 producer of ``array``'s memory with ``flags``; counts live exports."""
+
+    def __init__(self, array: np.ndarray, flags: int = 0):
+        self.array, self.flags, self.kwargs = array, flags, []
+        self._shape = (ctypes.c_int64 * array.ndim)(*array.shape)
+        self._managed = DLManagedTensorVersioned(
+            1, 0, None, None, flags,
+            DLTensor(
+                data=array.ctypes.data, device=DLDevice(1, 0), ndim=array.ndim,
+                dtype=DLDataType(2, 64, 1), shape=self._shape,
+            ),
+        )  # fmt: skip
+
+    def __dlpack_device__(self):
+        return 1, 0
+
+    def __dlpack__(self, *, stream=None, max_version=None, copy=None):
+        self.kwargs.append(dict(stream=stream, max_version=max_version, copy=copy))
+        return _new_capsule(ctypes.addressof(self._managed), b"dltensor_versioned", None)
+
+
+def test_dlpack_1_0_capsules_are_read_and_flags_honoured():
+    x, dy, w, b = problem()
+    got = cudnn_bn.batch_norm_backward(Versioned(x), Versioned(dy, READ_ONLY), w, None, None)
+    np.testing.assert_allclose(got[0], torch_backward(x, dy, w)[0], rtol=1e-10, atol=1e-12)
+    for flag, words in ((READ_ONLY, "marked read-only"), (IS_COPIED, "a copy its DLPack producer")):
+        running = Versioned(np.zeros(C), flag)
+        with pytest.raises(InfiniError, match=f"running_mean is {words}"):
+            cudnn_bn.batch_norm_forward_training(x, w, b, running, None)
+        assert not running.array.any()
+        assert running.kwargs[-1]["copy"] is False  # written: the producer is asked not to copy
+
+
+def test_a_producer_that_must_copy_a_written_operand_is_refused():
+    x, _, w, b = problem()
+
+    class CopyOnly(Versioned):
+        def __dlpack__(self, *, stream=None, max_version=None, copy=None):
+            if copy is False:
+                raise BufferError("this producer only exports copies")
+            return super().__dlpack__(stream=stream, max_version=max_version, copy=copy)
+
+    with pytest.raises(InfiniError, match="running_var is written in place but its DLPack"):
+        cudnn_bn.batch_norm_forward_training(x, w, b, None, CopyOnly(np.ones(C)))
+
+
+def test_the_capsule_stays_alive_until_the_call_is_done():
+    """A producer that exports a copy frees it when the capsule goes (here: scribbles NaN
+    over it), so the call must have read it by then; the capsule was once dropped before
+    the kernels ran."""
+    x, dy, w, _ = problem()
+
+    class Exporter:
+        def __dlpack_device__(self):
+            return 1, 0
+
+        def __dlpack__(self, **kwargs):
+            copy = x.copy()
+            view = copy[...]  # lives only as long as the capsule that holds it
+            capsule = view.__dlpack__()
+            weakref.finalize(view, copy.fill, np.nan)
+            return capsule
+
+    got = cudnn_bn.batch_norm_backward(Exporter(), dy, w, None, None)
+    np.testing.assert_allclose(got[0], torch_backward(x, dy, w)[0], rtol=1e-10, atol=1e-12)
+
+
+# --- finding 19.3: the reserve is an operand like the others --------------------------------
+
+
+def test_a_reserve_on_another_kind_or_device_is_refused_naming_it():
+    x, dy, w, b = problem()
+    _, mean, invstd = cudnn_bn.batch_norm_forward_training(x, w, b, None, None)
+    with pytest.raises(InfiniError, match="reserve") as caught:
+        cudnn_bn.batch_norm_backward(
+            x, dy, w, None, None, mode="saved", saved_mean=mean, saved_invstd=invstd,
+            reserve=[1, 2, 3],
+        )  # fmt: skip
+    assert caught.value.status == Status.BAD_PARAM
+    with pytest.raises(InfiniError, match=r"reserve on NVIDIA|arrays must share one device"):
+        cudnn_bn.batch_norm_backward(
+            x, dy, w, None, None, mode="saved", saved_mean=mean, saved_invstd=invstd,
+            reserve=_CudaBuffer(),
+        )  # fmt: skip
+
+
+class _CudaBuffer:
+    """A device buffer (DLPack CUDA device), which a host call must not take."""
+
+    def __dlpack_device__(self):
+        return 2, 0
+
+    def __dlpack__(self, **kwargs):
+        raise AssertionError("a buffer on another device must not be exported")

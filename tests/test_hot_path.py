@@ -1,0 +1,222 @@
+"""The per-problem plan (issue 17): a repeated call reuses its plan, yet every check the door
+and the operators make still holds on a hit; ``out=`` arrays for every pass; the batched
+backward as one call; ``weight=None``/``bias=None`` (issue 16, finding 15) and the saved
+statistics named as the caller named them (finding 11). References: torch in float64."""
+
+import numpy as np
+import pytest
+import torch
+
+import cudnn_bn
+from cudnn_bn import InfiniError, Status
+
+C = 3
+F = torch.nn.functional
+
+
+def problem(shape=(4, C, 5), dtype=np.float64, seed=3):
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal(shape).astype(dtype)
+    dy = rng.standard_normal(shape).astype(dtype)
+    w = rng.uniform(0.5, 1.5, shape[1]).astype(dtype)
+    b = rng.standard_normal(shape[1]).astype(dtype)
+    return x, dy, w, b
+
+
+def torch_training(x, dy, w, b):
+    """(output, grad_input, grad_weight, grad_bias) by torch in float64 (None weight/bias:
+    affine=False)."""
+    xt = torch.tensor(x, dtype=torch.float64, requires_grad=True)
+    wt = None if w is None else torch.tensor(w, dtype=torch.float64, requires_grad=True)
+    bt = None if b is None else torch.tensor(b, dtype=torch.float64, requires_grad=True)
+    y = F.batch_norm(xt, None, None, wt, bt, True, 0.1, 1e-5)
+    y.backward(torch.tensor(dy, dtype=torch.float64))
+    grad = lambda t: None if t is None else t.grad.numpy()  # noqa: E731
+    return y.detach().numpy(), xt.grad.numpy(), grad(wt), grad(bt)
+
+
+def close(ours, reference):
+    np.testing.assert_allclose(np.asarray(ours, np.float64), reference, rtol=1e-9, atol=1e-11)
+
+
+# --- a hit keeps every check ------------------------------------------------------------------
+
+
+def test_repeated_calls_share_one_plan():
+    cudnn_bn.descriptor_cache.clear()
+    x, dy, w, _ = problem()
+    for _ in range(3):
+        cudnn_bn.batch_norm_backward(x, dy, w, None, None)
+    assert len(cudnn_bn.descriptor_cache) == 1
+
+
+def test_a_read_only_running_statistic_is_refused_after_a_writable_one_planned():
+    x, _, w, b = problem()
+    running = np.zeros(C)
+    cudnn_bn.batch_norm_forward_training(x, w, b, running, None)
+    frozen = np.zeros(C)
+    frozen.flags.writeable = False
+    with pytest.raises(InfiniError, match="running_mean is read-only"):
+        cudnn_bn.batch_norm_forward_training(x, w, b, frozen, None)
+
+
+def test_overlap_is_checked_on_every_call_not_only_when_planned():
+    x, _, w, b = problem()
+    buffer = np.zeros(2 * C)
+    mean, var = buffer[:C], buffer[C:]
+    cudnn_bn.batch_norm_forward_training(x, w, b, mean, var)  # the plan: disjoint
+    same_layout = np.zeros(2 * C)
+    with pytest.raises(InfiniError, match="running_mean and running_var share memory"):
+        overlapping = same_layout[1 : C + 1], same_layout[:C]  # same shapes and strides
+        cudnn_bn.batch_norm_forward_training(x, w, b, *overlapping)
+    assert not same_layout.any()
+
+
+def test_alignment_is_checked_on_every_call():
+    x, dy, w, _ = problem()
+    cudnn_bn.batch_norm_backward(x, dy, w, None, None)  # the plan: aligned
+    raw = np.zeros(x.nbytes + 1, np.uint8)
+    shifted = np.frombuffer(raw.data, np.float64, x.size, offset=1).reshape(x.shape)
+    assert shifted.strides == x.strides and not shifted.flags.aligned
+    with pytest.raises(InfiniError, match=r"grad_output's data .* not aligned") as caught:
+        cudnn_bn.batch_norm_backward(x, shifted, w, None, None)
+    assert caught.value.status == Status.BAD_TENSOR_STRIDES
+
+
+@pytest.mark.parametrize(("good", "bad"), [(1.0, True), (0.5, np.float64("nan"))])
+def test_options_equal_in_python_key_different_plans(good, bad):
+    """``True == 1.0`` in Python: a plan for momentum 1.0 must not serve momentum True."""
+    x, _, w, b = problem()
+    cudnn_bn.batch_norm_forward_training(x, w, b, None, None, momentum=good)
+    with pytest.raises(InfiniError, match="momentum"):
+        cudnn_bn.batch_norm_forward_training(x, w, b, None, None, momentum=bad)
+
+
+# --- out= --------------------------------------------------------------------------------------
+
+
+def test_out_arrays_of_every_pass_are_written_and_returned():
+    x, dy, w, b = problem()
+    y_ref, gx_ref, gw_ref, gb_ref = torch_training(x, dy, w, b)
+    out = (np.empty_like(x), np.empty(C), np.empty(C))
+    y, mean, invstd = cudnn_bn.batch_norm_forward_training(x, w, b, None, None, out=out)
+    assert y is out[0] and mean is out[1] and invstd is out[2]
+    close(y, y_ref)
+    grads = (np.empty_like(x), np.empty(C), np.empty(C))
+    got = cudnn_bn.batch_norm_backward(
+        x, dy, w, None, None, mode="saved", saved_mean=mean, saved_invstd=invstd, out=grads
+    )
+    assert all(g is o for g, o in zip(got, grads, strict=True))
+    for ours, ref in zip(got, (gx_ref, gw_ref, gb_ref), strict=True):
+        close(ours, ref)
+    inference = np.empty_like(x)
+    running_mean, running_var = np.zeros(C), np.ones(C)
+    got = cudnn_bn.batch_norm_forward_inference(x, w, b, running_mean, running_var, out=inference)
+    assert got is inference
+    ref = F.batch_norm(*map(torch.tensor, (x, running_mean, running_var, w, b)), False)
+    close(got, ref.numpy())
+
+
+def test_a_partial_out_allocates_the_rest():
+    x, dy, w, _ = problem()
+    grad_input = np.empty_like(x)
+    got = cudnn_bn.batch_norm_backward(x, dy, w, None, None, out=(grad_input, None, None))
+    assert got[0] is grad_input and got[1].shape == (C,)
+
+
+@pytest.mark.parametrize("case", ["read-only", "wrong shape", "aliases input", "wrong count"])
+def test_bad_out_arrays_are_refused_and_nothing_is_written(case):
+    x, dy, w, _ = problem()
+    grad_input, grad_weight = np.full_like(x, 7.0), np.full(C, 7.0)
+    if case == "read-only":
+        grad_input.flags.writeable = False
+    if case == "wrong shape":
+        grad_weight = np.full(C + 1, 7.0)
+    if case == "aliases input":
+        grad_input = dy  # grad_output is read while grad_input is written
+    out = (grad_input, grad_weight) if case == "wrong count" else (grad_input, grad_weight, None)
+    before = dy.copy()
+    with pytest.raises(InfiniError, match=r"out|grad_weight"):
+        cudnn_bn.batch_norm_backward(x, dy, w, None, None, out=out)
+    assert (grad_weight == 7.0).all() and np.array_equal(dy, before)
+    if case != "aliases input":
+        assert (grad_input == 7.0).all()
+
+
+# --- weight=None / bias=None: affine=False (finding 15) ------------------------------------
+
+
+@pytest.mark.parametrize(("has_weight", "has_bias"), [(False, False), (False, True), (True, False)])
+def test_absent_weight_and_bias_are_affine_false_as_torch(has_weight, has_bias):
+    x, dy, w, b = problem()
+    w, b = (w if has_weight else None), (b if has_bias else None)
+    y_ref, gx_ref, gw_ref, _ = torch_training(x, dy, w, b)
+    y, mean, invstd = cudnn_bn.batch_norm_forward_training(x, w, b, None, None)
+    close(y, y_ref)
+    gx, gw, _ = cudnn_bn.batch_norm_backward(
+        x, dy, w, None, None, mode="saved", saved_mean=mean, saved_invstd=invstd
+    )
+    close(gx, gx_ref)
+    assert (gw is None) == (w is None)
+    if w is not None:
+        close(gw, gw_ref)
+    rm, rv = np.zeros(C), np.ones(C)
+    ref = F.batch_norm(
+        torch.tensor(x), torch.tensor(rm), torch.tensor(rv),
+        None if w is None else torch.tensor(w), None if b is None else torch.tensor(b), False,
+    )  # fmt: skip
+    close(cudnn_bn.batch_norm_forward_inference(x, w, b, rm, rv), ref.numpy())
+
+
+# --- saved statistics named as given (finding 11) ------------------------------------------
+
+
+def test_errors_about_saved_statistics_name_them():
+    x, dy, w, _ = problem()
+    with pytest.raises(InfiniError, match="saved_invstd") as caught:
+        cudnn_bn.batch_norm_backward(
+            x, dy, w, None, None, mode="saved", saved_mean=np.zeros(C), saved_invstd=np.ones(C + 1)
+        )
+    assert "running_var" not in str(caught.value)
+    with pytest.raises(InfiniError, match="saved_mean") as caught:
+        cudnn_bn.batch_norm_backward_batched(
+            x[None], dy[None], w, None, None,
+            mode="saved", saved_mean=np.zeros(C, np.float32), saved_invstd=np.ones(C),
+        )  # fmt: skip
+    assert "running_mean" not in str(caught.value)
+
+
+# --- batched: one call, B = 0 validated (finding 6) ----------------------------------------
+
+
+def test_batched_is_one_call_equal_to_each_problem_alone():
+    xb, dyb, _, _ = problem((5, 4, C, 6))
+    wb = np.random.default_rng(1).uniform(0.5, 1.5, (5, C))
+    cudnn_bn.descriptor_cache.clear()
+    got = cudnn_bn.batch_norm_backward_batched(xb, dyb, wb, None, None)
+    assert len(cudnn_bn.descriptor_cache) == 1  # one problem, (N, B*C, ...)
+    for i in range(5):
+        _, gx, gw, gb = torch_training(xb[i], dyb[i], wb[i], np.zeros(C))
+        close(got[0][i], gx)
+        close(got[1][i], gw)
+        close(got[2][i], gb)
+
+
+BAD_EMPTY_BATCHES = {
+    "grad_output shape": dict(grad_output=np.zeros((0, 4, C, 1))),
+    "grad_output dtype": dict(grad_output=np.zeros((0, 4, C, 5), np.float32)),
+    "99-channel weight": dict(weight=np.ones(99)),
+    "mode": dict(mode="nonsense"),
+    "eps": dict(eps=-1.0),
+}
+
+
+@pytest.mark.parametrize("edit", BAD_EMPTY_BATCHES.values(), ids=BAD_EMPTY_BATCHES.keys())
+def test_an_empty_batch_of_problems_validates_everything(edit):
+    args = dict(input=np.zeros((0, 4, C, 5)), grad_output=np.zeros((0, 4, C, 5)), weight=np.ones(C))
+    options = {k: edit.pop(k) for k in ("mode", "eps") if k in edit}
+    args |= edit
+    with pytest.raises(InfiniError):
+        cudnn_bn.batch_norm_backward_batched(
+            args["input"], args["grad_output"], args["weight"], None, None, **options
+        )
