@@ -1,17 +1,111 @@
-"""A stub libcudnn for checking, without a GPU, the exact arguments the NVIDIA backend hands
-cuDNN; shared by ``test_nvidia_arguments.py`` (backward) and
-``test_nvidia_forward_arguments.py`` (forward).
+"""A stub libcudnn that holds the package to cuDNN's documented contract, without a GPU;
+shared by the tests of the NVIDIA path (grep ``cudnn_stub``).
 
 The stub, compiled from the C below, exports every function of the prototype table with
-cuDNN's C signatures and answers SUCCESS. It keeps tensor and activation descriptors well
-enough to be set, derived and read back (and counts the live ones), reports workspace and
-reserve sizes the tests may change, and records the arguments of the last
-``cudnnSetStream``, size query and batch-norm call, one record struct per function
-(generated from the ctypes mirrors here, so the two cannot disagree). ``install`` makes it
-the process's libcudnn, with an empty handle pool, and stands in for the CUDA seam
+cuDNN's C signatures. It keeps tensor and activation descriptors well enough to be set,
+derived and read back (and counts the live ones), reports workspace and reserve sizes the
+tests may change, and records the arguments of the last ``cudnnSetStream``, size query and
+batch-norm call, one record struct per function (generated from the ctypes mirrors here, so
+the two cannot disagree). Before it answers SUCCESS, every call is checked against the
+preconditions cuDNN documents for it (the table below): a broken one returns cuDNN's status
+and ``cudnnGetLastErrorString`` names the rule ("broke rule persistent-saved"). ``install``
+makes it the process's libcudnn, with an empty handle pool, and stands in for the CUDA seam
 (``cudnn_bn.backends.cuda``: device 0 current, one device). On the cuDNN fast path
 (per-channel tensors already in cuDNN's dtype with stride 1) nothing touches CuPy, so
 ``stream_scope`` fails the test if it is entered.
+
+Rules (``CHECK(..., rule)`` in the C; ``test_cudnn_stub_contract.py`` holds the two to each
+other). [h]: the sentence is in cuDNN 9.28's own headers (``cudnn_ops.h``, ``cudnn_graph.h``
+of the nvidia-cudnn-cu12 wheel); [d]: the cuDNN 9 API reference (cudnn_ops library), from the
+parameter lists and "returns" lists of cudnnBatchNormalizationForwardInference,
+cudnnBatchNormalizationForwardTraining(Ex), cudnnBatchNormalizationBackward(Ex),
+cudnnCreate and cudnnSetStream; [i]: quoted in issue 19; [s]: the stub's own strengthening,
+where cuDNN states the need but no status (the status is then the nearest cuDNN 9 one).
+
+tensor-dims: 2000 BAD_PARAM
+    cudnnSetTensorNdDescriptor: "At least one of the elements of the array dimA was negative
+    or zero" [d] (strides: negative ones likewise)
+tensor-rank: 3000 NOT_SUPPORTED
+    cudnnSetTensorNdDescriptor: "The parameter nbDims is outside the range [4,
+    CUDNN_DIM_MAX], or the total size of the tensor descriptor exceeds the maximum limit of 2
+    Giga-elements" [d]
+handle-device: 5000 EXECUTION_FAILED [s]
+    cudnnCreate: "The cuDNN library handle is tied to the current CUDA device (context)" [d]
+stream-set: 2007 BAD_PARAM_STREAM_MISMATCH [s]
+    cudnnSetStream: "If the cuDNN library stream is not set, all kernels use the default
+    (NULL) stream" [d]: the package sets it before every call (a pooled handle serves many
+    streams)
+rank: 2000 BAD_PARAM
+    "The number of xDesc or yDesc or dxDesc tensor descriptor dimensions is not within the
+    range of [4,5] (only 4D and 5D tensors are supported)" [d];
+    cudnnDeriveBNTensorDescriptor likewise
+same-dims: 2000 BAD_PARAM
+    "Dimensions or data types mismatch for any pair of xDesc, dyDesc, dxDesc" (backward),
+    "for xDesc, yDesc" (forward) [d]
+bn-desc: 2000 BAD_PARAM
+    "bnScaleBiasMeanVarDesc dimensions are not 1xCx1x1 for spatial or 1xCxHxW for 4D per-
+    activation" [d]; its type: "type = (typeOf(x) == double) ? double : float" [h]
+non-null: 2000 BAD_PARAM
+    "Any of the pointers alpha, beta, x, dy, dx, bnScale, resultBnScaleDiff,
+    resultBnBiasDiff is NULL" (backward); "One of the pointers alpha, beta, x, y, bnScale,
+    bnBias is NULL" (forward; inference adds estimatedMean, estimatedInvVariance) [d]
+alpha-beta: 2000 BAD_PARAM [s]
+    "alpha, beta: Pointers to scaling factors (in host memory)": float for HALF and FLOAT
+    data, double for DOUBLE [d]; read as that type they must be the package's 1 and 0 (a
+    float read as a double is not)
+saved-pair: 2000 BAD_PARAM
+    "Exactly one of savedMean, savedInvVariance pointers is NULL" [d]
+    (resultSaveMean/resultSaveInvVariance in the forward)
+running-pair: 2000 BAD_PARAM
+    "Exactly one of resultRunningMean, resultRunningInvVariance pointers are NULL" [d]
+persistent-saved: 2000 BAD_PARAM
+    CUDNN_BATCHNORM_SPATIAL_PERSISTENT: "In the case of cudnnBatchNormalizationBackward(),
+    the savedMean and savedInvVariance arguments should not be NULL" [i][d]
+epsilon: 2000 BAD_PARAM
+    "epsilon value is less than CUDNN_BN_MIN_EPSILON" [d]; "Has to be >=
+    CUDNN_BN_MIN_EPSILON" [h]
+add-operand: 2000 BAD_PARAM
+    bnOps BN_ADD_ACTIVATION: "zDesc, zData: ... the tensor descriptor and data for the
+    residual addition"; dz likewise in the backward [d]
+fused-operands: 2000 BAD_PARAM
+    backward "bnBiasData: ... needed for activation" [h]; "yDesc, yData: ... the output of
+    the forward" for bnOps != BN [d]
+fused-activation: 2000 BAD_PARAM
+    "activationDesc: ... the activation operation. When bnOps is BN only, it is ignored"
+    [d]: ReLU, the one the fused kernels implement
+fused-mode: 3000 NOT_SUPPORTED
+    the fused (NHWC semi-persistent) path: "The input parameter mode must be set to
+    CUDNN_BATCHNORM_SPATIAL_PERSISTENT" [d]
+fused-dtype: 3003 NOT_SUPPORTED_DATA_TYPE
+    "All the tensors, that is, x, y, dz, dy, dx must be NHWC-fully packed, and must be of
+    the type CUDNN_DATA_HALF" [d]
+fused-layout: 3004 NOT_SUPPORTED_LAYOUT
+    the same sentence: NHWC fully packed (4-D)
+fused-add-channels: 3000 NOT_SUPPORTED
+    "The tensor C dimension should be a multiple of 4" [d], kept for BN_ADD_ACTIVATION only
+    (the package's rule since cuDNN 8.2)
+workspace-queried: 2000 BAD_PARAM
+    fast paths: "workspace is not NULL"; "If workspace is NULL and workSpaceSizeInBytes of
+    zero is passed in, this API will function exactly like the non-extended function" [d]
+workspace-size: 2006 BAD_PARAM_SIZE_INSUFFICIENT
+    "workSpaceSizeInBytes is equal to or larger than the amount required by
+    cudnnGetBatchNormalization...WorkspaceSize()" [d], per mode and bnOps asked for this
+    xDesc
+reserve-needed: 2000 BAD_PARAM
+    fast paths and fused ops: the reserve is "used to store values needed during backward"
+    [d]
+reserve-size: 2006 BAD_PARAM_SIZE_INSUFFICIENT
+    "reserveSpaceSizeInBytes is equal to or larger than the amount required by
+    cudnnGetBatchNormalizationTrainingExReserveSpaceSize()" [d]
+reserve-from-forward: 2000 BAD_PARAM
+    "The content in reserveSpace stored by cudnnBatchNormalizationForwardTrainingEx() must
+    be preserved" [d]: a backward's reserve comes from a forward of the same mode, bnOps and
+    x
+aligned: 2003 BAD_PARAM_MISALIGNED_POINTER
+    "Misaligned pointer passed" [h]: each data pointer aligned to its element size (CUDA's
+    natural alignment)
+workspace-aligned, reserve-aligned: 2003 BAD_PARAM_MISALIGNED_POINTER [s]
+    as above; 16 bytes, what every CUDA allocator gives
 
 Below the stub: fake device pointers and the layouts cuDNN must be told.
 """
@@ -23,6 +117,7 @@ import subprocess
 import threading
 from ctypes import c_double, c_int64, c_size_t, c_ssize_t, c_uint64, c_void_p
 from pathlib import Path
+from typing import Any
 
 import pytest
 from helpers import SHAPES, channels_last
@@ -168,6 +263,7 @@ STUB_PRELUDE = r"""
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
+#include <string.h>
 
 typedef int cudnnStatus_t;
 typedef int cudnnDataType_t;
@@ -273,14 +369,36 @@ STUB_DEFINITIONS = r"""
 #define MAX_DIMS 8
 #define BAD_PARAM 2000
 #define NULL_POINTER 2002
+#define MISALIGNED_POINTER 2003
+#define SIZE_INSUFFICIENT 2006
+#define STREAM_MISMATCH 2007
+#define SHAPE_MISMATCH 2008
+#define NOT_SUPPORTED 3000
+#define NOT_SUPPORTED_DATA_TYPE 3003
+#define NOT_SUPPORTED_LAYOUT 3004
+#define EXECUTION_FAILED 5000
 #define U(p) ((uint64_t)(uintptr_t)(p))
+#define HALF 2
+#define DOUBLE 1
+#define PERSISTENT 2
+#define OPS_BN 0
+#define OPS_ADD 2
+#define RELU 1
+#define WORKSPACE_ALIGNMENT 16
+#define RESERVES 256
 
-struct cudnnContext { cudaStream_t stream; };
+/* A handle: its stream, whether cudnnSetStream ran since its last call, its device. */
+struct cudnnContext { cudaStream_t stream; int64_t stream_set, device; };
+/* What the ctypes TensorRecord mirrors, then what the size queries answered for this
+   descriptor as xDesc, by [mode][bnOps] (-1: never asked). */
 struct cudnnTensorStruct {
     int64_t set, dtype, nb_dims, derive_mode;
     uint64_t derived_from;
     int64_t dims[MAX_DIMS], strides[MAX_DIMS];
+    int64_t forward_workspace[3][3], backward_workspace[3][3], reserve[3][3];
 };
+/* A reserve space a forward filled: for which mode, bnOps, x dims and data type. */
+typedef struct { uint64_t ptr; int64_t mode, ops, dtype, nb_dims, dims[MAX_DIMS]; } Reserve;
 struct cudnnActivationStruct { int64_t set, mode, nan_opt; double coef; };
 
 StreamCall stub_set_stream;
@@ -295,9 +413,134 @@ uint64_t stub_workspace_bytes = 4096;  /* what both workspace queries report */
 uint64_t stub_reserve_bytes = 512;     /* what the reserve query reports */
 int64_t stub_live_tensors;             /* created minus destroyed tensor descriptors */
 int64_t stub_live_activations;         /* created minus destroyed activation descriptors */
+int64_t stub_device;                   /* the CUDA device current now (the tests set it) */
+static Reserve reserves[RESERVES];     /* filled by forwards, read by backwards */
 static int last_status;
+static const char *last_rule = "";
 
-static cudnnStatus_t fail(cudnnStatus_t status) { last_status = status; return status; }
+static cudnnStatus_t fail(cudnnStatus_t status) {
+    last_status = status;
+    last_rule = "";
+    return status;
+}
+
+/* A broken precondition: cuDNN's status, and the rule (RULES in cudnn_stub.py) for the
+   message cudnnGetLastErrorString gives. */
+static cudnnStatus_t refuse(cudnnStatus_t status, const char *rule) {
+    last_status = status;
+    last_rule = rule;
+    return status;
+}
+
+#define CHECK(ok, status, rule) do { if (!(ok)) return refuse(status, rule); } while (0)
+
+static int set(const struct cudnnTensorStruct *t) { return t != NULL && t->set == 1; }
+static int rank_4_or_5(const struct cudnnTensorStruct *t) {
+    return set(t) && (t->nb_dims == 4 || t->nb_dims == 5);
+}
+/* The same data type and dimensions (strides may differ). */
+static int alike(const struct cudnnTensorStruct *a, const struct cudnnTensorStruct *b) {
+    if (!set(a) || !set(b) || a->dtype != b->dtype || a->nb_dims != b->nb_dims) return 0;
+    for (int i = 0; i < a->nb_dims; i++)
+        if (a->dims[i] != b->dims[i]) return 0;
+    return 1;
+}
+/* 1xCx1x1 (SPATIAL modes) or 1xCxHxW (PER_ACTIVATION), DOUBLE for DOUBLE data, else FLOAT. */
+static int bn_of(const struct cudnnTensorStruct *bn, const struct cudnnTensorStruct *x, int mode) {
+    if (!set(bn) || bn->nb_dims != x->nb_dims) return 0;
+    if (bn->dtype != (x->dtype == DOUBLE ? DOUBLE : 0)) return 0;
+    for (int i = 0; i < x->nb_dims; i++) {
+        int64_t want = i == 0 ? 1 : (i == 1 || mode == 0) ? x->dims[i] : 1;
+        if (bn->dims[i] != want) return 0;
+    }
+    return 1;
+}
+/* NHWC fully packed: C innermost, then W, H, N. */
+static int nhwc_packed(const struct cudnnTensorStruct *t) {
+    if (!set(t) || t->nb_dims != 4) return 0;
+    const int64_t *d = t->dims, *st = t->strides;
+    return st[1] == 1 && st[3] == d[1] && st[2] == d[1] * d[3] && st[0] == d[1] * d[2] * d[3];
+}
+static int64_t element_size(int64_t dtype) { return dtype == DOUBLE ? 8 : dtype == HALF ? 2 : 4; }
+static int aligned(const void *p, int64_t to) { return U(p) % (uint64_t)to == 0; }
+static int both_or_neither(const void *a, const void *b) { return (a == NULL) == (b == NULL); }
+static int valid_mode(int mode, int ops) { return mode >= 0 && mode <= 2 && ops >= 0 && ops <= 2; }
+
+/* The handle is used on the device it was made on, with its stream set for this call. */
+static cudnnStatus_t use_handle(cudnnHandle_t handle) {
+    if (handle == NULL) return fail(NULL_POINTER);
+    CHECK(handle->device == stub_device, EXECUTION_FAILED, "handle-device");
+    return 0;
+}
+static cudnnStatus_t launch(cudnnHandle_t handle) {
+    cudnnStatus_t status = use_handle(handle);
+    if (status) return status;
+    CHECK(handle->stream_set, STREAM_MISMATCH, "stream-set");
+    handle->stream_set = 0;
+    return 0;
+}
+
+/* The fused ops' rules: SPATIAL_PERSISTENT, HALF, 4-D NHWC fully packed, C % 4 == 0 with
+   the add, a ReLU activation descriptor. */
+static cudnnStatus_t fused_ok(int mode, int ops, const struct cudnnTensorStruct *x,
+        const struct cudnnActivationStruct *activation) {
+    if (ops == OPS_BN) return 0;
+    CHECK(activation != NULL && activation->set == 1 && activation->mode == RELU, BAD_PARAM,
+          "fused-activation");
+    CHECK(mode == PERSISTENT, NOT_SUPPORTED, "fused-mode");
+    CHECK(x->dtype == HALF, NOT_SUPPORTED_DATA_TYPE, "fused-dtype");
+    CHECK(nhwc_packed(x), NOT_SUPPORTED_LAYOUT, "fused-layout");
+    CHECK(ops != OPS_ADD || x->dims[1] % 4 == 0, NOT_SUPPORTED, "fused-add-channels");
+    return 0;
+}
+
+/* The workspace: NULL with size 0, or aligned and as large as the query answered; the fast
+   paths (SPATIAL_PERSISTENT, fused) need it where the query answered more than 0. */
+static cudnnStatus_t workspace_ok(const void *workspace, size_t size, int64_t answered,
+        int fast) {
+    if (workspace == NULL && size == 0 && (!fast || answered == 0)) return 0;
+    CHECK(workspace != NULL && answered >= 0, BAD_PARAM, "workspace-queried");
+    CHECK((int64_t)size >= answered, SIZE_INSUFFICIENT, "workspace-size");
+    CHECK(aligned(workspace, WORKSPACE_ALIGNMENT), MISALIGNED_POINTER, "workspace-aligned");
+    return 0;
+}
+
+static Reserve *find_reserve(const void *ptr) {
+    for (int i = 0; i < RESERVES; i++)
+        if (reserves[i].ptr == U(ptr)) return &reserves[i];
+    return NULL;
+}
+
+/* Record that a forward (or a test standing in for one) filled ``ptr`` for x, mode, ops. */
+int stub_fill_reserve(uint64_t ptr, const struct cudnnTensorStruct *x, int64_t mode,
+        int64_t ops) {
+    Reserve *r = find_reserve((const void *)(uintptr_t)ptr);
+    if (r == NULL) r = find_reserve(NULL);
+    if (r == NULL || !set(x)) return 1;
+    r->ptr = ptr; r->mode = mode; r->ops = ops; r->dtype = x->dtype; r->nb_dims = x->nb_dims;
+    for (int i = 0; i < x->nb_dims; i++) r->dims[i] = x->dims[i];
+    return 0;
+}
+
+void stub_forget_reserves(void) { memset(reserves, 0, sizeof reserves); }
+
+/* A reserve, where one is needed (SPATIAL_PERSISTENT, fused, and the query answered more
+   than 0) or given: as large as the query answered, and, for a backward, filled by a forward
+   of the same mode, ops and x. */
+static cudnnStatus_t reserve_ok(const void *reserve, size_t size, int64_t answered, int needed,
+        int backward, int mode, int ops, const struct cudnnTensorStruct *x) {
+    if (reserve == NULL && (!needed || answered == 0)) return 0;
+    CHECK(reserve != NULL && answered >= 0, BAD_PARAM, "reserve-needed");
+    CHECK((int64_t)size >= answered, SIZE_INSUFFICIENT, "reserve-size");
+    CHECK(aligned(reserve, WORKSPACE_ALIGNMENT), MISALIGNED_POINTER, "reserve-aligned");
+    if (!backward) return 0;
+    const Reserve *r = find_reserve(reserve);
+    int same = r != NULL && r->mode == mode && r->ops == ops && r->dtype == x->dtype
+        && r->nb_dims == x->nb_dims;
+    for (int i = 0; same && i < x->nb_dims; i++) same = r->dims[i] == x->dims[i];
+    CHECK(same, BAD_PARAM, "reserve-from-forward");
+    return 0;
+}
 
 /* What a recorded call returns: the status its record was told to, failing with it. */
 static cudnnStatus_t answer(uint64_t status) { return status ? fail((int)status) : 0; }
@@ -306,6 +549,11 @@ static cudnnStatus_t answer(uint64_t status) { return status ? fail((int)status)
 static double scaling(const void *p, cudnnTensorDescriptor_t x) {
     if (p == NULL) return -1e300;
     return x != NULL && x->dtype == 1 ? *(const double *)p : (double)*(const float *)p;
+}
+
+/* The package never blends: alpha 1 and beta 0, read as cuDNN reads them. */
+static int one_and_zero(const void *alpha, const void *beta, cudnnTensorDescriptor_t x) {
+    return scaling(alpha, x) == 1.0 && scaling(beta, x) == 0.0;
 }
 
 size_t cudnnGetVersion(void) { return 92800; }
@@ -319,13 +567,16 @@ const char *cudnnGetErrorString(cudnnStatus_t status) {
 
 void cudnnGetLastErrorString(char *message, size_t max_size) {
     if (message == NULL || max_size == 0) return;
-    if (last_status != 0) snprintf(message, max_size, "stub detail for %d", last_status);
+    if (last_status != 0)
+        snprintf(message, max_size, "stub detail for %d%s%s", last_status,
+                 *last_rule ? ": broke rule " : "", last_rule);
     else message[0] = 0;
 }
 
 cudnnStatus_t cudnnCreate(cudnnHandle_t *handle) {
     if (handle == NULL) return fail(NULL_POINTER);
     *handle = calloc(1, sizeof **handle);
+    (*handle)->device = stub_device;
     return 0;
 }
 
@@ -336,11 +587,13 @@ cudnnStatus_t cudnnDestroy(cudnnHandle_t handle) {
 }
 
 cudnnStatus_t cudnnSetStream(cudnnHandle_t handle, cudaStream_t streamId) {
-    if (handle == NULL) return fail(NULL_POINTER);
+    cudnnStatus_t status = use_handle(handle);
+    if (status) return status;
     stub_set_stream.calls++;
     stub_set_stream.handle = U(handle);
     stub_set_stream.stream = U(streamId);
     handle->stream = streamId;
+    handle->stream_set = 1;
     return 0;
 }
 
@@ -363,6 +616,7 @@ cudnnStatus_t cudnnQueryRuntimeError(cudnnHandle_t handle, cudnnStatus_t *rstatu
 cudnnStatus_t cudnnCreateTensorDescriptor(cudnnTensorDescriptor_t *tensorDesc) {
     if (tensorDesc == NULL) return fail(NULL_POINTER);
     *tensorDesc = calloc(1, sizeof **tensorDesc);
+    memset((*tensorDesc)->forward_workspace, 0xff, 3 * sizeof (*tensorDesc)->forward_workspace);
     stub_live_tensors++;
     return 0;
 }
@@ -379,9 +633,13 @@ cudnnStatus_t cudnnDestroyTensorDescriptor(cudnnTensorDescriptor_t tensorDesc) {
 cudnnStatus_t cudnnSetTensorNdDescriptor(cudnnTensorDescriptor_t tensorDesc,
         cudnnDataType_t dataType, int nbDims, const int dimA[], const int strideA[]) {
     if (tensorDesc == NULL || dimA == NULL || strideA == NULL) return fail(NULL_POINTER);
-    if (nbDims < 1 || nbDims > MAX_DIMS) return fail(BAD_PARAM);
-    for (int i = 0; i < nbDims; i++)
-        if (dimA[i] < 1 || strideA[i] < 0) return fail(BAD_PARAM);
+    CHECK(nbDims >= 4 && nbDims <= MAX_DIMS, NOT_SUPPORTED, "tensor-rank");
+    int64_t numel = 1;
+    for (int i = 0; i < nbDims; i++) {
+        CHECK(dimA[i] > 0 && strideA[i] >= 0, BAD_PARAM, "tensor-dims");
+        numel *= dimA[i];
+    }
+    CHECK(numel <= 2147483647, NOT_SUPPORTED, "tensor-rank");
     tensorDesc->set = 1;
     tensorDesc->dtype = dataType;
     tensorDesc->nb_dims = nbDims;
@@ -439,7 +697,7 @@ cudnnStatus_t cudnnDestroyActivationDescriptor(cudnnActivationDescriptor_t activ
 cudnnStatus_t cudnnDeriveBNTensorDescriptor(cudnnTensorDescriptor_t derivedBnDesc,
         const cudnnTensorDescriptor_t xDesc, cudnnBatchNormMode_t mode) {
     if (derivedBnDesc == NULL || xDesc == NULL) return fail(NULL_POINTER);
-    if (xDesc->set != 1 || xDesc->nb_dims < 4 || mode < 0 || mode > 2) return fail(BAD_PARAM);
+    CHECK(rank_4_or_5(xDesc) && mode >= 0 && mode <= 2, BAD_PARAM, "rank");
     int n = (int)xDesc->nb_dims;
     derivedBnDesc->dims[0] = 1;
     for (int i = 1; i < n; i++)
@@ -461,7 +719,19 @@ cudnnStatus_t cudnnBatchNormalizationForwardInference(cudnnHandle_t handle,
         void *y, const cudnnTensorDescriptor_t bnScaleBiasMeanVarDesc, const void *bnScale,
         const void *bnBias, const void *estimatedMean, const void *estimatedVariance,
         double epsilon) {
-    if (handle == NULL) return fail(NULL_POINTER);
+    cudnnStatus_t status = launch(handle);
+    if (status) return status;
+    CHECK(alpha && beta && x && y && bnScale && bnBias && estimatedMean && estimatedVariance,
+          BAD_PARAM, "non-null");
+    CHECK(rank_4_or_5(xDesc) && valid_mode(mode, 0), BAD_PARAM, "rank");
+    CHECK(alike(xDesc, yDesc), BAD_PARAM, "same-dims");
+    CHECK(one_and_zero(alpha, beta, xDesc), BAD_PARAM, "alpha-beta");
+    CHECK(bn_of(bnScaleBiasMeanVarDesc, xDesc, mode), BAD_PARAM, "bn-desc");
+    CHECK(epsilon >= 0, BAD_PARAM, "epsilon");
+    int64_t data = element_size(xDesc->dtype), stat = element_size(bnScaleBiasMeanVarDesc->dtype);
+    CHECK(aligned(x, data) && aligned(y, data) && aligned(bnScale, stat) && aligned(bnBias, stat)
+          && aligned(estimatedMean, stat) && aligned(estimatedVariance, stat),
+          MISALIGNED_POINTER, "aligned");
     ForwardInferenceCall *c = &stub_forward_inference;
     c->calls++;
     c->handle = U(handle); c->mode = mode;
@@ -488,13 +758,17 @@ cudnnStatus_t cudnnGetBatchNormalizationForwardTrainingExWorkspaceSize(cudnnHand
         const cudnnTensorDescriptor_t zDesc, const cudnnTensorDescriptor_t yDesc,
         const cudnnTensorDescriptor_t bnScaleBiasMeanVarDesc,
         const cudnnActivationDescriptor_t activationDesc, size_t *sizeInBytes) {
-    if (handle == NULL || sizeInBytes == NULL) return fail(NULL_POINTER);
+    if (sizeInBytes == NULL) return fail(NULL_POINTER);
+    cudnnStatus_t status = use_handle(handle);
+    if (status) return status;
+    CHECK(rank_4_or_5(xDesc) && valid_mode(mode, bnOps), BAD_PARAM, "rank");
     ForwardWorkspaceQuery *q = &stub_forward_query;
     q->calls++;
     q->handle = U(handle); q->mode = mode; q->bn_ops = bnOps;
     q->x_desc = U(xDesc); q->z_desc = U(zDesc); q->y_desc = U(yDesc);
     q->bn_desc = U(bnScaleBiasMeanVarDesc); q->activation_desc = U(activationDesc);
     *sizeInBytes = stub_workspace_bytes;
+    xDesc->forward_workspace[mode][bnOps] = (int64_t)stub_workspace_bytes;
     return 0;
 }
 
@@ -504,7 +778,10 @@ cudnnStatus_t cudnnGetBatchNormalizationBackwardExWorkspaceSize(cudnnHandle_t ha
         const cudnnTensorDescriptor_t dzDesc, const cudnnTensorDescriptor_t dxDesc,
         const cudnnTensorDescriptor_t dBnScaleBiasDesc,
         const cudnnActivationDescriptor_t activationDesc, size_t *sizeInBytes) {
-    if (handle == NULL || sizeInBytes == NULL) return fail(NULL_POINTER);
+    if (sizeInBytes == NULL) return fail(NULL_POINTER);
+    cudnnStatus_t status = use_handle(handle);
+    if (status) return status;
+    CHECK(rank_4_or_5(xDesc) && valid_mode(mode, bnOps), BAD_PARAM, "rank");
     BackwardWorkspaceQuery *q = &stub_backward_query;
     q->calls++;
     q->handle = U(handle); q->mode = mode; q->bn_ops = bnOps;
@@ -512,6 +789,7 @@ cudnnStatus_t cudnnGetBatchNormalizationBackwardExWorkspaceSize(cudnnHandle_t ha
     q->dx_desc = U(dxDesc); q->bn_desc = U(dBnScaleBiasDesc);
     q->activation_desc = U(activationDesc);
     *sizeInBytes = stub_workspace_bytes;
+    xDesc->backward_workspace[mode][bnOps] = (int64_t)stub_workspace_bytes;
     return 0;
 }
 
@@ -519,12 +797,16 @@ cudnnStatus_t cudnnGetBatchNormalizationTrainingExReserveSpaceSize(cudnnHandle_t
         cudnnBatchNormMode_t mode, cudnnBatchNormOps_t bnOps,
         const cudnnActivationDescriptor_t activationDesc, const cudnnTensorDescriptor_t xDesc,
         size_t *sizeInBytes) {
-    if (handle == NULL || sizeInBytes == NULL) return fail(NULL_POINTER);
+    if (sizeInBytes == NULL) return fail(NULL_POINTER);
+    cudnnStatus_t status = use_handle(handle);
+    if (status) return status;
+    CHECK(rank_4_or_5(xDesc) && valid_mode(mode, bnOps), BAD_PARAM, "rank");
     ReserveQuery *q = &stub_reserve_query;
     q->calls++;
     q->handle = U(handle); q->mode = mode; q->bn_ops = bnOps;
     q->activation_desc = U(activationDesc); q->x_desc = U(xDesc);
     *sizeInBytes = stub_reserve_bytes;
+    xDesc->reserve[mode][bnOps] = (int64_t)stub_reserve_bytes;
     return 0;
 }
 
@@ -539,7 +821,34 @@ cudnnStatus_t cudnnBatchNormalizationForwardTrainingEx(cudnnHandle_t handle,
         void *resultSaveInvVariance, cudnnActivationDescriptor_t activationDesc,
         void *workspace, size_t workSpaceSizeInBytes, void *reserveSpace,
         size_t reserveSpaceSizeInBytes) {
-    if (handle == NULL) return fail(NULL_POINTER);
+    cudnnStatus_t status = launch(handle);
+    if (status) return status;
+    CHECK(alpha && beta && xData && yData && bnScale && bnBias, BAD_PARAM, "non-null");
+    CHECK(both_or_neither(resultSaveMean, resultSaveInvVariance), BAD_PARAM, "saved-pair");
+    CHECK(both_or_neither(resultRunningMean, resultRunningVariance), BAD_PARAM, "running-pair");
+    CHECK(rank_4_or_5(xDesc) && valid_mode(mode, bnOps), BAD_PARAM, "rank");
+    CHECK(alike(xDesc, yDesc), BAD_PARAM, "same-dims");
+    CHECK(one_and_zero(alpha, beta, xDesc), BAD_PARAM, "alpha-beta");
+    CHECK(bnOps != OPS_ADD || (zData != NULL && alike(xDesc, zDesc)), BAD_PARAM, "add-operand");
+    CHECK(bn_of(bnScaleBiasMeanVarDesc, xDesc, mode), BAD_PARAM, "bn-desc");
+    CHECK(epsilon >= 0, BAD_PARAM, "epsilon");
+    status = fused_ok(mode, bnOps, xDesc, activationDesc);
+    if (status) return status;
+    CHECK(bnOps == OPS_BN || (nhwc_packed(yDesc) && (bnOps != OPS_ADD || nhwc_packed(zDesc))),
+          NOT_SUPPORTED_LAYOUT, "fused-layout");
+    int fast = mode == PERSISTENT || bnOps != OPS_BN;
+    status = workspace_ok(workspace, workSpaceSizeInBytes,
+                          xDesc->forward_workspace[mode][bnOps], fast);
+    if (status) return status;
+    status = reserve_ok(reserveSpace, reserveSpaceSizeInBytes, xDesc->reserve[mode][bnOps],
+                        fast, 0, mode, bnOps, xDesc);
+    if (status) return status;
+    int64_t data = element_size(xDesc->dtype), stat = element_size(bnScaleBiasMeanVarDesc->dtype);
+    CHECK(aligned(xData, data) && aligned(yData, data) && aligned(zData, data)
+          && aligned(bnScale, stat) && aligned(bnBias, stat) && aligned(resultRunningMean, stat)
+          && aligned(resultRunningVariance, stat) && aligned(resultSaveMean, stat)
+          && aligned(resultSaveInvVariance, stat), MISALIGNED_POINTER, "aligned");
+    if (reserveSpace != NULL) stub_fill_reserve(U(reserveSpace), xDesc, mode, bnOps);
     ForwardTrainingCall *c = &stub_forward_training;
     c->calls++;
     c->handle = U(handle); c->mode = mode; c->bn_ops = bnOps;
@@ -581,7 +890,39 @@ cudnnStatus_t cudnnBatchNormalizationBackwardEx(cudnnHandle_t handle,
         const void *savedMean, const void *savedInvVariance,
         cudnnActivationDescriptor_t activationDesc, void *workSpace,
         size_t workSpaceSizeInBytes, void *reserveSpace, size_t reserveSpaceSizeInBytes) {
-    if (handle == NULL) return fail(NULL_POINTER);
+    cudnnStatus_t status = launch(handle);
+    if (status) return status;
+    CHECK(alphaDataDiff && betaDataDiff && alphaParamDiff && betaParamDiff && xData && dyData
+          && dxData && bnScaleData && dBnScaleData && dBnBiasData, BAD_PARAM, "non-null");
+    CHECK(both_or_neither(savedMean, savedInvVariance), BAD_PARAM, "saved-pair");
+    CHECK(mode != PERSISTENT || savedMean != NULL, BAD_PARAM, "persistent-saved");
+    CHECK(rank_4_or_5(xDesc) && valid_mode(mode, bnOps), BAD_PARAM, "rank");
+    CHECK(alike(xDesc, dyDesc) && alike(xDesc, dxDesc), BAD_PARAM, "same-dims");
+    CHECK(one_and_zero(alphaDataDiff, betaDataDiff, xDesc)
+          && one_and_zero(alphaParamDiff, betaParamDiff, xDesc), BAD_PARAM, "alpha-beta");
+    CHECK(bnOps == OPS_BN || (yData != NULL && bnBiasData != NULL && alike(xDesc, yDesc)),
+          BAD_PARAM, "fused-operands");
+    CHECK(bnOps != OPS_ADD || (dzData != NULL && alike(xDesc, dzDesc)), BAD_PARAM,
+          "add-operand");
+    CHECK(bn_of(dBnScaleBiasDesc, xDesc, mode), BAD_PARAM, "bn-desc");
+    CHECK(epsilon >= 0, BAD_PARAM, "epsilon");
+    status = fused_ok(mode, bnOps, xDesc, activationDesc);
+    if (status) return status;
+    CHECK(bnOps == OPS_BN || (nhwc_packed(yDesc) && nhwc_packed(dyDesc) && nhwc_packed(dxDesc)
+          && (bnOps != OPS_ADD || nhwc_packed(dzDesc))), NOT_SUPPORTED_LAYOUT, "fused-layout");
+    int fast = mode == PERSISTENT || bnOps != OPS_BN;
+    status = workspace_ok(workSpace, workSpaceSizeInBytes,
+                          xDesc->backward_workspace[mode][bnOps], fast);
+    if (status) return status;
+    status = reserve_ok(reserveSpace, reserveSpaceSizeInBytes, xDesc->reserve[mode][bnOps],
+                        fast, 1, mode, bnOps, xDesc);
+    if (status) return status;
+    int64_t data = element_size(xDesc->dtype), stat = element_size(dBnScaleBiasDesc->dtype);
+    CHECK(aligned(xData, data) && aligned(yData, data) && aligned(dyData, data)
+          && aligned(dzData, data) && aligned(dxData, data) && aligned(bnScaleData, stat)
+          && aligned(bnBiasData, stat) && aligned(dBnScaleData, stat)
+          && aligned(dBnBiasData, stat) && aligned(savedMean, stat)
+          && aligned(savedInvVariance, stat), MISALIGNED_POINTER, "aligned");
     BackwardCall *c = &stub_backward;
     c->calls++;
     c->handle = U(handle); c->mode = mode; c->bn_ops = bnOps;
@@ -633,12 +974,22 @@ class Stub:
         self.reserve_bytes = c_uint64.in_dll(cdll, "stub_reserve_bytes")
         self.live_tensors = c_int64.in_dll(cdll, "stub_live_tensors")
         self.live_activations = c_int64.in_dll(cdll, "stub_live_activations")
+        self.device = c_int64.in_dll(cdll, "stub_device")
+        cdll.stub_fill_reserve.argtypes = [c_uint64, c_void_p, c_int64, c_int64]
 
     def reset(self) -> None:
         for name in RECORDS:
             record = getattr(self, name)
             ctypes.memset(ctypes.addressof(record), 0, ctypes.sizeof(record))
         self.workspace_bytes.value, self.reserve_bytes.value = STUB_WORKSPACE, STUB_RESERVE
+        self.device.value = 0
+        self.cdll.stub_forget_reserves()
+
+    def fill_reserve(self, reserve: int, kernel: Any) -> None:
+        """Stand in for the forward that filled ``reserve`` for a backward ``kernel`` (a
+        cuDNN engine): same mode, bnOps and x, as cuDNN wants of a backward's reserve."""
+        status = self.cdll.stub_fill_reserve(reserve, kernel.x_desc, kernel.bn_mode, kernel.ops)
+        assert status == 0, "the stub's reserve table is full"
 
     def calls(self) -> dict[str, int]:
         """How many times each recorded function ran since ``reset``."""
@@ -839,6 +1190,12 @@ FUSED_ENGINES = {  # (engine, shape, dtype, channel dtype, layout, persistent)
 def fused_engine(engine: str | dict[str, str], fusion: str) -> str:
     """The engine of a ``FUSED_ENGINES`` case for ``fusion`` (a case may depend on it)."""
     return engine[fusion] if isinstance(engine, dict) else engine
+
+
+def forward_filled(desc: Any, reserve: int) -> None:
+    """Stand in for the forward that filled ``reserve`` for the backward descriptor ``desc``
+    (on the cuDNN engine): the stub takes a backward's reserve only from a matching forward."""
+    Stub(library_module._library._cdll).fill_reserve(reserve, desc._kernel)
 
 
 def nothing_recorded(stub: Stub) -> bool:

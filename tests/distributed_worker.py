@@ -338,7 +338,17 @@ def case_mismatches_raise_everywhere(me: Rank) -> None:
     message = attempt(Status.BAD_TENSOR_SHAPE, p, weight=bad_weight)
     assert ("weight" in message) if last else (f"rank {me.size - 1}" in message), message
     attempt(Status.BAD_PARAM, p, eps=1e-3 if me.rank == 0 else EPS)
-    attempt(Status.NULL_POINTER, p, bias=None if last else p["bias"])
+    attempt(Status.NULL_POINTER, p, input=None if last else p["input"])
+    # Rank 0 with one value per channel, where no statistics of its own are computed: its
+    # arguments are still checked before the first collective (issue 16 #8).
+    few = _problem(me, n=1 if me.rank == 0 else 4)
+    few["input"] = few["input"][:, :, :1]
+    own = few["input"][0, :, 0] if me.rank == 0 else few["running_mean"]
+    message = attempt(Status.BAD_PARAM, few, running_mean=own)  # a view of the input
+    assert "share memory" in message if me.rank == 0 else "failed on rank 0" in message, message
+    if me.kind == "numpy":
+        reversed_channels = few["input"][:, ::-1] if me.rank == 0 else few["input"]
+        attempt(Status.BAD_TENSOR_STRIDES, few, input=reversed_channels)
     one = _problem(me, n=1 if me.rank == 0 else 0)  # one value per channel in all
     attempt(Status.BAD_TENSOR_SHAPE, one, input=one["input"][:, :, :1])
 
@@ -359,6 +369,10 @@ def case_mismatches_raise_everywhere(me: Rank) -> None:
     _expect(me, Status.BAD_TENSOR_DTYPE, lambda: backward(saved_invstd=bad_stats))
     mask = (False, True, True) if last else (True, True, True)
     _expect(me, Status.BAD_PARAM, lambda: backward(output_mask=mask))
+    # grad_output of another kind than input on one rank (issue 16 #8, #10)
+    host_dy = me.host(dy)
+    other = torch.from_numpy(host_dy) if me.kind != "torch" else host_dy
+    _expect(me, Status.BAD_PARAM, lambda: backward(grad_output=other if last else dy))
     backward()
 
 
@@ -372,6 +386,7 @@ def case_bytes_per_pass(me: Rank) -> None:
     class Counting:
         def __init__(self, inner: Any) -> None:
             self.inner, self.rank, self.size = inner, inner.rank, inner.size
+            self.device = inner.device
 
         def allgather(self, values: np.ndarray) -> np.ndarray:
             sent.append(values.nbytes)

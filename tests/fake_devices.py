@@ -13,7 +13,9 @@ Nothing is ever dereferenced: the stub libcudnn (``cudnn_stub.py``) only records
 here, the fake current device and the calling thread.
 """
 
+import ctypes
 import itertools
+import math
 import threading
 import types
 import warnings
@@ -41,10 +43,10 @@ class FakeArray:
         self._fake, self.shape, self.dtype = fake, tuple(shape), np.dtype(dtype)
         self.itemsize, self.ndim = self.dtype.itemsize, len(self.shape)
         self.strides = strides or tuple(
-            int(np.prod(self.shape[i + 1 :], dtype=int)) * self.itemsize for i in range(self.ndim)
+            math.prod(self.shape[i + 1 :]) * self.itemsize for i in range(self.ndim)
         )
         self.data, self.device = _Pointer(ptr), types.SimpleNamespace(id=device)
-        self.nbytes = int(np.prod(self.shape, dtype=int)) * self.itemsize
+        self.nbytes = math.prod(self.shape) * self.itemsize
 
     def __getitem__(self, index: int) -> "FakeArray":
         ptr = self.data.ptr + index * self.strides[0]
@@ -139,6 +141,7 @@ class FakeCupy(types.ModuleType):
 
     def __init__(self, current: dict[int, int], *, from_external: bool = True) -> None:
         super().__init__("cupy", "tests/fake_devices.py")
+        self.ndarray = FakeArray  # CuPy's array class: the package keys these by attributes
         self.device = 0
         self.stacks = {d: [current.get(d, 0)] for d in range(DEVICES)}
         self.entered: list[int] = []
@@ -334,20 +337,23 @@ RECORDED = (
 
 class RecordingLibrary(CudnnLibrary):
     """The stub libcudnn, recording ``(function, current device, thread)`` per call of
-    ``RECORDED``; ``device`` reads the fake current device (0 where there is none)."""
+    ``RECORDED``; ``device`` reads the fake current device (0 where there is none), which
+    every call tells the stub (it refuses a handle used off the device it was made on)."""
 
     def __init__(self, library: CudnnLibrary, device=lambda: 0) -> None:
         super().__init__(library._cdll, library.info)
         self.calls: list[tuple[str, int, str]] = []
         self._device = device
+        self._stub_device = ctypes.c_int64.in_dll(library._cdll, "stub_device")
 
     def __getattr__(self, name: str) -> Any:
         func = super().__getattr__(name)
-        if name not in RECORDED:
-            return func
 
         def recorded(*args: Any) -> Any:
-            self.calls.append((name, self._device(), threading.current_thread().name))
+            device = self._device()
+            self._stub_device.value = device
+            if name in RECORDED:
+                self.calls.append((name, device, threading.current_thread().name))
             return func(*args)
 
         recorded.__name__ = name

@@ -2,6 +2,9 @@
 arrays) and three torch.distributed gloo processes over 127.0.0.1 (torch CPU tensors); on a
 GPU machine (``gpu`` tests) also CuPy arrays over MPI, and NCCL through CuPy and torch.
 
+The fuzz target ``fuzz_distributed.py`` runs alone (a group of one) and under ``mpiexec -n
+2`` (bad arguments on one rank), for a share of ``FUZZ_SECONDS``.
+
 Each launch runs every case of ``distributed_worker.py`` once on every rank (one launch
 checks many cases, to keep process start-up off the clock); each (launch, case) is one test
 here, failing with the traceback of every rank where it failed. Launches are bounded in time
@@ -20,6 +23,7 @@ from pathlib import Path
 
 import distributed_worker
 import pytest
+from fuzzing import VIOLATIONS, budget, run_child
 
 ROOT = Path(__file__).resolve().parent.parent
 WORKER = Path(__file__).resolve().parent / "distributed_worker.py"
@@ -54,17 +58,17 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _wait(processes: list[subprocess.Popen]) -> str:
+def _wait(processes: list[subprocess.Popen], timeout: float = TIMEOUT) -> str:
     """Everything the processes printed; ends them all if the launch overruns."""
     output = []
     try:
         for process in processes:
-            output.append(process.communicate(timeout=TIMEOUT)[0])
+            output.append(process.communicate(timeout=timeout)[0])
     except subprocess.TimeoutExpired:
         for process in processes:
             process.kill()
             process.communicate()
-        pytest.fail(f"the launch ran past {TIMEOUT} s:\n" + "\n".join(output))
+        pytest.fail(f"the launch ran past {timeout} s:\n" + "\n".join(output))
     return "\n".join(output)
 
 
@@ -183,3 +187,37 @@ def test_training_example_under_mpiexec_follows_the_single_process_loss_curve():
     assert len(expected) > 5 and curve.keys() == expected.keys(), distributed.stdout
     for step, loss in expected.items():  # printed to 4 decimals
         assert abs(curve[step] - loss) <= 1.5e-4, (step, curve[step], loss)
+
+
+# --- fuzzing -------------------------------------------------------------------------------------
+
+FUZZ_SECONDS = 8.0  # each of the two runs, unless FUZZ_SECONDS shares out more
+
+
+def _no_violations(counts: dict) -> None:
+    print(counts)
+    assert {v: counts.get(v, 0) for v in VIOLATIONS} == dict.fromkeys(VIOLATIONS, 0), counts
+    assert counts["examples"] > 0, counts
+
+
+def test_fuzz_in_a_group_of_one():
+    pytest.importorskip("hypothesis")
+    _requirements("mpi")
+    _no_violations(run_child("fuzz_distributed", budget(FUZZ_SECONDS * 2) / 2))
+
+
+def test_fuzz_on_two_ranks_with_bad_arguments_on_one():
+    _requirements("mpi")
+    seconds = budget(FUZZ_SECONDS * 2) / 2
+    env = _environment()
+    env["PYTHONPATH"] = os.pathsep.join([str(WORKER.parent), env["PYTHONPATH"]])
+    target = WORKER.parent / "fuzz_distributed.py"
+    command = [mpiexec(), "-n", "2", sys.executable, str(target), str(seconds)]
+    process = subprocess.Popen(
+        command, cwd=ROOT, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    output = _wait([process], timeout=seconds + TIMEOUT)
+    assert process.returncode == 0, output[-8000:]
+    line = [x for x in output.splitlines() if x.startswith("FUZZ ")][-1]
+    _no_violations(json.loads(line[len("FUZZ ") :]))

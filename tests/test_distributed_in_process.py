@@ -14,15 +14,18 @@ from typing import Any
 
 import numpy as np
 import pytest
+import torch
 from helpers import random_values
 
 import cudnn_bn
 from cudnn_bn import InfiniError, Status
-from cudnn_bn.distributed import sync_batch_norm as sync_batch_norm_module
+from cudnn_bn.backends import cuda as cuda_backend
+from cudnn_bn.distributed import arguments as arguments_module
 from cudnn_bn.distributed import sync_batch_norm_backward, sync_batch_norm_forward_training
 from cudnn_bn.distributed.agreement import check_agreement, combine, header
 from cudnn_bn.distributed.communicators import NCCL_FLOAT64, NCCL_SUM, communicator
-from cudnn_bn.distributed.kinds import NumpyKind, cupy_grad_input_kernel
+from cudnn_bn.distributed.kinds import NumpyKind, cupy_grad_input_kernel, cupy_normalize_kernel
+from cudnn_bn.enums import Device
 
 # --- the combination of per-rank statistics ---------------------------------------------------
 
@@ -100,23 +103,35 @@ def test_arrays_of_no_known_kind_are_refused_on_every_rank(staging_cupy):
     assert info.value.status == Status.BAD_PARAM
 
 
+KERNELS = {  # the CuPy kernel, its data arguments and per-channel terms, the NumPy pass
+    "normalize": (cupy_normalize_kernel, 1, 3, lambda k, data, terms: k.normalize(*data, terms)),
+    "grad_input": (
+        cupy_grad_input_kernel,
+        2,
+        4,
+        lambda k, data, terms: k.grad_input(*data, terms),
+    ),
+}
+
+
+@pytest.mark.parametrize("pass_name", list(KERNELS))
 @pytest.mark.parametrize("dtype", [np.float16, np.float32, np.float64])
-def test_cupy_grad_input_kernel_computes_the_numpy_pass(dtype, host_cupy):
-    """The CuPy kernel's C++, run on the host (``cupy_on_host.py``), against the NumPy pass."""
-    cupy_grad_input_kernel.cache_clear()
+def test_cupy_kernels_compute_the_numpy_passes(pass_name, dtype, host_cupy):
+    """The CuPy kernels' C++, run on the host (``cupy_on_host.py``), against the NumPy
+    passes: both in float64, rounded once to the data's dtype."""
+    kernel, data_count, term_count, numpy_pass = KERNELS[pass_name]
+    kernel.cache_clear()
     rng = np.random.default_rng(4)
-    x, dy = (rng.standard_normal((3, 4, 5)).astype(dtype) for _ in range(2))
-    terms = tuple(rng.standard_normal(4) for _ in range(4))
-    compute = np.float64 if dtype == np.float64 else np.float32
-    out = np.empty_like(x)
-    channel = [t.astype(compute).reshape(1, 4, 1) for t in terms]
+    data = [rng.standard_normal((3, 4, 5)).astype(dtype) for _ in range(data_count)]
+    terms = tuple(rng.standard_normal(4) for _ in range(term_count))
+    out = np.empty_like(data[0])
     try:
-        cupy_grad_input_kernel()(x, dy, *channel, out)
+        kernel()(*data, *(t.reshape(1, 4, 1) for t in terms), out)
     finally:
-        cupy_grad_input_kernel.cache_clear()
-    expected = NumpyKind().grad_input(x, dy, tuple(c.astype(np.float64) for c in channel))
-    tol = {np.float16: 2e-3, np.float32: 1e-6, np.float64: 1e-14}[dtype]
-    np.testing.assert_allclose(out.astype(float), expected.astype(float), rtol=tol, atol=tol)
+        kernel.cache_clear()
+    expected = numpy_pass(NumpyKind(), data, terms)
+    ulp = np.finfo(dtype).eps  # one rounding apart at most (the C++ compiler may fuse)
+    np.testing.assert_allclose(out, expected, rtol=ulp, atol=ulp)
 
 
 # --- CuPy's NCCL communicator, recorded ------------------------------------------------------
@@ -125,8 +140,8 @@ def test_cupy_grad_input_kernel_computes_the_numpy_pass(dtype, host_cupy):
 class World:
     """``size`` ranks as threads, exchanging through shared slots between barriers."""
 
-    def __init__(self, size: int, fail: str | None = None) -> None:
-        self.size, self.fail = size, fail
+    def __init__(self, size: int, fail: str | None = None, devices: list[int] | None = None):
+        self.size, self.fail, self.devices = size, fail, devices or [0] * size
         self.barrier = threading.Barrier(size, timeout=30)
         self.slots: list[Any] = [None] * size
 
@@ -151,6 +166,7 @@ class RecordingNccl:
 
     def __init__(self, world: World, rank: int) -> None:
         self.world, self.rank, self.calls = world, rank, []
+        self.devices: list[int] = []  # the current device at each collective
 
     def rank_id(self) -> int:
         return self.rank
@@ -158,8 +174,12 @@ class RecordingNccl:
     def size(self) -> int:
         return self.world.size
 
+    def device_id(self) -> int:
+        return self.world.devices[self.rank]
+
     def allGather(self, sendbuf: int, recvbuf: int, count: int, datatype: int, stream: int):
         self.calls.append(("allGather", count, datatype, None, stream))
+        self.devices.append(sys.modules["cupy"].current_device())
         if self.world.fail == "allGather":
             raise sys.modules["cupy.cuda.nccl"].NcclError("NCCL_ERROR_UNHANDLED_CUDA_ERROR")
         parts = self.world.exchange(self.rank, _doubles(sendbuf, count))
@@ -167,6 +187,7 @@ class RecordingNccl:
 
     def allReduce(self, sendbuf: int, recvbuf: int, count: int, datatype: int, op: int, stream):
         self.calls.append(("allReduce", count, datatype, op, stream))
+        self.devices.append(sys.modules["cupy"].current_device())
         parts = self.world.exchange(self.rank, _doubles(sendbuf, count))
         _doubles(recvbuf, count)[:] = np.sum(parts, axis=0)
 
@@ -184,25 +205,40 @@ CURRENT_STREAM = 0x5EED
 
 @pytest.fixture
 def staging_cupy(monkeypatch):
-    """A ``cupy`` with just the staging calls the NCCL adapter makes, on host memory, and a
-    ``cupy.cuda.nccl`` with just its error class (not a RuntimeError, so that only catching
-    CuPy's own class turns it into InfiniError)."""
+    """A ``cupy`` with just the staging calls the NCCL adapter makes, on host memory, a
+    current device per thread (as CUDA's), and a ``cupy.cuda.nccl`` with just its error class
+    (not a RuntimeError, so that only catching CuPy's own class turns it into InfiniError).
+    The host arrays stand for arrays on ``fake.place`` (NVIDIA:0 unless a test moves them),
+    on the given stream or the current one."""
+    current = threading.local()
     fake = types.ModuleType("cupy")
     fake.asarray = lambda values: np.array(values, np.float64).view(_DeviceBuffer)
     fake.empty = lambda shape, dtype: np.zeros(shape, dtype).view(_DeviceBuffer)
     fake.asnumpy = lambda array: np.array(array)
+    fake.current_device = lambda: getattr(current, "device", 0)
     fake.cuda = types.SimpleNamespace(
-        get_current_stream=lambda: types.SimpleNamespace(ptr=CURRENT_STREAM),
-        ExternalStream=lambda ptr: contextlib.nullcontext(),
+        get_current_stream=lambda device=None: types.SimpleNamespace(ptr=CURRENT_STREAM),
+        ExternalStream=lambda ptr, device_id=-1: contextlib.nullcontext(),
         Stream=types.SimpleNamespace(null=contextlib.nullcontext()),
+        runtime=types.SimpleNamespace(
+            getDevice=fake.current_device,
+            setDevice=lambda device: setattr(current, "device", device),
+            CUDARuntimeError=RuntimeError,
+        ),
     )
     nccl = types.ModuleType("cupy.cuda.nccl")
     nccl.NcclError = type("NcclError", (Exception,), {})
     monkeypatch.setitem(sys.modules, "cupy", fake)
     monkeypatch.setitem(sys.modules, "cupy.cuda.nccl", nccl)
-    # The host arrays stand for device ones: their stream is the given or the current one.
+    monkeypatch.setattr(cuda_backend, "_streams", {})
+    fake.place = {}  # "rank-<r>" (its thread's name) -> the device of its arrays
     monkeypatch.setattr(
-        sync_batch_norm_module,
+        arguments_module,
+        "common_place",
+        lambda arrays: (Device.NVIDIA, fake.place.get(threading.current_thread().name, 0)),
+    )
+    monkeypatch.setattr(
+        arguments_module,
         "resolve_stream",
         lambda stream, like: CURRENT_STREAM if stream is None else stream,
     )
@@ -219,7 +255,7 @@ def on_ranks(world: World, work: Callable[[int, Any], Any]) -> list[Any]:
         except Exception as exc:
             results[rank] = exc
 
-    threads = [threading.Thread(target=run, args=(r,)) for r in range(world.size)]
+    threads = [threading.Thread(target=run, args=(r,), name=f"rank-{r}") for r in range(world.size)]
     for thread in threads:
         thread.start()
     for thread in threads:
@@ -311,3 +347,79 @@ def test_half_sums_are_taken_in_float32(staging_cupy):
     assert np.isfinite(grad_input).all()
     assert np.abs(grad_input.astype(float)).max() < 1e-2  # a constant dy has no gradient
     assert grad_bias.dtype == np.float16 and np.isinf(grad_bias)  # the caller's dtype: 70000
+
+
+def test_a_bad_input_on_a_rank_with_one_value_per_channel_raises_on_every_rank(staging_cupy):
+    """Rank 0 has one value per channel, so no statistics of its own to compute, and its
+    input has a negative stride: it is refused before the first collective, on every rank,
+    and no rank writes (issue 16 #8: rank 1 used to succeed and write)."""
+    v = random_values((6, 4), seed=8, bias=True)
+    kept = []
+
+    def work(rank: int, group: RecordingNccl) -> Any:
+        x = v["input"][:1, ::-1] if rank == 0 else v["input"][1:]
+        rm = v["running_mean"].copy()
+        kept.append(rm)
+        return sync_batch_norm_forward_training(x, v["weight"], v["bias"], rm, None, group=group)
+
+    results = on_ranks(World(2), work)
+    for rank, result in enumerate(results):
+        assert isinstance(result, InfiniError), (rank, result)
+        assert result.status == Status.BAD_TENSOR_STRIDES, result
+    assert "input has negative strides" in str(results[0])
+    assert "failed on rank 0" in str(results[1])
+    assert all(np.array_equal(rm, v["running_mean"]) for rm in kept)
+
+
+def test_grad_output_of_another_kind_on_one_rank_raises_on_every_rank(staging_cupy):
+    v = random_values((6, 4), seed=9, bias=True)
+    mean, invstd = v["input"].mean(axis=0), np.ones(4)
+
+    def work(rank: int, group: RecordingNccl) -> Any:
+        dy = torch.from_numpy(v["grad_output"]) if rank == 1 else v["grad_output"]
+        return sync_batch_norm_backward(v["input"], dy, v["weight"], mean, invstd, group=group)
+
+    results = on_ranks(World(2), work)
+    assert all(isinstance(r, InfiniError) and r.status == Status.BAD_PARAM for r in results)
+    assert "grad_output is a Tensor but input is a ndarray" in str(results[1])
+
+
+def test_nccl_collectives_run_on_the_communicators_device(staging_cupy):
+    """Each rank's collectives are queued with its communicator's device current (issue 19
+    #5), whichever device was current before."""
+    v, cuts = _global_problem()
+    staging_cupy.place.update({"rank-1": 1, "rank-2": 2})
+
+    def work(rank: int, group: RecordingNccl) -> Any:
+        x, dy = (v[n][cuts[rank] : cuts[rank + 1]] for n in ("input", "grad_output"))
+        _, mean, invstd = sync_batch_norm_forward_training(
+            x, v["weight"], v["bias"], None, None, group=group
+        )
+        sync_batch_norm_backward(x, dy, v["weight"], mean, invstd, group=group)
+        return group.devices
+
+    for rank, devices in enumerate(on_ranks(World(3, devices=[0, 1, 2]), work)):
+        assert devices == [rank] * 4, (rank, devices)
+
+
+def test_arrays_off_the_communicators_device_are_refused_on_every_rank(staging_cupy):
+    """Rank 1's arrays are on device 0 but its communicator is on device 1: refused before
+    any collective but the header, on every rank (issue 19 #5: NCCL would read the wrong
+    device's memory)."""
+    v, cuts = _global_problem()
+
+    def work(rank: int, group: RecordingNccl) -> Any:
+        x = v["input"][cuts[rank] : cuts[rank + 1]]
+        try:
+            return sync_batch_norm_forward_training(
+                x, v["weight"], v["bias"], None, None, group=group
+            )
+        finally:
+            assert [c[:2] for c in group.calls] == [("allGather", 10)], group.calls
+
+    results = on_ranks(World(3, devices=[0, 1, 0]), work)
+    assert all(isinstance(r, InfiniError) and r.status == Status.BAD_PARAM for r in results)
+    assert "arrays are on NVIDIA:0 but the NCCL communicator's device is NVIDIA:1" in str(
+        results[1]
+    )
+    assert "failed on rank 1" in str(results[0])

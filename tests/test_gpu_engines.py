@@ -4,7 +4,8 @@ on a real GPU.
 Every test is marked ``gpu`` and skipped, with the reason, where there is no usable GPU
 (``tests/conftest.py``). Each confirms on the device what a host test shows on stand-ins:
 ``test_nvidia_routing_on_host.py`` (batched fused backward, 2-D input),
-``test_nvidia_arguments.py`` (the backward's workspace query), ``test_cupy_engines_on_host.py``
+``test_nvidia_arguments.py`` (the backward's workspace query, its mode with and without
+saved statistics and reserve), ``test_cupy_engines_on_host.py``
 (the per-channel sums, NaN through the fused ReLU) and ``test_overflow_check.py``.
 
 References are PyTorch on CUDA in float64 on the very values the engines saw, with cuDNN
@@ -143,10 +144,40 @@ def test_cudnn_backward_sized_with_x_as_y(layout, dtype):
     grads = batch_norm_backward(x, dy, w, None, None)
     assert engines() == ["cudnn"]
     _, want = autograd(x, w, b, dy)
-    persistent = layout == "channels_last" and dtype == F32
-    tol = PERSISTENT_F32_TOL if persistent else TOL[dtype]
     for name, g in zip(("grad_input", "grad_weight", "grad_bias"), grads, strict=True):
-        close(g, want[name], tol, name)
+        close(g, want[name], TOL[dtype], name)  # train mode: SPATIAL, even channels-last
+
+
+@pytest.mark.parametrize("shape", [(4, 8, 6, 6), (2, 8, 3, 4, 5)], ids=["NHWC", "NDHWC"])
+@pytest.mark.parametrize("dtype", [F16, F32])
+def test_persistent_backward_only_from_saved_statistics_and_reserve(shape, dtype):
+    """Findings 1 and 2 on real cuDNN: the README's channels-last train-mode backward (no
+    saved statistics) runs in SPATIAL, and so does one from saved statistics given no
+    reserve; with the forward's reserve it runs in SPATIAL_PERSISTENT. All match PyTorch."""
+    torch.manual_seed(7)
+    fmt = torch.channels_last if len(shape) == 4 else torch.channels_last_3d
+    x = (torch.randn(shape, device="cuda", dtype=F64) * 2 + 0.5).to(dtype)
+    dy = torch.randn(shape, device="cuda", dtype=F64).to(dtype)
+    x, dy = x.contiguous(memory_format=fmt), dy.contiguous(memory_format=fmt)
+    w, b = torch.rand(8, device="cuda") + 0.5, torch.zeros(8, device="cuda")
+    cudnn_bn.descriptor_cache.clear()
+    out = batch_norm_forward_training(x, w, b, None, None)
+    saved = {"mode": "saved", "saved_mean": out[1], "saved_invstd": out[2]}
+    _, want = autograd(x, w, b, dy)
+    calls = {
+        "train": (batch_norm_backward(x, dy, w, None, None), TOL[dtype]),
+        "saved, no reserve": (batch_norm_backward(x, dy, w, None, None, **saved), TOL[dtype]),
+        "saved, reserve": (
+            batch_norm_backward(x, dy, w, None, None, **saved, reserve=out.reserve),
+            PERSISTENT_F32_TOL if dtype == F32 else TOL[dtype],
+        ),
+    }
+    assert engines() == ["cudnn"] * 4
+    modes = [d._kernel.bn_mode for d in cudnn_bn.descriptor_cache._entries.values()][1:]
+    assert [m.name for m in modes] == ["SPATIAL", "SPATIAL", "SPATIAL_PERSISTENT"]
+    for how, (grads, tol) in calls.items():
+        for name, g in zip(("grad_input", "grad_weight", "grad_bias"), grads, strict=True):
+            close(g, want[name], tol, f"{how}: {name}")
 
 
 # --- the CuPy engine's per-channel sums ------------------------------------------------------

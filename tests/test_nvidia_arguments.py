@@ -34,6 +34,7 @@ from cudnn_stub import (
     PERSISTENT_CASES,
     POINTERS,
     PROPAGATE_NAN,
+    SPATIAL,
     SPATIAL_PERSISTENT,
     STREAM,
     STUB_DECLARATIONS,
@@ -44,9 +45,9 @@ from cudnn_stub import (
     assert_derived_bn_desc,
     capi_tensor,
     cudnn_strides,
-    expected_bn_mode,
     fast_cases,
     fields,
+    forward_filled,
     fused_engine,
     in_workspace,
     layout_strides,
@@ -106,6 +107,8 @@ def compute(desc, workspace_size=None, *, workspace=WORKSPACE, stream=STREAM, **
     """``desc.compute`` on the fake pointers; ``overrides`` replace some, or add the fused
     operands (``output``, ``bias``, ``grad_z``, ``reserve``) and ``reserve_size``."""
     ptrs = {**POINTERS, **overrides}
+    if overrides.get("reserve") and desc.engine == "cudnn":
+        forward_filled(desc, overrides["reserve"])
     size = desc.workspace_size if workspace_size is None else workspace_size
     extra = {name: value for name, value in overrides.items() if name not in BACKWARD_ORDER}
     desc.compute(workspace, size, *(ptrs[name] for name in BACKWARD_ORDER), stream=stream, **extra)
@@ -171,18 +174,18 @@ def test_fast_path_arguments(stub, shape, dtype, channel_dtype, layout):
     with descriptor(shape, dtype, channel_dtype, eps=1e-3, strides=strides) as desc:
         assert desc.engine == "cudnn"
         assert desc.workspace_size == STUB_WORKSPACE
-        assert desc.reserve_size == STUB_RESERVE
+        assert desc.reserve_size == 0  # a train-mode backward reads no forward's reserve
         compute(desc)
         call, query = stub.backward, stub.backward_query
-        assert stub.calls() == only("set_stream", "backward_query", "reserve_query", "backward")
+        assert stub.calls() == only("set_stream", "backward_query", "backward")
 
         # The handle, on the caller's stream.
         assert call.handle != 0
         assert stub.set_stream.handle == call.handle
         assert stub.set_stream.stream == STREAM
 
-        # PyTorch's choice: PERSISTENT for channels-last (4-D, 5-D) training, NLC is SPATIAL.
-        bn_mode = expected_bn_mode(shape, layout)
+        # Train mode, no saved statistics: SPATIAL, never PERSISTENT (finding 1).
+        bn_mode = SPATIAL
         assert (call.mode, call.bn_ops) == (bn_mode, OPS_BN)
         assert (call.alpha_data, call.beta_data, call.alpha_param, call.beta_param) == (1, 0, 1, 0)
 
@@ -204,8 +207,7 @@ def test_fast_path_arguments(stub, shape, dtype, channel_dtype, layout):
         assert (call.workspace, call.workspace_size) == (WORKSPACE, STUB_WORKSPACE)
         assert (call.reserve, call.reserve_size) == (0, 0)  # none given
 
-        # The workspace was asked for the very descriptors the call got, the reserve for
-        # the same mode and ops.
+        # The workspace was asked for the very descriptors the call got.
         assert (query.handle, query.mode, query.bn_ops) == (call.handle, bn_mode, OPS_BN)
         descs = "x_desc dy_desc dx_desc bn_desc"
         assert fields(query, descs) == fields(call, descs)
@@ -213,14 +215,6 @@ def test_fast_path_arguments(stub, shape, dtype, channel_dtype, layout):
         # cudnn_batch_norm_backward and CuPy 13 do so), not NULL.
         assert query.y_desc == call.x_desc
         assert (query.dz_desc, query.activation_desc) == (0, 0)
-        reserve = stub.reserve_query
-        assert fields(reserve, "handle mode bn_ops activation_desc x_desc") == (
-            call.handle,
-            bn_mode,
-            OPS_BN,
-            0,
-            call.x_desc,
-        )
 
 
 @pytest.mark.parametrize("how", ["Mode.SAVED_INVSTD", "set_attributes"])
@@ -313,10 +307,22 @@ def test_staging_slices_follow_cudnn_workspace(stub, dtype, channel_dtype, mode,
         for _ in range(slices):  # F32 slices, each 256-byte aligned, after cuDNN's own
             expected = _round_up(expected) + 4 * channels
         assert desc.workspace_size == expected > STUB_WORKSPACE
-        assert desc.reserve_size == STUB_RESERVE
+        assert desc.reserve_size == (0 if mode == "train" else STUB_RESERVE)
 
 
 # --- calls refused before cuDNN ------------------------------------------------------------
+
+
+@pytest.mark.parametrize("offset", [1, 8])
+def test_a_misaligned_workspace_is_refused_before_cudnn(stub, offset):
+    """Finding 7: the workspace holds F64 scratch and cuDNN's own: 16-byte aligned or
+    BAD_PARAM, before anything is written."""
+    with (
+        descriptor((2, 3, 4, 5), F64) as desc,
+        pytest.raises(BadParamError, match="16-byte aligned"),
+    ):
+        compute(desc, workspace=WORKSPACE + offset)
+    assert stub.backward.calls == 0  # the C API's case: test_capi_hands_cudnn_the_same_...
 
 
 def test_small_workspace_is_refused_before_cudnn(stub):
@@ -439,7 +445,9 @@ def test_a_failed_build_destroys_the_descriptors_it_made(stub, monkeypatch, fusi
     shape = FUSED_SHAPES[0]
     with pytest.raises(InfiniError, match="reserve size query refused") as caught:
         descriptor(shape, F16, F32, strides=channels_last(shape), fusion=fusion, mode="saved")
-    assert stub.backward_query.calls == 1  # built as far as the query before the failing one
+    # Built as far as the queries before the failing one (a plain persistent backward also
+    # sizes the SPATIAL call it makes when given no reserve).
+    assert stub.backward_query.calls == (2 if fusion is None else 1)
     # Destroyed at once, not when the collector gets to the half-built engine (which the
     # traceback held here still keeps alive).
     assert caught.traceback
@@ -453,13 +461,49 @@ def test_a_failed_build_destroys_the_descriptors_it_made(stub, monkeypatch, fusi
     ("shape", "layout", "persistent", "mode"), PERSISTENT_CASES.values(), ids=list(PERSISTENT_CASES)
 )
 def test_persistent_attribute_picks_the_mode(stub, shape, layout, persistent, mode):
+    """A backward from its forward's saved statistics and reserve runs in the forward's mode."""
     strides = layout_strides(shape, layout)
-    with descriptor(shape, F16, F32, strides=strides, persistent=persistent) as desc:
+    attrs = {"persistent": persistent, "mode": "saved_invstd"}
+    with descriptor(shape, F16, F32, strides=strides, **attrs) as desc:
         assert desc.engine == "cudnn"
-        compute(desc)
+        compute(desc, reserve=POINTERS["reserve"], reserve_size=STUB_RESERVE)
         call = stub.backward
         assert (call.mode, stub.backward_query.mode, stub.reserve_query.mode) == (mode,) * 3
         assert_derived_bn_desc(call.bn_desc, call.x_desc, mode, shape, F16)
+        assert fields(call, "reserve reserve_size") == (POINTERS["reserve"], STUB_RESERVE)
+
+
+@pytest.mark.parametrize(
+    ("shape", "layout", "persistent", "mode"), PERSISTENT_CASES.values(), ids=list(PERSISTENT_CASES)
+)
+def test_train_mode_backward_runs_in_spatial(stub, shape, layout, persistent, mode):
+    """Finding 1: cuDNN wants saved statistics in a SPATIAL_PERSISTENT backward; a train-mode
+    one has none, so it runs in SPATIAL (which computes them) and passes no reserve."""
+    strides = layout_strides(shape, layout)
+    with descriptor(shape, F16, F32, strides=strides, persistent=persistent) as desc:
+        assert (desc.engine, desc.reserve_size) == ("cudnn", 0)
+        compute(desc, reserve=POINTERS["reserve"], reserve_size=STUB_RESERVE)
+        call = stub.backward
+        assert (call.calls, call.mode, stub.backward_query.mode) == (1, SPATIAL, SPATIAL)
+        assert fields(call, "saved_mean saved_inv_variance reserve reserve_size") == (0,) * 4
+        assert_derived_bn_desc(call.bn_desc, call.x_desc, SPATIAL, shape, F16)
+
+
+@pytest.mark.parametrize("layout", ["channels_last", "contiguous"])
+def test_a_backward_given_no_reserve_runs_in_spatial(stub, layout):
+    """Finding 2: a backward from saved statistics given no reserve (the C API has no
+    operand for it) runs in SPATIAL, which needs none; given one, in the forward's mode."""
+    shape = (2, 3, 4, 5)
+    strides = layout_strides(shape, layout)
+    with descriptor(shape, F16, F32, strides=strides, mode="saved_invstd", persistent=True) as desc:
+        compute(desc)
+        call = stub.backward
+        assert (call.mode, call.reserve, call.reserve_size) == (SPATIAL, 0, 0)
+        assert_derived_bn_desc(call.bn_desc, call.x_desc, SPATIAL, shape, F16)
+        assert call.workspace_size == STUB_WORKSPACE
+        compute(desc, reserve=POINTERS["reserve"], reserve_size=STUB_RESERVE)
+        assert (call.calls, call.mode) == (2, SPATIAL_PERSISTENT)
+        assert_derived_bn_desc(call.bn_desc, call.x_desc, SPATIAL_PERSISTENT, shape, F16)
 
 
 # --- the output mask ------------------------------------------------------------------------
@@ -515,7 +559,7 @@ def test_output_mask_must_be_three_booleans(stub):
 
 def test_plain_backward_passes_a_given_reserve(stub):
     shape = (2, 3, 4, 5)
-    with descriptor(shape, F16, F32, strides=channels_last(shape)) as desc:
+    with descriptor(shape, F16, F32, strides=channels_last(shape), mode="saved_invstd") as desc:
         compute(desc, reserve=POINTERS["reserve"], reserve_size=desc.reserve_size + 64)
         reserve = POINTERS["reserve"], STUB_RESERVE  # the descriptor's size, not the caller's
         assert fields(stub.backward, "reserve reserve_size") == reserve
@@ -528,7 +572,7 @@ def test_plain_backward_passes_a_given_reserve(stub):
 
 def test_sizes_are_what_cudnn_answers(stub):
     stub.workspace_bytes.value, stub.reserve_bytes.value = 5000, 777
-    with descriptor((2, 3, 4, 5)) as desc:
+    with descriptor((2, 3, 4, 5), mode="saved_invstd") as desc:
         assert (desc.workspace_size, desc.reserve_size) == (5000, 777)
         compute(desc, reserve=POINTERS["reserve"], reserve_size=777)
     assert fields(stub.backward, "workspace_size reserve_size") == (5000, 777)
@@ -678,16 +722,21 @@ def test_capi_hands_cudnn_the_same_arguments(stub):
     call = stub.backward
     assert call.calls == 1
     assert stub.set_stream.stream == STREAM
-    assert (call.mode, call.epsilon) == (SPATIAL_PERSISTENT, 1e-3)  # channels-last training
+    # Channels-last, from saved statistics, but the C API's backward takes no reserve: SPATIAL.
+    assert (call.mode, call.epsilon) == (SPATIAL, 1e-3)
+    assert (call.reserve, call.reserve_size) == (0, 0)
     assert stub.tensor(call.x_desc) == (CUDNN_HALF, shape, channels_last(shape))
     assert fields(call, "x dy dx") == pointers("input grad_output grad_input")
     assert fields(call, "scale dscale dbias") == pointers("weight grad_weight grad_bias")
     assert fields(call, "saved_mean saved_inv_variance") == pointers("running_mean running_var")
     assert (call.workspace, call.workspace_size) == (WORKSPACE, STUB_WORKSPACE)
 
-    # Refused before cuDNN: a small workspace, a NULL input.
+    # Refused before cuDNN: a small or misaligned workspace, a NULL input.
     small = (desc, c_void_p(WORKSPACE), size.value - 1, *ptrs, c_void_p(STREAM))
     assert capi.infiniopBatchNormBackward(*small) == Status.INSUFFICIENT_WORKSPACE
+    misaligned = (desc, c_void_p(WORKSPACE + 8), size.value, *ptrs, c_void_p(STREAM))
+    assert capi.infiniopBatchNormBackward(*misaligned) == Status.BAD_PARAM
+    assert "16-byte aligned" in capi.last_error()
     null_x = (*args[:6], None, *args[7:])
     assert capi.infiniopBatchNormBackward(*null_x) == Status.NULL_POINTER
     assert "input is NULL" in capi.last_error()

@@ -11,7 +11,16 @@ import warnings
 
 import numpy as np
 import pytest
-from cudnn_stub import F16, F32, POINTERS, STREAM, STUB_RESERVE, WORKSPACE
+from cudnn_stub import (
+    F16,
+    F32,
+    POINTERS,
+    SPATIAL,
+    SPATIAL_PERSISTENT,
+    STREAM,
+    STUB_RESERVE,
+    WORKSPACE,
+)
 from helpers import BACKWARD_ORDER, TRAINING_ORDER, channels_last
 
 import cudnn_bn
@@ -107,13 +116,16 @@ def test_cupyx_compat_debug_does_what_cupy13_did(stub, monkeypatch, debug):
     )
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        _, mean, inv_std = cupyx_compat.batch_normalization_forward_training(
+        reserve, _, mean, inv_std = cupyx_compat.batch_normalization_forward_training_ex(
             *args, persistent, debug, nhwc
         )
-        cupyx_compat.batch_normalization_backward(
-            x, gamma, x, mean, inv_std, 1e-5, True, persistent, debug, nhwc
-        )
-    assert (stub.forward_training.calls, stub.backward.calls) == (1, 1)
+        backward = (x, gamma, x, mean, inv_std, 1e-5, True, persistent, debug, nhwc)
+        cupyx_compat.batch_normalization_backward(*backward, reserve_space=reserve)
+        assert stub.backward.mode == SPATIAL_PERSISTENT
+        # Without the forward's reserve the backward runs in SPATIAL: nothing to check.
+        cupyx_compat.batch_normalization_backward(*backward)
+        assert stub.backward.mode == SPATIAL
+    assert (stub.forward_training.calls, stub.backward.calls) == (1, 2)
     assert stub.runtime_error.calls == (2 if debug else 0)
     overflows = [w for w in caught if issubclass(w.category, RuntimeWarning)]
     assert len(overflows) == (2 if debug else 0)

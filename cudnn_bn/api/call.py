@@ -1,9 +1,9 @@
 """The one path every array-API call takes: operands, a per-problem plan, outputs, launch.
 
 A call reads each array's signature (everything the door checks except its address) and its
-data pointer. Exact ndarrays and plain torch tensors are read from a few attributes; every
-other producer goes through the door (``arrays.operand``) on every call. The pass, its
-validated options and the signatures key a ``Plan``, built on a miss by the full path: the
+data pointer. Exact ndarrays, CuPy arrays and plain torch tensors are read from a few
+attributes; every other producer goes through the door (``arrays.operand``) on every call.
+The pass, its validated options and the signatures key a ``Plan``, built on a miss by the full path: the
 door on every operand, one device for all, the rules for arrays written in place, the
 operator's validation and descriptor, output layouts, workspace and reserve sizes, constants
 standing in for an absent weight or bias. A hit re-checks only what depends on addresses
@@ -146,6 +146,12 @@ def typed(values: tuple) -> tuple:
     )
 
 
+def _cupy_array_type() -> Any:
+    """CuPy's ndarray class where CuPy is imported (None otherwise)."""
+    cupy = sys.modules.get("cupy")
+    return getattr(cupy, "ndarray", None)
+
+
 def _plain_torch(array: Any) -> bool:
     """A torch tensor or parameter (not a subclass) with no lazy-view bit, strided."""
     torch = sys.modules.get("torch")
@@ -181,6 +187,9 @@ def run(spec: Pass, arrays: dict[str, Any], raw: tuple, stream: Any) -> Any:
         elif _plain_torch(array):
             signatures.append((kind, array.dtype, array.shape, array.stride(), array.device))
             ptrs[name] = array.data_ptr()
+        elif kind is _cupy_array_type():
+            signatures.append((kind, array.dtype, array.shape, array.strides, array.device.id))
+            ptrs[name] = array.data.ptr
         else:
             others.append((len(signatures), name))
             signatures.append(None)
@@ -243,11 +252,13 @@ def _build(
     if built.reserve:
         size = built.descriptor.reserve_size
         allocators["reserve"] = lambda: kind.scratch(like, size)
-    with kind.scope(like, call_on, device_id):
-        constants = {
-            n: _constant(kind, like, device_id, value, desc)
-            for n, (value, desc) in built.constants.items()
-        }
+    constants = {}
+    if built.constants:
+        with kind.scope(like, call_on, device_id):
+            constants = {
+                n: _constant(kind, like, device_id, value, desc)
+                for n, (value, desc) in built.constants.items()
+            }
     extents = {n: byte_extent(op.desc) for n, op in ops.items()}
     names = list(ops)
     return Plan(

@@ -50,6 +50,24 @@ def bn_mode(x: TensorDesc, training: bool, persistent: bool | None) -> BatchNorm
     return BatchNormMode.SPATIAL_PERSISTENT if training and wanted else BatchNormMode.SPATIAL
 
 
+def backward_bn_mode(x: TensorDesc, attributes: BackwardAttributes) -> BatchNormMode:
+    """The mode of a backward: its forward's (``bn_mode``) only when it runs from that
+    forward's saved statistics and reserve, as PyTorch's always does (Normalization.cpp's
+    ``_batch_norm_impl_index_backward`` hands aten/src/ATen/native/cudnn/BatchNorm.cpp's
+    ``cudnn_batch_norm_backward`` the forward's save_mean, save_var and reserve).
+
+    cuDNN: "In the case of cudnnBatchNormalizationBackward(), the savedMean and
+    savedInvVariance arguments should not be NULL" in SPATIAL_PERSISTENT mode, whose kernels
+    also read the reserve its forward filled; SPATIAL takes both statistics NULL and computes
+    them itself. So a train-mode backward (no saved statistics) runs in SPATIAL: one cuDNN
+    call that reduces x in its own kernel, rather than a separate reduction of x (a CuPy
+    kernel on the fast path, which touches no CuPy today) plus the persistent kernel, which
+    reads x again; and the batch statistics come from cuDNN's own SPATIAL reduction, free of
+    the persistent kernels' scaled-integer limits on value range."""
+    saved = attributes.mode != Mode.TRAIN and attributes.reserve
+    return bn_mode(x, True, attributes.persistent if saved else False)
+
+
 class _CudnnKernel:
     """One cuDNN batch-norm call: its descriptors, its staging, its argument template."""
 
@@ -201,7 +219,8 @@ class CudnnBatchNormBackward(_CudnnKernel):
         self, tensors: BackwardTensors, attributes: BackwardAttributes, device_id: int
     ) -> None:
         a, t = attributes, tensors
-        super().__init__(t.input, True, a.persistent, a.fusion, device_id, a.check_overflow)
+        persistent = backward_bn_mode(t.input, a) == BatchNormMode.SPATIAL_PERSISTENT
+        super().__init__(t.input, True, persistent, a.fusion, device_id, a.check_overflow)
         self.tensors, self.attributes = t, a
         fused, add = a.fusion != Fusion.BN, a.fusion == Fusion.BN_ADD_RELU
         with self.closed_on_error():
@@ -214,20 +233,20 @@ class CudnnBatchNormBackward(_CudnnKernel):
             # A plain backward's call has no y, but its size query is given x's descriptor
             # there, as PyTorch (aten/src/ATen/native/cudnn/BatchNorm.cpp,
             # cudnn_batch_norm_backward) and CuPy 13 do: cuDNN may size scratch by it.
-            cudnn_workspace = self.query(
-                "cudnnGetBatchNormalizationBackwardExWorkspaceSize",
-                self.bn_mode,
-                self.ops,
-                self.x_desc,
-                self.x_desc if y_desc is None else y_desc,
-                dy_desc,
-                dz_desc,
-                dx_desc,
-                self.bn_desc,
-                self.activation,
-            )
-            self.reserve_size = self.reserve_query()
-        self.staging = ParameterStaging(self.param_dtype, cudnn_workspace, device_id)
+            descs = (self.x_desc, y_desc or self.x_desc, dy_desc, dz_desc, dx_desc)
+            # A persistent plain backward given no reserve at compute (the C API has no
+            # operand for it) runs in SPATIAL instead (``bind_reserve``): sized here too.
+            self._without_reserve: dict[int, Any] = {}
+            if self.bn_mode == BatchNormMode.SPATIAL_PERSISTENT and not fused:
+                spatial = BatchNormMode.SPATIAL
+                spatial_bn = self._own(TensorDescriptor.derive_bn(self.x_desc, spatial)).ref
+                spatial_workspace = self.workspace_query(spatial, descs, spatial_bn)
+                self._without_reserve = {1: spatial, 17: spatial_bn, 27: spatial_workspace}
+            cudnn_workspace = self.workspace_query(self.bn_mode, descs, self.bn_desc)
+            # Only a backward from saved statistics reads its forward's reserve.
+            self.reserve_size = self.reserve_query() if a.mode != Mode.TRAIN else 0
+        scratch = max(cudnn_workspace, self._without_reserve.get(27, 0))
+        self.staging = ParameterStaging(self.param_dtype, scratch, device_id)
         self._plan_staging()
         self.workspace_size = self.staging.size
         slots = {
@@ -238,14 +257,13 @@ class CudnnBatchNormBackward(_CudnnKernel):
             20: "grad_weight",
             21: "grad_bias",
             26: "workspace",
-            28: "reserve",
         }
         if fused:
             slots |= {10: "output", 19: "bias"}
         if add:
             slots[14] = "grad_z"
         if a.mode != Mode.TRAIN:
-            slots |= {23: "running_mean", 24: "running_var"}
+            slots |= {23: "running_mean", 24: "running_var", 28: "reserve"}
         self.bind(
             [
                 None,
@@ -300,10 +318,26 @@ class CudnnBatchNormBackward(_CudnnKernel):
             else:
                 s.scratch(field, self.param_dtype, self.channels)
 
+    def workspace_query(self, mode: BatchNormMode, descs: tuple, bn_desc: Any) -> int:
+        """cuDNN's workspace for this backward's descriptors (x, y, dy, dz, dx) in ``mode``."""
+        return self.query(
+            "cudnnGetBatchNormalizationBackwardExWorkspaceSize",
+            mode,
+            self.ops,
+            *descs,
+            bn_desc,
+            self.activation,
+        )
+
     def bind_reserve(self, args: list[Any], ptrs: BackwardPointers) -> None:
-        """A plain backward uses a reserve when given one; a fused one always has one."""
+        """A backward from saved statistics passes the forward's reserve when given (a fused
+        one always has one); a persistent plain one given none runs in SPATIAL, which needs
+        none. A train-mode backward runs in SPATIAL and passes none."""
         if ptrs.reserve:
             args[29] = self.reserve_size
+        elif self.reserve_size:
+            for index, value in self._without_reserve.items():
+                args[index] = value
 
 
 class CudnnBatchNormForwardTraining(_CudnnKernel):

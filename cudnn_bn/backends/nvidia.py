@@ -6,7 +6,9 @@
   (``CUDNN_BN_MIN_EPSILON`` is 0 since cuDNN 7.6). Fused passes (BN+ReLU, BN+Add+ReLU) only
   where cuDNN's fused kernels run: F16 NHWC data in SPATIAL_PERSISTENT mode (BN+Add+ReLU
   also C % 4 == 0; cuDNN 8.2 lifted that for BN+ReLU), and a fused backward only from saved
-  statistics and the forward's reserve.
+  statistics and the forward's reserve. A backward runs in SPATIAL_PERSISTENT only from
+  both (``backward_bn_mode``: cuDNN wants saved statistics there, and its kernels read the
+  reserve); otherwise in SPATIAL.
 * ``cupy`` (``cupy_engines.py``): everything else — eval-mode backward (cuDNN has no call
   for it), BF16 data (PyTorch never sends BF16 to cuDNN's batch norm), 2-D input (cuDNN's
   PER_ACTIVATION mode, which PyTorch no longer uses), other strides, huge tensors; and every
@@ -36,6 +38,7 @@ from .cudnn_engines import (
     CudnnBatchNormBackward,
     CudnnBatchNormForwardInference,
     CudnnBatchNormForwardTraining,
+    backward_bn_mode,
     bn_mode,
 )
 from .cupy_engines import (
@@ -47,7 +50,6 @@ from .cupy_engines import (
 CUDNN_MAX_NUMEL, MIN_CUDNN_NDIM = 2**31 - 1, 3
 CUDNN_MAX_BATCH_TRAINING, CUDNN_MAX_BATCH_INFERENCE = 880801, 65535
 CUDNN_BACKWARD_MODES = (Mode.TRAIN, Mode.SAVED, Mode.SAVED_INVSTD)
-CUDNN_SAVED_MODES = (Mode.SAVED, Mode.SAVED_INVSTD)
 CUDNN_DTYPES = (DataType.F16, DataType.F32, DataType.F64)
 FUSED_CHANNEL_MULTIPLE, FUSED_NDIM = 4, 4
 
@@ -100,16 +102,11 @@ def BatchNormBackward(
     """The backward engine for this problem on NVIDIA device ``device_id``."""
     a, t = attributes, tensors
     data = [d for d in (t.input, t.grad_output, t.grad_input, t.output, t.grad_z) if d is not None]
-    mode = bn_mode(t.input, True, a.persistent)
-    # cuDNN's fused backward reads the forward's saved statistics (no train mode there) and
-    # its reserve space (the ReLU mask): without one, the CuPy engine reads the mask from y.
-    fused = a.fusion != Fusion.BN
-    modes = CUDNN_SAVED_MODES if fused else CUDNN_BACKWARD_MODES
-    use_cudnn = (
-        a.mode in modes
-        and (a.reserve or not fused)
-        and cudnn_takes(data, a.fusion, mode, training=True)
-    )
+    # SPATIAL_PERSISTENT, the only mode of cuDNN's fused kernels, only from the forward's
+    # saved statistics and reserve (``backward_bn_mode``): a fused backward without them
+    # goes to the CuPy engine, which reads the ReLU mask from y.
+    mode = backward_bn_mode(t.input, a)
+    use_cudnn = a.mode in CUDNN_BACKWARD_MODES and cudnn_takes(data, a.fusion, mode, training=True)
     return _build(CudnnBatchNormBackward if use_cudnn else CupyBatchNormBackward, t, a, device_id)
 
 

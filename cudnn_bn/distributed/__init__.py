@@ -1,5 +1,6 @@
-"""Synchronized batch norm across processes: PyTorch ``SyncBatchNorm`` semantics on
-``cudnn_bn``'s operators, communicating through mpi4py, torch.distributed or CuPy's NCCL.
+"""Synchronized batch norm across processes: PyTorch ``SyncBatchNorm`` semantics in float64
+on the caller's NumPy, CuPy or torch arrays, communicating through mpi4py, torch.distributed
+or CuPy's NCCL, behind the array API's checks (``arguments.py``).
 
 ``sync_batch_norm_forward_training`` normalizes with the mean and biased variance of the
 global batch (every sample on every rank of ``group``) and moves the running statistics

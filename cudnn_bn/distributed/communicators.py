@@ -1,8 +1,9 @@
 """One protocol over the distributed engines synchronized batch norm runs on.
 
 A ``Communicator`` all-gathers and all-reduces (sums) a small 1-D float64 host buffer across
-the processes of a group and knows its ``rank`` and ``size``; an engine's failure comes out
-as ``InfiniError`` (INTERNAL_ERROR) carrying the engine's own message. Each adapter moves the
+the processes of a group and knows its ``rank``, its ``size`` and the ``device`` the arrays
+of a pass must be on (None: any); an engine's failure comes out as ``InfiniError``
+(INTERNAL_ERROR) carrying the engine's own message. Each adapter moves the
 O(C) buffer where its engine wants it: mpi4py takes host memory (CuPy users' statistics are
 staged through the host); torch.distributed takes CPU tensors with gloo, CUDA tensors with
 NCCL; CuPy's ``NcclCommunicator`` takes device pointers and a stream.
@@ -18,7 +19,8 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from ..enums import Status
+from ..backends.cuda import stream_scope
+from ..enums import Device, Status
 from ..errors import InfiniError
 
 # nccl.h's ncclFloat64 and ncclSum (CuPy exports them as cupy.cuda.nccl.NCCL_FLOAT64/NCCL_SUM).
@@ -31,6 +33,7 @@ class Communicator(Protocol):
     engine: str
     rank: int
     size: int
+    device: tuple[Device, int] | None
 
     def allgather(self, values: np.ndarray) -> np.ndarray:
         """Every rank's ``values`` (1-D float64, one length on all ranks), as ``(size, n)``."""
@@ -55,6 +58,7 @@ class MpiCommunicator:
     """An mpi4py ``Comm``: buffer collectives on host memory, no pickling."""
 
     engine = "MPI"
+    device = None  # host buffers: the arrays may be anywhere
 
     def __init__(self, comm: Any) -> None:
         from mpi4py import MPI
@@ -93,7 +97,10 @@ class TorchCommunicator:
         with self._errors("get_rank/get_world_size"):
             self.rank, self.size = dist.get_rank(group), dist.get_world_size(group)
             on_gpu = dist.get_backend(group) == "nccl"
-        self._device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else "cpu"
+        index = torch.cuda.current_device() if on_gpu else None
+        self._device = "cpu" if index is None else torch.device("cuda", index)
+        # NCCL reads buffers on this device; gloo's are host copies.
+        self.device = None if index is None else (Device.NVIDIA, index)
 
     def _errors(self, what: str) -> AbstractContextManager[None]:
         return _engine_errors(self.engine, what, (RuntimeError, ValueError))
@@ -113,8 +120,9 @@ class TorchCommunicator:
 
 
 class NcclCommunicator:
-    """CuPy's ``cupy.cuda.nccl.NcclCommunicator``: the buffer staged into device memory and
-    the collective queued on ``stream`` (a ``cudaStream_t`` address), then read back."""
+    """CuPy's ``cupy.cuda.nccl.NcclCommunicator``: the buffer staged into the memory of the
+    communicator's device, made current, and the collective queued on ``stream`` (a
+    ``cudaStream_t`` address on that device), then read back."""
 
     engine = "NCCL"
 
@@ -123,8 +131,9 @@ class NcclCommunicator:
 
         self._comm, self._stream, self._cupy = comm, stream, cupy
         self._errors_caught = _nccl_errors()
-        with self._errors("rank_id/size"):
+        with self._errors("rank_id/size/device_id"):
             self.rank, self.size = comm.rank_id(), comm.size()
+            self.device = (Device.NVIDIA, comm.device_id())
 
     def _errors(self, what: str) -> AbstractContextManager[None]:
         return _engine_errors(self.engine, what, self._errors_caught)
@@ -132,8 +141,7 @@ class NcclCommunicator:
     def _run(self, what: str, values: np.ndarray, out_shape: tuple[int, ...], call: Any) -> Any:
         """Copy in, collective, copy out: all three queued on the pass's stream, in order."""
         stream = self._stream()
-        cuda = self._cupy.cuda
-        with cuda.Stream.null if stream == 0 else cuda.ExternalStream(stream):
+        with stream_scope(stream, self.device[1]):
             send = self._cupy.asarray(np.ascontiguousarray(values))
             recv = self._cupy.empty(out_shape, np.float64)
             with self._errors(what):
@@ -163,7 +171,8 @@ def _nccl_errors() -> tuple[type[BaseException], ...]:
 
 
 def communicator(group: Any, stream: Callable[[], int]) -> Communicator:
-    """The adapter for ``group``; ``stream`` gives the pass's stream (NCCL queues there)."""
+    """The adapter for ``group``; ``stream`` gives the pass's stream (NCCL queues there; 0,
+    the legacy default stream, where the pass's arguments were refused)."""
     if all(hasattr(group, n) for n in ("allGather", "allReduce", "rank_id")):
         return NcclCommunicator(group, stream)
     if all(hasattr(group, n) for n in ("Allgather", "Allreduce", "Get_rank")):

@@ -15,6 +15,10 @@ from ..enums import Device, Status
 from ..errors import InfiniError
 from ..runtime import Handle
 
+# The workspace holds F64 scratch, cuDNN's own and staged per-channel slices at 256-byte
+# offsets: refused unless 16-byte aligned (every CUDA and host allocator gives at least that).
+WORKSPACE_ALIGNMENT = 16
+
 
 def backend_class(device: Device, op_name: str) -> Any:
     """The class implementing operator ``op_name`` on ``device``'s backend."""
@@ -107,6 +111,11 @@ class OperatorDescriptor:
             raise InfiniError(
                 Status.NULL_POINTER,
                 f"workspace is NULL but {kernel.workspace_size} bytes are needed",
+            )
+        if kernel.workspace_size and workspace % WORKSPACE_ALIGNMENT:
+            raise InfiniError(
+                Status.BAD_PARAM,
+                f"workspace {workspace:#x} is not {WORKSPACE_ALIGNMENT}-byte aligned",
             )
         if reserve_size is not None and kernel.reserve_size:
             if reserve_size < kernel.reserve_size:
