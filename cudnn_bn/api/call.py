@@ -3,8 +3,8 @@
 A call reads each array's signature (everything the door checks except its address) and its
 data pointer. Exact ndarrays, CuPy arrays and plain torch tensors are read from a few
 attributes; every other producer goes through the door (``arrays.operand``) on every call.
-The pass, its validated options and the signatures key a ``Plan``, built on a miss by the full path: the
-door on every operand, one device for all, the rules for arrays written in place, the
+The pass, its validated options and the signatures key a ``Plan``, built on a miss by the
+full path: the door on every operand, one device for all, the rules for arrays written in place, the
 operator's validation and descriptor, output layouts, workspace and reserve sizes, constants
 standing in for an absent weight or bias. A hit re-checks only what depends on addresses
 (alignment, overlap of written operands), allocates the outputs and launches; so an operand

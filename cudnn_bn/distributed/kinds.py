@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from ..arrays import allocation_scope
+from ..arrays import operand
 from ..enums import Status
 from ..errors import InfiniError
 
@@ -46,9 +46,9 @@ def _per_channel(x: Any) -> tuple[int, ...]:
 
 def scope(like: Any, stream: int, device_id: int) -> AbstractContextManager:
     """Where a pass on ``like`` computes and allocates: its device current and ``stream`` its
-    library's current stream (the array API's ``allocation_scope``: torch's stream object is
-    built for the tensor's own device)."""
-    return allocation_scope(like, stream, device_id)
+    library's current stream, as the array API's allocation table (``arrays.kinds``) has it
+    for ``like``'s kind (torch's stream object is built for the tensor's own device)."""
+    return operand("input", like).kind.scope(like, stream, device_id)
 
 
 class NumpyKind:
