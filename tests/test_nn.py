@@ -10,6 +10,7 @@ InfiniCore's 2e-5 for float32 and 1e-2 for F16/BF16 (whose outputs alone are rou
 """
 
 import itertools
+import socket
 
 import ml_dtypes
 import numpy as np
@@ -385,22 +386,39 @@ def test_bad_input_raises_infini_error_and_changes_nothing():
 # --- SyncBatchNorm in a group of one ------------------------------------------------------------
 
 
-def test_sync_batch_norm_in_a_group_of_one_is_batch_norm():
-    mpi4py = pytest.importorskip("mpi4py.MPI")
+@pytest.fixture(params=["mpi", "gloo"])
+def group_of_one(request):
+    """(group, array library): mpi4py's COMM_SELF with NumPy arrays, or a torch.distributed
+    gloo world of one over 127.0.0.1 with torch tensors (torn down afterwards)."""
+    if request.param == "mpi":
+        yield pytest.importorskip("mpi4py.MPI").COMM_SELF, "numpy"
+        return
+    dist = pytest.importorskip("torch.distributed")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    try:
+        yield dist.group.WORLD, "torch"
+    finally:
+        dist.destroy_process_group()
+
+
+def test_sync_batch_norm_in_a_group_of_one_is_batch_norm(group_of_one):
+    group, lib = group_of_one
     rng = np.random.default_rng(11)
     for fusion in (None, "add_relu"):
         plain = BatchNorm(3, momentum=None, fusion=fusion)
-        sync = SyncBatchNorm(3, momentum=None, fusion=fusion, group=mpi4py.COMM_SELF)
+        sync = SyncBatchNorm(3, momentum=None, fusion=fusion, group=group)
         for training in (True, True, False, True):
             plain.train(training)
             sync.train(training)
-            x, dy, z = (rng.standard_normal((5, 3, 4)) for _ in range(3))
+            x, dy, z = (make(rng.standard_normal((5, 3, 4)), lib, "f64") for _ in range(3))
             z = z if fusion else None
             close("output", sync(x, z), plain(x, z), 1e-12)
-            for got, want in zip(
-                np.atleast_1d(sync.backward(dy)), np.atleast_1d(plain.backward(dy)), strict=True
-            ):
-                close("grads", got, want, 1e-12)
+            got, want = sync.backward(dy), plain.backward(dy)
+            for g, w in zip(*(r if fusion else (r,) for r in (got, want)), strict=True):
+                close("gradient", g, w, 1e-12)
             for name, value in plain.state_dict().items():
                 close(name, sync.state_dict()[name], value, 1e-12)
             close("weight_grad", sync.weight_grad, plain.weight_grad, 1e-12)
