@@ -15,7 +15,8 @@ object they point to, so no conversion here ever leads to a write ctypes would n
 import ctypes
 import numbers
 import operator
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 from .enums import Status
@@ -33,11 +34,31 @@ Converter = Callable[[Any, str], Any]
 ArrayReader = Callable[[int], tuple[int, ...]]
 
 
-def _bad(name: str, expected: str, value: Any) -> InfiniError:
+def _shown(value: Any) -> str:
+    """``value`` for a message: its repr cut short (a huge int's digits are no help)."""
     shown = repr(value)
+    return shown if len(shown) <= 80 else f"{shown[:60]}... ({len(shown)} characters)"
+
+
+def _bad(name: str, expected: str, value: Any) -> InfiniError:
     return InfiniError(
-        Status.BAD_PARAM, f"{name} must be {expected}, got {shown[:80]} ({type(value).__name__})"
+        Status.BAD_PARAM, f"{name} must be {expected}, got {_shown(value)} ({type(value).__name__})"
     )
+
+
+@contextmanager
+def _refused_as(name: str, c_type: str) -> Iterator[None]:
+    """Any error the caller's object raises while it is read (its ``__index__``,
+    ``__float__``, ``_as_parameter_``...) becomes a BAD_PARAM naming the parameter, as ctypes
+    refuses what it cannot convert."""
+    try:
+        yield
+    except InfiniError:
+        raise
+    except (ArithmeticError, TypeError, ValueError) as exc:
+        raise InfiniError(
+            Status.BAD_PARAM, f"{name} cannot be passed as {c_type}: {type(exc).__name__}: {exc}"
+        ) from None
 
 
 def _unwrap(value: Any) -> Any:
@@ -77,9 +98,14 @@ def double(value: Any, name: str) -> float:
     """A ``double`` parameter: any real Python or NumPy number, ctypes float or integer."""
     if _ctype_code(value) in _INTEGER_CODES | _FLOAT_CODES:
         value = value.value
-    if isinstance(value, numbers.Real):
+    if not isinstance(value, numbers.Real):
+        raise _bad(name, "a number (double)", value)
+    try:
         return float(value)
-    raise _bad(name, "a number (double)", value)
+    except OverflowError:
+        raise InfiniError(
+            Status.BAD_PARAM, f"{name} is {_shown(value)}, outside the range of double"
+        ) from None
 
 
 def _raw_address(value: Any, name: str) -> int:
@@ -216,6 +242,10 @@ def in_array(element: type, c_type: str) -> Converter:
             items = _Memory(element, host_address(address, name), None)
 
         def read(n: int) -> tuple[int, ...]:
+            with _refused_as(name, c_type):
+                return _entries(n)
+
+        def _entries(n: int) -> tuple[int, ...]:
             if isinstance(items, _Memory):
                 values = items.read(n, name)
             elif len(items) != n:
@@ -274,9 +304,16 @@ def converter(c_type: str) -> Converter:
         "ptrdiff_t const *": in_array(ctypes.c_ssize_t, "ptrdiff_t"),
     }
     if c_type in fixed:
-        return fixed[c_type]
-    if c_type.startswith("infiniop") and c_type.endswith("_t *"):
-        return out(_is_pointer_type, "pointer (c_void_p)", POINTER_SIZE)
-    if c_type.startswith("infiniop") and c_type.endswith("_t"):
-        return handle
-    raise ValueError(f"no conversion for C type {c_type!r}")
+        convert = fixed[c_type]
+    elif c_type.startswith("infiniop") and c_type.endswith("_t *"):
+        convert = out(_is_pointer_type, "pointer (c_void_p)", POINTER_SIZE)
+    elif c_type.startswith("infiniop") and c_type.endswith("_t"):
+        convert = handle
+    else:
+        raise ValueError(f"no conversion for C type {c_type!r}")
+
+    def refusing(value: Any, name: str) -> Any:
+        with _refused_as(name, c_type):
+            return convert(value, name)
+
+    return refusing

@@ -8,7 +8,8 @@ Handles and descriptors are opaque pointer-sized values naming Python objects he
 chosen outside user space so that a handle passed where an address belongs is refused.
 Nothing here raises: an error (a refused argument, a wrong argument count, a keyword
 argument, which a C function cannot take) becomes its status and ``last_error()`` tells
-what was wrong with which argument. A failed create registers nothing.
+what was wrong with which argument. A failed create registers nothing. Only the caller's
+own ``KeyboardInterrupt`` or ``TimeoutError`` (a signal handler's) passes through.
 """
 
 import ctypes
@@ -137,6 +138,8 @@ def _c_function(func: Callable[..., None]) -> Callable[..., int]:
         except InfiniError as exc:
             _last_error.message = str(exc)
             return int(exc.status)
+        except TimeoutError:  # the caller's own (a signal handler's), as KeyboardInterrupt
+            raise
         except Exception as exc:  # a C caller cannot catch Python exceptions
             _last_error.message = f"INTERNAL_ERROR: {type(exc).__name__}: {exc}"
             return int(Status.INTERNAL_ERROR)

@@ -26,7 +26,11 @@ What CuPy 13 meant by its arguments, and how it maps onto ``cudnn_bn``'s ``(N, C
   ``(1, C, 1, 1)``, ...). They are used as cuDNN's parameter dtype (float32, or float64 for
   float64 ``x``), as CuPy 13 did; running statistics are written back in place in their own
   dtype and shape; saved statistics come back in ``gamma``'s shape and that parameter dtype;
-  ``ggamma``/``gbeta`` in ``gamma``'s shape and dtype.
+  ``ggamma``/``gbeta`` in ``gamma``'s shape and that parameter dtype, or x's dtype where
+  gamma's is not the parameter dtype (CuPy 13 casts them back).
+- An empty batch (N = 0, or any size of x but its channels 0) gives what torch gives: an
+  empty ``y``/``gx``, zero ``ggamma``/``gbeta``, the running statistics unchanged, and
+  ``mean``/``inv_std`` not written (torch's saved statistics are uninitialized there).
 - ``decay`` is Chainer's: the running update uses ``momentum = 1 - decay``.
 - ``debug=True`` with ``CUDNN_BATCHNORM_SPATIAL_PERSISTENT`` does what CuPy 13 did: after a
   cuDNN pass, wait for it (``cudnnQueryRuntimeError``, blocking) and warn if cuDNN reports
@@ -87,6 +91,13 @@ class _Problem(NamedTuple):
     undo_param: Callable[[Any, tuple[int, ...]], Any]
     persistent: bool | None
     count: int  # elements of every per-channel array
+    shape: tuple[int, ...]  # x's
+    param_dtype: np.dtype  # cuDNN's parameter dtype: float64 for float64 x, else float32
+
+    @property
+    def empty(self) -> bool:
+        """No values per channel (N = 0, or another size but C is 0)."""
+        return math.prod(self.shape) == 0
 
     def params(self, **arrays: Any) -> list[Any]:
         """The per-channel ``arrays`` (None stays None) in cuDNN's order and dtype, after
@@ -95,7 +106,8 @@ class _Problem(NamedTuple):
             if array is not None and math.prod(array.shape) != self.count:
                 raise InfiniError(
                     Status.BAD_TENSOR_SHAPE,
-                    f"{name} has shape {tuple(array.shape)}; expected {self.count} elements",
+                    f"{name} has shape {tuple(array.shape)}; expected {self.count} elements "
+                    f"for x of shape {self.shape}",
                 )
         return [None if a is None else self.param(a) for a in arrays.values()]
 
@@ -123,7 +135,15 @@ def _arrays(optional: tuple[str, ...] = (), **arrays: Any) -> dict[str, Operand]
 
 
 def _problem(x: Any, is_for_conv2d: bool, cudnn_mode: int, d_layout: int) -> _Problem:
-    """Map CuPy 13's ``(x, is_for_conv2d, cudnn_mode, d_layout)`` onto cudnn_bn's view."""
+    """Map CuPy 13's ``(x, is_for_conv2d, cudnn_mode, d_layout)`` onto cudnn_bn's view; any
+    size of x but its channels may be 0."""
+    problem = _view(x, is_for_conv2d, cudnn_mode, d_layout)
+    if problem.count == 0:
+        raise InfiniError(Status.BAD_TENSOR_SHAPE, f"x has shape {problem.shape}: no channels")
+    return problem
+
+
+def _view(x: Any, is_for_conv2d: bool, cudnn_mode: int, d_layout: int) -> _Problem:
     if isinstance(cudnn_mode, bool) or cudnn_mode not in BatchNormMode._value2member_map_:
         raise InfiniError(
             Status.BAD_PARAM, f"unknown cudnn_mode {cudnn_mode!r}; expected 0, 1 or 2"
@@ -139,10 +159,11 @@ def _problem(x: Any, is_for_conv2d: bool, cudnn_mode: int, d_layout: int) -> _Pr
             Status.BAD_TENSOR_SHAPE,
             f"d_layout=CUDNN_TENSOR_NHWC needs a 4-D x (N, H, W, C), got {shape}",
         )
-    if not shape or math.prod(shape) == 0 or (is_for_conv2d and len(shape) < 2):
+    if not shape or (is_for_conv2d and len(shape) < 2):
         raise InfiniError(Status.BAD_TENSOR_SHAPE, f"x has shape {shape}; expected (N, C, ...)")
     # cuDNN's parameter dtype: float64 for float64 input, float32 otherwise.
     dtype = np.dtype(np.float64 if np.dtype(x.dtype) == np.float64 else np.float32)
+    info = (shape, dtype)
 
     def to_shape(a: Any) -> Any:
         return a.reshape(shape)
@@ -156,7 +177,7 @@ def _problem(x: Any, is_for_conv2d: bool, cudnn_mode: int, d_layout: int) -> _Pr
     if not is_for_conv2d:
         channels = shape[-1]
         return _Problem(
-            lambda a: a.reshape(-1, channels), to_shape, param, undo_param, None, channels
+            lambda a: a.reshape(-1, channels), to_shape, param, undo_param, None, channels, *info
         )
     if cudnn_mode != CUDNN_BATCHNORM_PER_ACTIVATION:
         persistent = cudnn_mode == CUDNN_BATCHNORM_SPATIAL_PERSISTENT
@@ -168,15 +189,17 @@ def _problem(x: Any, is_for_conv2d: bool, cudnn_mode: int, d_layout: int) -> _Pr
                 undo_param,
                 persistent,
                 shape[3],
+                *info,
             )
-        return _Problem(lambda a: a, lambda a: a, param, undo_param, persistent, shape[1])
-
-    def flat(a: Any) -> Any:
-        return a.reshape(shape[0], -1)
+        return _Problem(lambda a: a, lambda a: a, param, undo_param, persistent, shape[1], *info)
 
     count = math.prod(shape[1:])
+
+    def flat(a: Any) -> Any:
+        return a.reshape(shape[0], count)
+
     if not nhwc:
-        return _Problem(flat, to_shape, param, undo_param, None, count)
+        return _Problem(flat, to_shape, param, undo_param, None, count, *info)
     # Per activation on (N, H, W, C): x's elements are in (H, W, C) order, cuDNN's parameters
     # (its derived 1xCxHxW descriptor) in (C, H, W) order.
     _, h, w, c = shape
@@ -187,6 +210,7 @@ def _problem(x: Any, is_for_conv2d: bool, cudnn_mode: int, d_layout: int) -> _Pr
         lambda p, to: p.reshape(h, w, c).transpose(2, 0, 1).reshape(to),
         None,
         count,
+        *info,
     )
 
 
@@ -263,15 +287,17 @@ def _forward_training(
         persistent=problem.persistent,
         check_overflow=_overflow_check(debug, cudnn_mode),
     )
-    for target, flat in zip((running_mean, running_var), running, strict=True):
-        if target is not None:
-            _write(target, flat, problem)
     y, save_mean, save_inv_std = outputs
     shape = tuple(gamma.shape)
     save_mean, save_inv_std = (problem.undo_param(s, shape) for s in (save_mean, save_inv_std))
+    if not problem.empty:  # else, as torch, running statistics unchanged, saved ones unset
+        for target, flat in zip((running_mean, running_var), running, strict=True):
+            if target is not None:
+                _write(target, flat, problem)
+        if mean is not None:
+            mean[...] = save_mean
+            inv_std[...] = save_inv_std
     if mean is not None:
-        mean[...] = save_mean
-        inv_std[...] = save_inv_std
         save_mean, save_inv_std = mean, inv_std
     return outputs.reserve, problem.undo_data(y), save_mean, save_inv_std
 
@@ -372,6 +398,10 @@ def batch_normalization_backward(
         raise InfiniError(
             Status.BAD_TENSOR_SHAPE, f"gy has shape {tuple(gy.shape)}; expected x's {x.shape}"
         )
+    if np.dtype(gy.dtype) != np.dtype(x.dtype):
+        raise InfiniError(
+            Status.BAD_TENSOR_DTYPE, f"gy has dtype {gy.dtype}; expected x's {x.dtype}"
+        )
     weight, saved_mean, saved_invstd = problem.params(gamma=gamma, mean=mean, inv_std=inv_std)
     gx, ggamma, gbeta = batch_norm_backward(
         problem.data(x),
@@ -387,9 +417,11 @@ def batch_normalization_backward(
         persistent=problem.persistent,
         check_overflow=_overflow_check(debug, cudnn_mode),
     )
+    # CuPy 13: made in the parameter dtype; cast to x's where gamma had to be cast.
+    dtype = problem.param_dtype if np.dtype(gamma.dtype) == problem.param_dtype else x.dtype
     shape = tuple(gamma.shape)
     ggamma, gbeta = (
-        problem.undo_param(g, shape).astype(gamma.dtype, copy=False) for g in (ggamma, gbeta)
+        problem.undo_param(g, shape).astype(dtype, copy=False) for g in (ggamma, gbeta)
     )
     return problem.undo_data(gx), ggamma, gbeta
 

@@ -145,7 +145,7 @@ class FakeCupy(types.ModuleType):
         self.device = 0
         self.stacks = {d: [current.get(d, 0)] for d in range(DEVICES)}
         self.entered: list[int] = []
-        self.log: list[tuple] = []  # ("alloc", device, stream, nbytes, ptr), events
+        self.log: list[tuple] = []  # ("alloc", device, stream, nbytes, ptr), events, memsets
         self.owners: dict[int, int] = {}  # allocation base -> device
         self.external_streams = 0  # ExternalStream objects made (deprecated in CuPy 14)
         self._addresses = itertools.count(BASE, 0x10_0000)
@@ -175,6 +175,9 @@ class FakeCupy(types.ModuleType):
                 setDevice=set_device,
                 pointerGetAttributes=pointer_attributes,
                 runtimeGetVersion=lambda: 12080,
+                memsetAsync=lambda ptr, value, size, stream: fake.log.append(
+                    ("memset", fake.device, stream, ptr, value, size)
+                ),
             ),
             Stream=stream_class,
             ExternalStream=external_stream,

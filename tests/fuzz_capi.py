@@ -5,20 +5,25 @@ dtype code and out-parameter forms, or one operator's whole cycle (create, attri
 queries, compute, destroy) on a good problem that one drawn spoiler may break: a bad
 dtype code, shape or stride, a NULL or wrong-kind or destroyed descriptor, a NULL data
 pointer, a bad attribute or workspace size, a wrong argument count or a keyword, misuse of
-the lifecycle. Scalars come as Python numbers, NumPy scalars or ctypes values; out-
-parameters as ``byref``, ``pointer``, arrays, addresses, or things ctypes would refuse.
+the lifecycle, or attribute changes racing computes from another thread. Scalars come as
+Python numbers, NumPy scalars or ctypes values; out-parameters as ``byref``, ``pointer``,
+arrays, addresses, or things ctypes would refuse.
 
 Invariants: every call returns a plain int among its function's documented statuses
 (never INTERNAL_ERROR on the CPU) with a message when it fails; out-parameter storage and
 every tensor's buffer, with guard zones around it, are untouched by a failed call; a
-computed result equals PyTorch's float64 one within ``helpers.TOL``; inputs are never
+computed result equals PyTorch's float64 one within ``helpers.TOL`` (for an empty batch,
+drawn now and then: zero grad_weight/grad_bias and nothing else written); inputs are never
 written; after the example, no object is left registered.
 """
 
 import ctypes
 import math
+import sys
+import threading
 
 import numpy as np
+import torch
 from fuzzing import COUNTS, SETTINGS, child_main, problem_values, violation
 from helpers import TOL, reference, torch_inference, torch_training
 from hypothesis import given
@@ -187,7 +192,7 @@ def integer(value: int) -> st.SearchStrategy:
     return st.sampled_from(forms)
 
 
-BAD_SCALARS = ["1", b"1", None, [1], 1.5j, ctypes.c_char_p(b"x")]
+BAD_SCALARS = ["1", b"1", None, [1], 1.5j, ctypes.c_char_p(b"x"), 10**400, -(10**400)]
 
 
 # --- tensors in guarded buffers -------------------------------------------------------------
@@ -198,6 +203,7 @@ class Buffer:
 
     def __init__(self, shape, strides, dtype, values=None) -> None:
         extent = sum((n - 1) * s for n, s in zip(shape, strides, strict=True)) + 1
+        extent = extent if 0 not in shape else 0
         self.base = np.full(extent + 2 * GUARD, FILL, dtype)
         item = self.base.itemsize
         self.view = np.lib.stride_tricks.as_strided(
@@ -213,6 +219,9 @@ class Buffer:
 
     def unchanged(self) -> bool:
         return self.base.tobytes() == self.before
+
+    def restore(self) -> None:
+        self.base[...] = np.frombuffer(self.before, self.base.dtype)
 
 
 def layout_strides(shape, layout: str, rng: np.random.Generator) -> tuple[int, ...]:
@@ -332,8 +341,9 @@ SPOILERS = [
     "overlapping_output", "negative_stride", "null_desc", "handle_as_tensor", "tensor_as_handle",
     "destroyed_tensor", "destroyed_handle", "null_data", "bad_eps", "bad_mode_or_momentum",
     "bad_scalar", "workspace_size", "arg_count", "keyword", "wrong_kind_op", "double_destroy",
-    "use_after_destroy", "size_out",
+    "use_after_destroy", "size_out", "concurrent_attributes",
 ]  # fmt: skip
+RACES = 100  # computes racing attribute changes in a "concurrent_attributes" example
 
 
 @st.composite
@@ -345,6 +355,9 @@ def cycle(draw):
     shape = (rest[0], c, *rest[1:])
     if math.prod(shape) // c < 2:
         shape = (shape[0] + 1, *shape[1:])
+    if draw(st.integers(0, 7)) == 0:  # an empty batch: N = 0, or another size but C
+        axis = draw(st.sampled_from([0, *range(2, ndim)]))
+        shape = (*shape[:axis], 0, *shape[axis + 1 :])
     return dict(
         op=op,
         shape=shape,
@@ -476,6 +489,7 @@ def fuzz_cycle(data) -> None:
                 None,
             )
         setter = getattr(capi, f"infiniopSet{op}Attributes")
+        args_set = args
         status = call(setter, op_desc, *(a for a, _ in args))
         if status == S.SUCCESS:
             if any(seen is None for _, seen in args):
@@ -513,6 +527,10 @@ def fuzz_cycle(data) -> None:
             args = args[:-1] if data.draw(st.booleans()) else [*args, None]
         elif spoiler == "keyword":
             kwargs = {"stream": args.pop()}
+        if spoiler == "concurrent_attributes":
+            _race(setter, op_desc, attributes, [a for a, _ in args_set], p, compute, args)
+            for b in buffers.values():  # the raced computes updated running statistics
+                b.restore()
         status = call(compute, *args, **kwargs)
         computed = status == S.SUCCESS
         if spoiler == "double_destroy" and op_desc is not None:
@@ -523,10 +541,46 @@ def fuzz_cycle(data) -> None:
     written = set(tensors[:outputs]) | {
         n for n in READ_AND_WRITTEN.get(op, ()) if descs[n] is not None
     }
+    if 0 in shape:  # as torch: only zero weight and bias gradients, nothing else written
+        written &= {"grad_weight", "grad_bias"}
     _check_memory(op, buffers, rounded, computed, attrs, written, storage)
     if spoiler == "none" and not computed:
         raise violation("wrong", f"a good {op} problem failed: {capi.last_error()}")
     _destroy(handles)
+
+
+def _race(setter, op_desc: int, names: tuple, values: list, p: dict, compute, args: list) -> None:
+    """Compute ``RACES`` times while another thread sets other good attributes (eps 0.1, the
+    next mode, momentum 0.5) and the drawn ``values`` in turn, ending with the drawn ones,
+    threads switching often: each compute succeeds (the call after this one, on restored
+    buffers, checks the result)."""
+    other = [{"eps": 0.1, "mode": (p["mode"] + 1) % 4, "momentum": 0.5}[n] for n in names]
+    attributes = values
+    stop, failures = threading.Event(), []
+
+    def change() -> None:
+        try:
+            while not stop.is_set():
+                for values in (other, attributes):
+                    if call(setter, op_desc, *values) != S.SUCCESS:
+                        raise violation("wrong", f"setting {values} failed: {capi.last_error()}")
+        except BaseException as exc:  # reported by the computing thread
+            failures.append(exc)
+
+    thread, interval = threading.Thread(target=change), sys.getswitchinterval()
+    sys.setswitchinterval(1e-5)
+    thread.start()
+    try:
+        for _ in range(RACES):
+            COUNTS["raced_computes"] += 1
+            if call(compute, *args) != S.SUCCESS:
+                raise violation("wrong", f"a raced compute failed: {capi.last_error()}")
+    finally:
+        stop.set()
+        thread.join()
+        sys.setswitchinterval(interval)
+    if failures:
+        raise failures[0]
 
 
 CREATED: list = []  # (kind, value) of what the example created and has not destroyed
@@ -543,7 +597,10 @@ def _check_memory(op, buffers, rounded, computed, attrs, written, storage) -> No
         return
     tol = TOL[np.dtype(storage)]
     got = {n: buffers[n].view.astype(np.float64) for n in written}
-    if op == "BatchNormBackward":
+    if rounded["input"].size == 0:
+        COUNTS["empty_batches_checked"] += 1
+        want = {n: torch.zeros(buffers[n].shape, dtype=torch.float64) for n in written}
+    elif op == "BatchNormBackward":
         mode = ["train", "saved", "eval", "saved"][attrs["mode"]]
         stats = {"mean": rounded["running_mean"]}
         stats["invstd" if attrs["mode"] == 3 else "var"] = rounded["running_var"]

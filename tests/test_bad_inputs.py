@@ -257,7 +257,6 @@ def _data_shape_cases() -> list[Case]:
     for label, shape in (
         ("1-D", (N * C * L,)),
         ("6-D", (N, C, 2, 1, 2, 1)),
-        ("zero-size", (0, C, L)),
         ("zero-channel", (N, 0, L)),
     ):
         cases.append(

@@ -8,6 +8,7 @@ count) is a status naming the argument, with nothing written and nothing registe
 """
 
 import ctypes
+import fractions
 
 import numpy as np
 import pytest
@@ -283,3 +284,62 @@ def test_cpu_data_pointers_must_be_host_addresses():
     ok(capi.infiniopBatchNormBackward(op, 0, 0, *pointers, 1))  # a stream is not read
     ok(capi.infiniopDestroyBatchNormBackwardDescriptor(op))
     ok(capi.infiniopDestroyHandle(handle))
+
+
+class _Raises:
+    """A caller's object whose conversion to a C value raises ``error``."""
+
+    def __init__(self, error: BaseException) -> None:
+        self.error = error
+
+    def __index__(self) -> int:
+        raise self.error
+
+    def __float__(self) -> float:
+        raise self.error
+
+
+@pytest.mark.parametrize(
+    ("operator", "attributes", "bad"),
+    [
+        ("BatchNormBackward", (10**400, 0), "eps"),
+        ("BatchNormBackward", (-(10**400), 0), "eps"),
+        ("BatchNormBackward", (1e-5, 10**400), "mode"),
+        ("BatchNormForwardTraining", (10**400, 0.1), "eps"),
+        ("BatchNormForwardTraining", (1e-5, fractions.Fraction(10**400)), "momentum"),
+        ("BatchNormForwardInference", (10**400,), "eps"),
+    ],
+)
+def test_numbers_no_c_type_holds_are_bad_param(operator, attributes, bad):
+    """``eps = 10**400``: ctypes refuses it (OverflowError), so a BAD_PARAM naming eps, not
+    INTERNAL_ERROR (issue 16, finding 13)."""
+    desc = ctypes.c_void_p(0x1234_5678)  # never looked up: the conversion fails first
+    status = getattr(capi, f"infiniopSet{operator}Attributes")(desc, *attributes)
+    _status(status, Status.BAD_PARAM, bad)
+
+
+@pytest.mark.parametrize("error", [ValueError("no"), OverflowError("big"), ZeroDivisionError()])
+@pytest.mark.parametrize("where", ["ndim", "shape_entry", "dtype", "desc_ptr", "size"])
+def test_a_conversion_the_callers_object_fails_is_bad_param(where, error):
+    """What the caller's object raises while it is converted is a BAD_PARAM naming the
+    parameter, with nothing written."""
+    desc, bad = ctypes.c_void_p(), _Raises(error)
+    args = {"desc_ptr": ctypes.byref(desc), "ndim": 2, "shape": [2, 3], "dtype": F32}
+    name = where
+    if where == "shape_entry":
+        args["shape"], name = [2, bad], "shape"
+    elif where == "size":
+        args["shape"], name = bad, "shape"
+    else:
+        args[where] = bad
+    status = capi.infiniopCreateTensorDescriptor(
+        args["desc_ptr"], args["ndim"], args["shape"], None, args["dtype"]
+    )
+    _status(status, Status.BAD_PARAM, name)
+    assert desc.value is None
+
+
+def test_the_callers_timeout_passes_through():
+    """A signal handler's ``TimeoutError`` raised inside a call is the caller's own."""
+    with pytest.raises(TimeoutError):
+        capi.infiniopCreateTensorDescriptor(None, _Raises(TimeoutError()), [2], None, F32)

@@ -5,6 +5,7 @@ it to torch's ``(N, C, ...)`` by hand (``Case.view``) and compares in float64 wi
 ``helpers.assert_close``: InfiniCore's tolerances, atol = rtol = 2e-5 for F32 and 1e-2 for F16.
 """
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -38,7 +39,7 @@ class Case:
             return t.reshape(-1, self.shape[-1])
         if self.layout == NHWC:
             t = t.permute(0, 3, 1, 2)
-        return t.reshape(t.shape[0], -1) if self.mode == PER_ACTIVATION else t
+        return t.reshape(t.shape[0], math.prod(t.shape[1:])) if self.mode == PER_ACTIVATION else t
 
     @property
     def params(self) -> int:
@@ -335,3 +336,112 @@ def test_wrong_gamma_size_raises_infini_error():
         cudnn.batch_normalization_forward_inference(
             x, gamma, gamma, gamma, gamma, EPS, True, SPATIAL
         )
+
+
+@pytest.mark.parametrize(
+    ("x_dtype", "gamma_dtype", "want"),
+    [
+        (np.float64, np.float32, np.float64),  # gamma cast to cuDNN's float64: back to x's
+        (np.float32, np.float64, np.float32),
+        (np.float16, np.float64, np.float16),
+        (np.float16, np.float32, np.float32),  # gamma already cuDNN's dtype: kept
+        (np.float64, np.float64, np.float64),
+    ],
+)
+def test_backward_gradients_come_back_in_cupy_13s_dtype(x_dtype, gamma_dtype, want):
+    """CuPy 13.6.0 (``cupyx/cudnn.pyx``): ``ggamma``/``gbeta`` are made in cuDNN's parameter
+    dtype and, where gamma had to be cast to it, cast to x's dtype (issue 16, finding 16)."""
+    case = CASES["nchw-spatial"]
+    x, gy, gamma, *_ = make(case, x_dtype, gamma_dtype)
+    param = np.float64 if x_dtype == np.float64 else np.float32
+    mean, invstd = np.zeros(3, param), np.ones(3, param)
+    _, ggamma, gbeta = cudnn.batch_normalization_backward(
+        x, gamma, gy, mean, invstd, EPS, True, SPATIAL, False
+    )
+    assert ggamma.dtype == gbeta.dtype == want
+    assert ggamma.shape == gbeta.shape == gamma.shape
+
+
+EMPTY_CASES = {
+    "2d": Case((0, 5), False, SPATIAL),
+    "nchw-spatial": Case((0, 3, 5, 6), True, SPATIAL),
+    "nchw-no-width": Case((4, 3, 5, 0), True, SPATIAL),
+    "nhwc-persistent": Case((0, 5, 6, 3), True, PERSISTENT, NHWC),
+    "nchw-per-activation": Case((0, 3, 2, 4), True, PER_ACTIVATION),
+}
+empty_cases = pytest.mark.parametrize("case", EMPTY_CASES.values(), ids=EMPTY_CASES.keys())
+
+
+def torch_empty(case: Case, x, gamma, beta, running_mean, running_var) -> dict:
+    """torch's float64 results on an empty batch: y, grad of gamma/beta (autograd of a sum)
+    and the running statistics after the call."""
+    w = f64(gamma).reshape(-1).requires_grad_()
+    b = f64(beta).reshape(-1).requires_grad_()
+    rm, rv = f64(running_mean).reshape(-1), f64(running_var).reshape(-1)
+    y = F.batch_norm(case.view(f64(x)), rm, rv, w, b, training=True, momentum=1 - DECAY, eps=EPS)
+    y.sum().backward()
+    return {"y": y.detach(), "ggamma": w.grad, "gbeta": b.grad, "rm": rm, "rv": rv}
+
+
+@empty_cases
+@pytest.mark.parametrize("given_saved", [False, True])
+def test_an_empty_batch_is_what_torch_gives(case, given_saved):
+    """N = 0 (or another zero size but C): empty y and gx, running statistics unchanged,
+    given mean/inv_std left as they are (torch's saved statistics are ``at::empty``), zero
+    ggamma/gbeta; every function (issue 16, finding 14)."""
+    x, gy, gamma, beta, rm, rv = make(case)
+    before = rm.copy(), rv.copy()
+    want = torch_empty(case, x, gamma, beta, rm, rv)
+    mean, inv_std = (np.full(gamma.shape, 7.0, np.float32) for _ in range(2))
+    saved = (mean, inv_std) if given_saved else (None, None)
+    got = cudnn.batch_normalization_forward_training_ex(
+        x, gamma, beta, rm, rv, *saved, EPS, DECAY, case.conv, case.mode, False, case.layout
+    )
+    y = got[1]
+    assert y.shape == x.shape and y.dtype == x.dtype
+    np.testing.assert_array_equal(rm, want["rm"].numpy().reshape(rm.shape))
+    np.testing.assert_array_equal(rm, before[0])
+    np.testing.assert_array_equal(rv, before[1])
+    if given_saved:
+        assert (mean == 7.0).all() and (inv_std == 7.0).all()
+    else:
+        mean, inv_std = got[2:]
+        assert mean.shape == inv_std.shape == gamma.shape
+    y = cudnn.batch_normalization_forward_inference(
+        x, gamma, beta, rm, rv, EPS, case.conv, case.mode, case.layout
+    )
+    assert y.shape == x.shape and y.dtype == x.dtype
+    gx, ggamma, gbeta = cudnn.batch_normalization_backward(
+        x, gamma, gy, np.zeros_like(gamma), np.ones_like(gamma), EPS, case.conv, case.mode,
+        False, case.layout, reserve_space=got[0],
+    )  # fmt: skip
+    assert gx.shape == x.shape and gx.dtype == x.dtype
+    np.testing.assert_array_equal(ggamma.reshape(-1), want["ggamma"].numpy())
+    np.testing.assert_array_equal(gbeta.reshape(-1), want["gbeta"].numpy())
+    assert ggamma.shape == gamma.shape
+
+
+@pytest.mark.parametrize("shape", [(4, 0), (4, 0, 5, 6)])
+def test_no_channels_is_refused_naming_x(shape):
+    x = np.zeros(shape, np.float32)
+    gamma = np.ones(0, np.float32)
+    with pytest.raises(ValueError, match=r"\bx\b.*no channels"):
+        cudnn.batch_normalization_forward_inference(
+            x, gamma, gamma, gamma, gamma, EPS, len(shape) == 4, SPATIAL
+        )
+
+
+def test_a_channel_count_mismatch_names_x_and_gamma():
+    """x with 4 channels and a gamma of 3: the message names both as CuPy 13 does (issue 16,
+    finding 11)."""
+    x = np.zeros((2, 4), np.float32)
+    gamma = np.ones(3, np.float32)
+    with pytest.raises(ValueError, match=r"\bgamma\b.*\bx\b"):
+        cudnn.batch_normalization_forward_inference(x, gamma, gamma, gamma, gamma, EPS, False, 1)
+
+
+def test_gy_of_another_dtype_is_named_with_numpys_dtype_names():
+    x, gy = np.zeros((2, 3), np.float32), np.zeros((2, 3), np.float16)
+    gamma = np.ones(3, np.float32)
+    with pytest.raises(TypeError, match=r"gy has dtype float16; expected x's float32"):
+        cudnn.batch_normalization_backward(x, gamma, gy, gamma, gamma, EPS, False, 1, False)

@@ -197,10 +197,10 @@ def test_the_pass_scope_makes_the_stream_current_on_the_tensors_device(monkeypat
     from cudnn_bn import arrays
     from cudnn_bn.distributed.kinds import scope
 
-    arrays._torch_stream.cache_clear()
+    arrays.torch_stream.cache_clear()
     with fake_torch(monkeypatch, {0: 0xA00, 1: 0xA10}) as log:
         tensor = torch_tensor((4, 3), device=1)
         with scope(tensor, 0x5B00, 1):
             torch.empty_strided((3,), (1,), dtype=torch.float32, device=tensor.device)
-    arrays._torch_stream.cache_clear()
+    arrays.torch_stream.cache_clear()
     assert log == [(1, 0x5B00)]

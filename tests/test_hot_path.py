@@ -124,7 +124,15 @@ def test_a_partial_out_allocates_the_rest():
     assert got[0] is grad_input and got[1].shape == (C,)
 
 
-@pytest.mark.parametrize("case", ["read-only", "wrong shape", "aliases input", "wrong count"])
+BAD_OUT = {
+    "read-only": Status.BAD_PARAM,
+    "wrong shape": Status.BAD_TENSOR_SHAPE,
+    "aliases input": Status.BAD_PARAM,
+    "wrong count": Status.BAD_PARAM,
+}
+
+
+@pytest.mark.parametrize("case", BAD_OUT)
 def test_bad_out_arrays_are_refused_and_nothing_is_written(case):
     x, dy, w, _ = problem()
     grad_input, grad_weight = np.full_like(x, 7.0), np.full(C, 7.0)
@@ -136,8 +144,9 @@ def test_bad_out_arrays_are_refused_and_nothing_is_written(case):
         grad_input = dy  # grad_output is read while grad_input is written
     out = (grad_input, grad_weight) if case == "wrong count" else (grad_input, grad_weight, None)
     before = dy.copy()
-    with pytest.raises(InfiniError, match=r"out|grad_weight"):
+    with pytest.raises(InfiniError, match=r"out|grad_weight") as caught:
         cudnn_bn.batch_norm_backward(x, dy, w, None, None, out=out)
+    assert caught.value.status == BAD_OUT[case], str(caught.value)
     assert (grad_weight == 7.0).all() and np.array_equal(dy, before)
     if case != "aliases input":
         assert (grad_input == 7.0).all()
@@ -192,9 +201,18 @@ def test_errors_about_saved_statistics_name_them():
 def test_batched_is_one_call_equal_to_each_problem_alone():
     xb, dyb, _, _ = problem((5, 4, C, 6))
     wb = np.random.default_rng(1).uniform(0.5, 1.5, (5, C))
-    cudnn_bn.descriptor_cache.clear()
-    got = cudnn_bn.batch_norm_backward_batched(xb, dyb, wb, None, None)
-    assert len(cudnn_bn.descriptor_cache) == 1  # one problem, (N, B*C, ...)
+    computes = []
+    compute = cudnn_bn.BatchNormBackwardDescriptor.compute
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(
+            cudnn_bn.BatchNormBackwardDescriptor,
+            "compute",
+            lambda self, *a, **k: (
+                computes.append(self.tensors.input.shape) or compute(self, *a, **k)
+            ),
+        )
+        got = cudnn_bn.batch_norm_backward_batched(xb, dyb, wb, None, None)
+    assert computes == [(4, 5 * C, 6)]  # one call: the batch folded into the channels
     for i in range(5):
         _, gx, gw, gb = torch_training(xb[i], dyb[i], wb[i], np.zeros(C))
         close(got[0][i], gx)

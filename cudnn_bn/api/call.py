@@ -146,6 +146,22 @@ def typed(values: tuple) -> tuple:
     )
 
 
+class Key:
+    """A plan's key, hashed once: a call's cache look-up and its move to the front would each
+    hash the nested tuple again (tuples do not keep their hash)."""
+
+    __slots__ = ("hashed", "values")
+
+    def __init__(self, values: tuple) -> None:
+        self.values, self.hashed = values, hash(values)
+
+    def __hash__(self) -> int:
+        return self.hashed
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Key) and self.values == other.values
+
+
 def _cupy_array_type() -> Any:
     """CuPy's ndarray class where CuPy is imported (None otherwise)."""
     cupy = sys.modules.get("cupy")
@@ -201,9 +217,8 @@ def run(spec: Pass, arrays: dict[str, Any], raw: tuple, stream: Any) -> Any:
         for at, name in others:
             found = operand(spell(name, name), arrays[name], consumer, written=name in spec.written)
             described[name], ptrs[name], signatures[at] = found, found.ptr, found.signature
-    key = tuple(signatures)
     try:
-        hash(key)
+        key = Key(tuple(signatures))
     except TypeError:  # an unhashable option: its validation says which
         spec.options(raw, arrays)
         raise InfiniError(Status.BAD_PARAM, f"unhashable option among {raw!r}") from None

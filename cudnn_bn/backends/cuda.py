@@ -141,3 +141,20 @@ def wait_for(stream: int, producer: int, device_id: int) -> None:
         event = cuda.Event(block=False, disable_timing=True)
         event.record(cupy_stream(producer, device_id))
         cupy_stream(stream, device_id).wait_event(event)
+
+
+def zero_rows_async(
+    ptr: int, pitch: int, width: int, height: int, stream: int, device_id: int
+) -> None:
+    """Zero ``height`` rows of ``width`` bytes, ``pitch`` bytes apart, at device address
+    ``ptr``, queued on ``stream`` (no sync): ``cudaMemset2DAsync``'s contract, on CuPy's
+    ``memsetAsync`` (CuPy binds no 2-D memset): one call for packed rows, else one a row."""
+    runtime = _cupy().cuda.runtime
+    rows = (
+        [(ptr, width * height)]
+        if pitch == width or height == 1
+        else [(ptr + row * pitch, width) for row in range(height)]
+    )
+    with on_device(device_id):
+        for start, size in rows:
+            _runtime_call("cudaMemsetAsync", runtime.memsetAsync, start, 0, size, stream)

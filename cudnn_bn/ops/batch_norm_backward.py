@@ -62,6 +62,7 @@ class BatchNormBackwardDescriptor(OperatorDescriptor):
     """``infiniopBatchNormBackwardDescriptor_t``: validated tensors plus a built backend."""
 
     op_name = "BatchNormBackward"
+    zeroed_when_empty = ("grad_weight", "grad_bias")
 
     def __init__(
         self,
@@ -138,9 +139,9 @@ class BatchNormBackwardDescriptor(OperatorDescriptor):
     def mode(self) -> Mode:
         return self.attributes.mode
 
-    def needed_pointers(self) -> tuple[str, ...]:
+    def needed_pointers(self, attributes: BackwardAttributes) -> tuple[str, ...]:
         """The pointers this problem reads or writes: each must be non-NULL."""
-        a = self.attributes
+        a = attributes
         needed = ["input", "grad_output", "weight"]
         needed += [name for name, wanted in zip(OUTPUTS, a.output_mask, strict=True) if wanted]
         if a.mode.reads_statistics:
@@ -150,6 +151,10 @@ class BatchNormBackwardDescriptor(OperatorDescriptor):
         if a.fusion == Fusion.BN_ADD_RELU:
             needed.append("grad_z")
         return tuple(needed)
+
+    def uses_reserve(self, attributes: BackwardAttributes, ptrs: BackwardPointers) -> bool:
+        """A fused backward needs its forward's reserve; a plain one uses it when given."""
+        return attributes.fusion != Fusion.BN or bool(ptrs.reserve)
 
     def compute(
         self,
@@ -190,11 +195,4 @@ class BatchNormBackwardDescriptor(OperatorDescriptor):
             grad_z,
             reserve,
         )
-        fused = self.attributes.fusion != Fusion.BN
-        self._launch(
-            ptrs,
-            workspace,
-            workspace_size,
-            stream,
-            reserve_size=reserve_size if fused or reserve else None,
-        )
+        self._launch(ptrs, workspace, workspace_size, stream, reserve_size=reserve_size)

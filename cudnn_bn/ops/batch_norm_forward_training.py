@@ -99,12 +99,12 @@ class BatchNormForwardTrainingDescriptor(OperatorDescriptor):
             require("z_desc", self.tensors.z)
         return checked
 
-    def needed_pointers(self) -> tuple[str, ...]:
+    def needed_pointers(self, attributes: ForwardTrainingAttributes) -> tuple[str, ...]:
         """The pointers this problem reads or writes: each must be non-NULL."""
         t = self.tensors
         needed = ["output", "saved_mean", "saved_invstd", "input", "weight", "bias"]
         needed += [name for name in ("running_mean", "running_var") if getattr(t, name) is not None]
-        if self.attributes.fusion == Fusion.BN_ADD_RELU:
+        if attributes.fusion == Fusion.BN_ADD_RELU:
             needed.append("z")
         return tuple(needed)
 

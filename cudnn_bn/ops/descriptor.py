@@ -9,11 +9,13 @@ snippet that reproduces the problem.
 
 import dataclasses
 import enum
+import threading
 from typing import Any, ClassVar, NamedTuple, Self
 
 from ..enums import Device, Status
 from ..errors import InfiniError
 from ..runtime import Handle
+from .empty import EmptyProblem
 
 # The workspace holds F64 scratch, cuDNN's own and staged per-channel slices at 256-byte
 # offsets: refused unless 16-byte aligned (every CUDA and host allocator gives at least that).
@@ -36,57 +38,116 @@ def _show(value: Any) -> str:
     return repr(value.name.lower()) if isinstance(value, enum.Enum) else repr(value)
 
 
+class Build:
+    """One build of a descriptor: its checked attributes, the backend kernel made for them
+    and the pointers they need, swapped as one object so that a compute reads them once.
+
+    A compute holds the build it read (``users``); a retired build (replaced by
+    ``set_attributes`` or destroyed) closes its kernel when its last user lets go.
+    """
+
+    __slots__ = ("attributes", "kernel", "needed", "retired", "users")
+
+    def __init__(self, attributes: Any, kernel: Any, needed: tuple[str, ...]) -> None:
+        self.attributes, self.kernel, self.needed = attributes, kernel, needed
+        self.users, self.retired = 0, False
+
+    def close_if_free(self) -> None:
+        """Close the kernel of a retired build that no compute holds (lock held or sole owner)."""
+        if self.retired and not self.users and hasattr(self.kernel, "close"):
+            self.kernel.close()
+
+
 class OperatorDescriptor:
-    """Base of the operator descriptors: lifecycle, cached sizes, per-call checks."""
+    """Base of the operator descriptors: lifecycle, cached sizes, per-call checks.
+
+    Thread-safe as a C descriptor must be: ``set_attributes`` builds the new kernel aside and
+    swaps it in whole while other threads compute; each compute runs the build it leased.
+    """
 
     op_name: ClassVar[str]
+    zeroed_when_empty: ClassVar[tuple[str, ...]] = ()  # outputs a problem with no values zeroes
 
     def __init__(self, handle: Handle, tensors: NamedTuple, attributes: Any) -> None:
         self.handle = handle
         self.tensors = tensors
         self._backend_type = backend_class(handle.device, self.op_name)
-        self._kernel: Any = None
-        self._build(attributes)
+        self._lock = threading.Lock()
+        self._build: Build | None = self._make(attributes)
 
     def check_attributes(self, attributes: Any) -> Any:
         """The attributes, validated against the tensors (operators override this)."""
         return attributes
 
     def set_attributes(self, **changes: Any) -> None:
-        """Change some attributes and rebuild the backend kernel for them."""
-        self._live()
-        self._build(dataclasses.replace(self.attributes, **changes))
+        """Change some attributes: build a kernel for them, then swap it in; a compute
+        running meanwhile finishes with the build it started with."""
+        build = self._make(dataclasses.replace(self._live().attributes, **changes))
+        with self._lock:
+            old = self._build
+            if old is not None:
+                self._build = build
+            retired = build if old is None else old  # destroyed meanwhile: drop the new one
+            retired.retired = True
+            retired.close_if_free()
+        if old is None:
+            self._live()  # BAD_PARAM
 
-    def _build(self, attributes: Any) -> None:
+    def _make(self, attributes: Any) -> Build:
+        """A build for ``attributes``; a problem with no values per channel (a zero dimension
+        other than C) gets no backend kernel, only zeros for its ``zeroed_when_empty``."""
         attributes = self.check_attributes(attributes)
-        kernel = self._backend_type(self.tensors, attributes, self.handle.device_id)
-        self._release()
-        self.attributes, self._kernel = attributes, kernel
-        self._needed = self.needed_pointers()
+        needed = self.needed_pointers(attributes)
+        if self.tensors.input.numel:
+            kernel = self._backend_type(self.tensors, attributes, self.handle.device_id)
+            return Build(attributes, kernel, needed)
+        zeroed = {n: getattr(self.tensors, n) for n in self.zeroed_when_empty if n in needed}
+        kernel = EmptyProblem(zeroed, self.handle.device, self.handle.device_id)
+        empty = {
+            n for n, d in zip(self.tensors._fields, self.tensors, strict=True) if d and not d.numel
+        }
+        return Build(attributes, kernel, tuple(n for n in needed if n not in empty))
 
-    def needed_pointers(self) -> tuple[str, ...]:
-        """The pointers a compute reads or writes, each required to be non-NULL: by default
-        those of every tensor present (operators with optional operands override this)."""
+    def needed_pointers(self, attributes: Any) -> tuple[str, ...]:
+        """The pointers a compute with ``attributes`` reads or writes, each required to be
+        non-NULL: by default those of every tensor present (operators with optional operands
+        override this)."""
         return tuple(
             name
             for name, desc in zip(self.tensors._fields, self.tensors, strict=True)
             if desc is not None
         )
 
+    def uses_reserve(self, attributes: Any, ptrs: NamedTuple) -> bool:
+        """Whether a compute with ``attributes`` checks the reserve buffer it was given."""
+        return True
+
+    @property
+    def attributes(self) -> Any:
+        """The attributes of the current build."""
+        return self._live().attributes
+
+    @property
+    def _kernel(self) -> Any:
+        """The current backend kernel, None once destroyed."""
+        build = self._build
+        return None if build is None else build.kernel
+
     @property
     def engine(self) -> str:
-        """Which engine runs this problem: ``"numpy"``, ``"cudnn"`` or ``"cupy"``."""
-        return self._live().engine
+        """Which engine runs this problem: ``"numpy"``, ``"cudnn"`` or ``"cupy"``, or
+        ``"empty"`` for a problem with no values per channel."""
+        return self._live().kernel.engine
 
     @property
     def workspace_size(self) -> int:
         """Bytes of workspace each compute needs."""
-        return self._live().workspace_size
+        return self._live().kernel.workspace_size
 
     @property
     def reserve_size(self) -> int:
         """Bytes of reserve space a training forward fills for its backward (0: none)."""
-        return self._live().reserve_size
+        return self._live().kernel.reserve_size
 
     def _launch(
         self,
@@ -100,7 +161,24 @@ class OperatorDescriptor:
 
         ``reserve_size`` is the caller's reserve buffer size where the operator takes one.
         """
-        kernel = self._live()
+        build = self._lease()
+        try:
+            self._run(build, ptrs, workspace, workspace_size, stream, reserve_size)
+        finally:
+            with self._lock:
+                build.users -= 1
+                build.close_if_free()
+
+    def _run(
+        self,
+        build: Build,
+        ptrs: NamedTuple,
+        workspace: int,
+        workspace_size: int,
+        stream: int,
+        reserve_size: int | None,
+    ) -> None:
+        kernel = build.kernel
         if workspace_size < kernel.workspace_size:
             raise InfiniError(
                 Status.INSUFFICIENT_WORKSPACE,
@@ -117,26 +195,32 @@ class OperatorDescriptor:
                 Status.BAD_PARAM,
                 f"workspace {workspace:#x} is not {WORKSPACE_ALIGNMENT}-byte aligned",
             )
-        if reserve_size is not None and kernel.reserve_size:
+        needed = build.needed
+        if (
+            reserve_size is not None
+            and kernel.reserve_size
+            and self.uses_reserve(build.attributes, ptrs)
+        ):
             if reserve_size < kernel.reserve_size:
                 raise InfiniError(
                     Status.INSUFFICIENT_WORKSPACE,
                     f"reserve_size is {reserve_size} bytes; "
                     f"this descriptor needs {kernel.reserve_size}",
                 )
-            needed = (*self._needed, "reserve")
-        else:
-            needed = self._needed
+            needed = (*needed, "reserve")
         for name in needed:
             if not getattr(ptrs, name):
                 raise InfiniError(Status.NULL_POINTER, f"{name} is NULL")
         try:
             kernel.run(ptrs, workspace, stream)
         except InfiniError as exc:
-            raise InfiniError(exc.status, f"{str(exc).partition(': ')[2]}\n{self.repro()}") from exc
+            raise InfiniError(
+                exc.status, f"{str(exc).partition(': ')[2]}\n{self.repro(build)}"
+            ) from exc
 
-    def repro(self) -> str:
+    def repro(self, build: Build | None = None) -> str:
         """A description of this problem precise enough to rebuild it, for bug reports."""
+        build = build or self._live()
         lines = [
             f"To reproduce: {self.op_name} on {self.handle.device.name}:{self.handle.device_id}"
         ]
@@ -146,26 +230,37 @@ class OperatorDescriptor:
                     f"  {name}: {desc.dtype.name} shape {desc.shape} strides {desc.strides}"
                 )
         shown = ", ".join(
-            f"{f.name}={_show(getattr(self.attributes, f.name))}"
-            for f in dataclasses.fields(self.attributes)
+            f"{f.name}={_show(getattr(build.attributes, f.name))}"
+            for f in dataclasses.fields(build.attributes)
         )
-        lines.append(f"  attributes: {shown}  (engine {self._kernel.engine})")
+        lines.append(f"  attributes: {shown}  (engine {build.kernel.engine})")
         return "\n".join(lines)
 
     def destroy(self) -> None:
-        """Release the backend's resources; later use raises BAD_PARAM."""
+        """Release the backend's resources (once no compute uses them); later use raises
+        BAD_PARAM."""
         self._live()
         self._release()
 
     def _release(self) -> None:
-        kernel, self._kernel = self._kernel, None
-        if kernel is not None and hasattr(kernel, "close"):
-            kernel.close()
+        with self._lock:
+            build, self._build = self._build, None
+            if build is not None:
+                build.retired = True
+                build.close_if_free()
 
-    def _live(self) -> Any:
-        if self._kernel is None:
+    def _lease(self) -> Build:
+        """The current build, held until the caller drops ``users``."""
+        with self._lock:
+            build = self._live()
+            build.users += 1
+        return build
+
+    def _live(self) -> Build:
+        build = self._build
+        if build is None:
             raise InfiniError(Status.BAD_PARAM, f"{self.op_name} descriptor used after destroy()")
-        return self._kernel
+        return build
 
     def __enter__(self) -> Self:
         return self

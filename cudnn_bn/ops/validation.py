@@ -26,7 +26,8 @@ def require(name: str, desc: TensorDesc | None) -> TensorDesc:
 
 
 def check_data_tensor(name: str, desc: TensorDesc) -> None:
-    """An ``(N, C, *spatial)`` tensor of rank 2..5 and a floating dtype, strides >= 0."""
+    """An ``(N, C, *spatial)`` tensor of rank 2..5 and a floating dtype, strides >= 0, with
+    C > 0 (any other size may be 0: a problem with no values per channel)."""
     if desc.dtype not in FLOAT_DTYPES:
         raise InfiniError(
             Status.BAD_TENSOR_DTYPE,
@@ -38,10 +39,8 @@ def check_data_tensor(name: str, desc: TensorDesc) -> None:
             f"{name} has shape {desc.shape}; "
             "expected (N, C), (N, C, L), (N, C, H, W) or (N, C, D, H, W)",
         )
-    if desc.numel == 0:
-        raise InfiniError(
-            Status.BAD_TENSOR_SHAPE, f"{name} has shape {desc.shape} with no elements"
-        )
+    if desc.shape[1] == 0:  # as torch, whose affine batch norm indexes weight[0] then
+        raise InfiniError(Status.BAD_TENSOR_SHAPE, f"{name} has shape {desc.shape}: no channels")
     if any(s < 0 for s in desc.strides):
         raise InfiniError(Status.BAD_TENSOR_STRIDES, f"{name} has negative strides {desc.strides}")
 

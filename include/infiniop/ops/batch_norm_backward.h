@@ -19,6 +19,10 @@
  * Outputs, in every mode: grad_bias = sum(grad_output) and
  * grad_weight = sum(grad_output * xhat) per channel, where xhat = (input - mean) * invstd.
  *
+ * Empty batch (no values per channel: N = 0 or a spatial size 0; C must be > 0), as
+ * PyTorch: grad_weight and grad_bias are zeros (written on the stream), grad_input is
+ * empty; data pointers may be NULL.
+ *
  * Call order: infiniopCreateBatchNormBackwardDescriptor(),
  * infiniopSetBatchNormBackwardAttributes() (optional),
  * infiniopGetBatchNormBackwardWorkspaceSize(), infiniopBatchNormBackward() any number of

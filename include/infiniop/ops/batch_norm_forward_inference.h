@@ -15,6 +15,9 @@
  * The per-channel tensors either share the input's dtype or, for F16/BF16 input, are
  * INFINI_DTYPE_F32. Accumulation is in at least single precision.
  *
+ * Empty batch (no values per channel: N = 0 or a spatial size 0; C must be > 0): nothing
+ * is written, as PyTorch; data pointers may be NULL.
+ *
  * Call order: infiniopCreateBatchNormForwardInferenceDescriptor(),
  * infiniopSetBatchNormForwardInferenceAttributes() (optional),
  * infiniopGetBatchNormForwardInferenceWorkspaceSize(), infiniopBatchNormForwardInference()

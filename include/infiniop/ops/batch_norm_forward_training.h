@@ -6,10 +6,10 @@
  *
  * Statistics are per channel (axis 1) over every other axis. Tensor arguments:
  *
- * - input, output: shape (N, C), (N, C, L), (N, C, H, W) or (N, C, D, H, W), with more
- *   than one value per channel (N times the spatial sizes > 1). Both have the same shape
- *   and the same dtype. Any non-negative strides are accepted; output must not overlap
- *   itself.
+ * - input, output: shape (N, C), (N, C, L), (N, C, H, W) or (N, C, D, H, W), C > 0, with
+ *   other than one value per channel (N times the spatial sizes != 1). Both have the same
+ *   shape and the same dtype. Any non-negative strides are accepted; output must not
+ *   overlap itself.
  * - weight, bias, saved_mean, saved_invstd, running_mean, running_var ("per-channel"):
  *   shape (C), any positive stride.
  *
@@ -24,6 +24,11 @@
  * running_mean and running_var are updated in place as PyTorch does:
  * running = (1 - momentum) * running + momentum * batch, with the unbiased batch variance
  * (var * n / (n - 1), n values per channel) for running_var.
+ *
+ * Empty batch (no values per channel: N = 0 or a spatial size 0), as PyTorch: nothing is
+ * written (output is empty, running_mean and running_var stay as they are, saved_mean and
+ * saved_invstd are left unwritten like PyTorch's uninitialized ones); data pointers may be
+ * NULL.
  *
  * Call order: infiniopCreateBatchNormForwardTrainingDescriptor(),
  * infiniopSetBatchNormForwardTrainingAttributes() (optional),
