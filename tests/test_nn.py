@@ -422,6 +422,13 @@ def test_sync_batch_norm_in_a_group_of_one_is_batch_norm(group_of_one):
             for name, value in plain.state_dict().items():
                 close(name, sync.state_dict()[name], value, 1e-12)
             close("weight_grad", sync.weight_grad, plain.weight_grad, 1e-12)
+        if fusion:  # a residual unlike the input: raises before anything is written
+            before = {n: host(v) for n, v in sync.state_dict().items()}
+            with pytest.raises(InfiniError) as info:
+                sync(x, z[:, :2])
+            assert info.value.status == Status.BAD_PARAM
+            for name, value in sync.state_dict().items():
+                np.testing.assert_array_equal(host(value), before[name])
 
 
 # --- on a GPU: CuPy arrays and torch CUDA tensors (cuDNN and the CuPy kernels) ----------------

@@ -31,6 +31,23 @@ def add_relu(output: Any, z: Any) -> Any:
     return output
 
 
+def check_residual(input: Any, z: Any) -> None:
+    """A residual ``z`` (when given) is an array like ``input``: same library, device, shape
+    and dtype. For the passes that add it themselves, before anything is written."""
+    if z is None:
+        return
+    common_place({"input": input, "z": z})
+    x, r = operand("input", input).desc, operand("z", z).desc
+    if (r.shape, r.dtype) != (x.shape, x.dtype) or libraries.library("z", z) != (
+        libraries.library("input", input)
+    ):
+        raise InfiniError(
+            Status.BAD_PARAM,
+            f"z must be an array like input: {x.dtype.name} {x.shape}, "
+            f"got {r.dtype.name} {r.shape}",
+        )
+
+
 class BatchNorm:
     """Batch norm over ``(N, C)``, ``(N, C, L)``, ``(N, C, H, W)`` (NCHW or channels-last) and
     ``(N, C, D, H, W)`` NumPy arrays, CuPy arrays or torch tensors.
@@ -205,17 +222,7 @@ class BatchNorm:
         self, input: Any, z: Any, weight: Any, bias: Any, running_mean: Any, running_var: Any
     ) -> tuple[Any, Backward]:
         """Normalize with the running statistics; the output and its (eval-rule) backward."""
-        if z is not None:
-            common_place({"input": input, "z": z})
-            x, r = operand("input", input).desc, operand("z", z).desc
-            if (r.shape, r.dtype) != (x.shape, x.dtype) or libraries.library("z", z) != (
-                libraries.library("input", input)
-            ):
-                raise InfiniError(
-                    Status.BAD_PARAM,
-                    f"z must be an array like input: {x.dtype.name} {x.shape}, "
-                    f"got {r.dtype.name} {r.shape}",
-                )
+        check_residual(input, z)
         output = batch_norm_forward_inference(
             input, weight, bias, running_mean, running_var, eps=self.eps
         )

@@ -8,7 +8,7 @@ training forward synchronizes; eval mode is ``BatchNorm``'s, on this process's b
 from typing import Any
 
 from ..distributed import sync_batch_norm_backward, sync_batch_norm_forward_training
-from .batch_norm import Backward, BatchNorm, add_relu
+from .batch_norm import Backward, BatchNorm, add_relu, check_residual
 
 
 class SyncBatchNorm(BatchNorm):
@@ -20,7 +20,8 @@ class SyncBatchNorm(BatchNorm):
     gradients (as torch's data-parallel wrapper does); the running statistics move towards
     the global batch's, identically on every process. A fused training forward applies
     ``relu(... [+ z])`` to the synchronized output, and its backward masks ``grad_output``
-    by it (``cudnn_bn.distributed`` has no fused pass)."""
+    by it (``cudnn_bn.distributed`` has no fused pass); ``z`` is checked on each rank alone,
+    so a bad ``z`` on one rank raises there while the others wait in the collective."""
 
     def __init__(self, num_features: int, *args: Any, group: Any, **kwargs: Any) -> None:
         super().__init__(num_features, *args, **kwargs)
@@ -38,6 +39,7 @@ class SyncBatchNorm(BatchNorm):
     ) -> tuple[Any, Backward]:
         if not self.training:  # torch: eval mode never synchronizes
             return super()._batch_pass(input, z, weight, bias, running_mean, running_var, momentum)
+        check_residual(input, z)  # on this rank, before the collectives
         output, mean, invstd = sync_batch_norm_forward_training(
             input, weight, bias, running_mean, running_var,
             group=self.group, momentum=momentum, eps=self.eps,
