@@ -429,6 +429,10 @@ def test_sync_batch_norm_in_a_group_of_one_is_batch_norm(group_of_one):
             assert info.value.status == Status.BAD_PARAM
             for name, value in sync.state_dict().items():
                 np.testing.assert_array_equal(host(value), before[name])
+            sync(x, z)
+            with pytest.raises(InfiniError) as info:
+                sync.backward(dy[:1])  # would broadcast
+            assert info.value.status == Status.BAD_PARAM
 
 
 # --- on a GPU: CuPy arrays and torch CUDA tensors (cuDNN and the CuPy kernels) ----------------

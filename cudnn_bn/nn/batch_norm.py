@@ -31,20 +31,21 @@ def add_relu(output: Any, z: Any) -> Any:
     return output
 
 
-def check_residual(input: Any, z: Any) -> None:
-    """A residual ``z`` (when given) is an array like ``input``: same library, device, shape
-    and dtype. For the passes that add it themselves, before anything is written."""
-    if z is None:
+def check_like_input(name: str, array: Any, input: Any) -> None:
+    """``array`` (argument ``name``; None passes) is like ``input``: same library, device,
+    shape and dtype. For the arrays the layer combines itself (a residual ``z``, a fused
+    output's ``grad_output``), before anything is written."""
+    if array is None:
         return
-    common_place({"input": input, "z": z})
-    x, r = operand("input", input).desc, operand("z", z).desc
-    if (r.shape, r.dtype) != (x.shape, x.dtype) or libraries.library("z", z) != (
+    common_place({"input": input, name: array})
+    x, a = operand("input", input).desc, operand(name, array).desc
+    if (a.shape, a.dtype) != (x.shape, x.dtype) or libraries.library(name, array) != (
         libraries.library("input", input)
     ):
         raise InfiniError(
             Status.BAD_PARAM,
-            f"z must be an array like input: {x.dtype.name} {x.shape}, "
-            f"got {r.dtype.name} {r.shape}",
+            f"{name} must be an array like input: {x.dtype.name} {x.shape}, "
+            f"got {a.dtype.name} {a.shape}",
         )
 
 
@@ -222,7 +223,7 @@ class BatchNorm:
         self, input: Any, z: Any, weight: Any, bias: Any, running_mean: Any, running_var: Any
     ) -> tuple[Any, Backward]:
         """Normalize with the running statistics; the output and its (eval-rule) backward."""
-        check_residual(input, z)
+        check_like_input("z", z, input)
         output = batch_norm_forward_inference(
             input, weight, bias, running_mean, running_var, eps=self.eps
         )

@@ -8,7 +8,7 @@ training forward synchronizes; eval mode is ``BatchNorm``'s, on this process's b
 from typing import Any
 
 from ..distributed import sync_batch_norm_backward, sync_batch_norm_forward_training
-from .batch_norm import Backward, BatchNorm, add_relu, check_residual
+from .batch_norm import Backward, BatchNorm, add_relu, check_like_input
 
 
 class SyncBatchNorm(BatchNorm):
@@ -39,7 +39,7 @@ class SyncBatchNorm(BatchNorm):
     ) -> tuple[Any, Backward]:
         if not self.training:  # torch: eval mode never synchronizes
             return super()._batch_pass(input, z, weight, bias, running_mean, running_var, momentum)
-        check_residual(input, z)  # on this rank, before the collectives
+        check_like_input("z", z, input)  # on this rank, before the collectives
         output, mean, invstd = sync_batch_norm_forward_training(
             input, weight, bias, running_mean, running_var,
             group=self.group, momentum=momentum, eps=self.eps,
@@ -49,6 +49,7 @@ class SyncBatchNorm(BatchNorm):
 
         def backward(grad_output: Any) -> tuple[Any, ...]:
             if self.fusion:
+                check_like_input("grad_output", grad_output, input)
                 grad_output = grad_output * (output > 0)
             grads = sync_batch_norm_backward(
                 input, grad_output, weight, mean, invstd, group=self.group
