@@ -7,7 +7,7 @@ C API side by side with torch's CPU call, in one process (issue 17's targets).
 Problems: F32 (8, 4), (2, 16, 16) and (4, 64, 7, 7); passes: training forward, inference
 forward, backward in train mode (statistics recomputed) and in saved mode (the forward's
 saved mean and invstd). Sections, each at every thread count of ``--threads`` (torch's
-``set_num_threads`` and numba's ``set_num_threads``, which the CPU engine reads):
+``set_num_threads`` and the CPU engine's ``cpu_pool.set_thread_count``):
 
 - CPU: ``cudnn_bn.batch_norm_*`` on NumPy arrays, the cached descriptor's ``compute`` and
   ``cudnn_bn.capi`` (descriptors made once, ``infiniopBatchNorm*`` called with ints, as
@@ -545,13 +545,12 @@ def _fold(a: np.ndarray) -> np.ndarray:
 
 
 def set_threads(threads: int) -> int:
-    """torch's and the CPU engine's thread count (numba's, capped by its maximum); returns
-    the count numba runs with."""
-    import numba
+    """torch's and the CPU engine's thread count (``cpu_pool``); returns the engine's."""
+    from cudnn_bn.backends import cpu_pool
 
     torch.set_num_threads(threads)
-    numba.set_num_threads(min(threads, numba.config.NUMBA_NUM_THREADS))
-    return numba.get_num_threads()
+    cpu_pool.set_thread_count(threads)
+    return cpu_pool.thread_count()
 
 
 def markdown(report: dict) -> str:

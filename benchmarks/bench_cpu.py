@@ -1,13 +1,14 @@
 """The CPU engine against torch CPU and plain float32 NumPy, side by side in one process.
 
 Run from the source tree: ``PYTHONPATH=. python benchmarks/bench_cpu.py [--out DIR]
-[--quick] [--runs N] [--threads T]``. For every case (shape, dtype, layout) and pass
-(backward with saved statistics, training forward, inference forward) it times cudnn_bn's
-array API, torch (``torch.ops.aten.native_batch_norm_backward``,
+[--quick] [--runs N] [--threads T] [--cases NAME ...]``. For every case (shape, dtype,
+layout) and pass (backward with saved statistics, training forward, inference forward) it
+times cudnn_bn's array API, torch (``torch.ops.aten.native_batch_norm_backward``,
 ``torch.nn.functional.batch_norm``) and a dozen lines of float32 NumPy on the same memory,
 the implementations interleaved run by run; the per-call cases also time a cached
-descriptor's ``compute``. Times are medians with min and max; every implementation's
-result is checked against torch in float64 in the same run. Writes
+descriptor's ``compute``. ``--threads`` sets both libraries' thread count (torch's and the
+CPU engine's, ``cpu_pool.set_thread_count``). Times are medians with min and max; every
+implementation's result is checked against torch in float64 in the same run. Writes
 ``<out>/cpu-<date>.md``, ``.json`` and ``.png`` (the plot needs matplotlib; without it the
 plot is skipped with a message). ``--quick`` is a dry mode on tiny shapes (a test runs it);
 its files say so and it refuses to write into ``benchmarks/results``.
@@ -25,12 +26,14 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+import numba
 import numpy as np
 import torch
 import torch.nn.functional as F
 
 import cudnn_bn
 from cudnn_bn import DataType
+from cudnn_bn.backends import cpu_pool
 from cudnn_bn.ops.batch_norm_backward import BatchNormBackwardDescriptor
 from cudnn_bn.ops.batch_norm_forward_inference import BatchNormForwardInferenceDescriptor
 from cudnn_bn.ops.batch_norm_forward_training import BatchNormForwardTrainingDescriptor
@@ -69,12 +72,21 @@ CASES = [
     Case("bf16_64x256x28x28", (64, 256, 28, 28), "bf16"),
     Case("f64_32x64x4096", (32, 64, 4096), "f64"),
     Case("f64_64x256x28x28_nhwc", (64, 256, 28, 28), "f64", "NHWC"),
+    # Channels-last at few, some and many channels, 1e6 to 1e8 values (issue 18).
+    Case("f32_16x3x144x144_nhwc", (16, 3, 144, 144), "f32", "NHWC"),
+    Case("f32_64x3x224x224_nhwc", (64, 3, 224, 224), "f32", "NHWC"),
+    Case("f32_16x64x32x32_nhwc", (16, 64, 32, 32), "f32", "NHWC"),
+    Case("f32_32x64x56x56_nhwc", (32, 64, 56, 56), "f32", "NHWC"),
+    Case("f32_128x64x112x112_nhwc", (128, 64, 112, 112), "f32", "NHWC"),
+    Case("f32_32x512x8x8_nhwc", (32, 512, 8, 8), "f32", "NHWC"),
+    Case("f32_128x512x14x14_nhwc", (128, 512, 14, 14), "f32", "NHWC"),
     Case("f32_1x16x16_per_call", (1, 16, 16), "f32", calls=100),
     Case("f32_8x4_per_call", (8, 4), "f32", calls=100),
 ]
 QUICK_CASES = [
     Case("f32_4x8x32", (4, 8, 32), "f32"),
     Case("f32_4x8x4x4_nhwc", (4, 8, 4, 4), "f32", "NHWC"),
+    Case("f32_4x3x4x4_nhwc", (4, 3, 4, 4), "f32", "NHWC"),
     Case("f16_4x8x16", (4, 8, 16), "f16"),
     Case("bf16_4x8x16", (4, 8, 16), "bf16"),
     Case("f64_4x8x16", (4, 8, 16), "f64"),
@@ -408,13 +420,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.quick and args.out.resolve() == DEFAULT_OUT.resolve():
         parser.error("--quick writes no results into benchmarks/results: give --out")
     torch.set_num_threads(args.threads)
-    try:
-        import numba
-
-        numba.set_num_threads(min(args.threads, numba.config.NUMBA_NUM_THREADS))
-        numba_version = numba.__version__
-    except ImportError:
-        numba_version = "absent"
+    cpu_pool.set_thread_count(args.threads)
     cases = QUICK_CASES if args.quick else CASES
     if args.cases:
         cases = [c for c in cases if c.name in args.cases]
@@ -433,7 +439,7 @@ def main(argv: list[str] | None = None) -> int:
         "cpus": os.cpu_count(),
         "torch": torch.__version__,
         "numpy": np.__version__,
-        "numba": numba_version,
+        "numba": numba.__version__,
     }
     args.out.mkdir(parents=True, exist_ok=True)
     stem = args.out / f"cpu-{date}"

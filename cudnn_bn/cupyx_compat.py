@@ -62,7 +62,7 @@ from .api import (
     batch_norm_forward_inference,
     batch_norm_forward_training,
 )
-from .arrays import Operand, buffer_address, check_written, operand
+from .arrays import TORCH, Operand, buffer_address, check_written, operand
 from .enums import Status
 from .errors import InfiniError, raises_only_infini_errors
 from .ops.validation import check_fraction
@@ -122,7 +122,7 @@ def _arrays(optional: tuple[str, ...] = (), **arrays: Any) -> dict[str, Operand]
         if array is None:
             raise InfiniError(Status.NULL_POINTER, f"{name} is None")
         found[name] = operand(name, array)
-        if not hasattr(array, "astype") or type(array).__module__.startswith("torch"):
+        if found[name].kind is TORCH or not hasattr(array, "astype"):
             raise InfiniError(
                 Status.BAD_PARAM,
                 f"{name} must be a NumPy or CuPy array, got {type(array).__name__}",

@@ -9,6 +9,7 @@ from typing import Any
 
 import numpy as np
 
+from .arrays.cuda_interface import is_cupy
 from .enums import Status
 from .errors import InfiniError, raises_only_infini_errors
 from .ops.validation import check_eps, check_flag
@@ -18,7 +19,7 @@ def _namespace(name: str, array: Any) -> Any:
     """NumPy or CuPy, whichever ``array`` belongs to; anything else is BAD_PARAM."""
     if isinstance(array, np.ndarray):
         return np
-    if type(array).__module__.startswith("cupy"):
+    if is_cupy(array):
         import cupy
 
         return cupy

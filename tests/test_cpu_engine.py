@@ -12,7 +12,6 @@ import os
 import subprocess
 import sys
 
-import numba
 import numpy as np
 import pytest
 import torch
@@ -20,7 +19,7 @@ import torch.nn.functional as F
 from helpers import channels_last, padded_strides
 
 import cudnn_bn
-from cudnn_bn.backends import cpu, cpu_kernels
+from cudnn_bn.backends import cpu, cpu_kernels, cpu_pool
 from cudnn_bn.enums import DataType
 from cudnn_bn.ops.batch_norm_forward_inference import BatchNormForwardInferenceDescriptor
 from cudnn_bn.problems import BackwardAttributes, BackwardPointers, BackwardTensors, Mode
@@ -143,8 +142,8 @@ def test_large_problems_in_every_layout(layout, shape, threads):
     x, dy = laid_out(x64, sx), laid_out(dy64, sd)
     gi = laid_out(np.zeros(shape), sg)
     gw, gb = np.empty_like(w), np.empty_like(w)
-    previous = numba.get_num_threads()
-    numba.set_num_threads(min(threads, numba.config.NUMBA_NUM_THREADS))
+    previous = cpu_pool.thread_count()
+    cpu_pool.set_thread_count(threads)
     try:
         kernel = cpu.BatchNormBackward(
             BackwardTensors(desc(gi), desc(gw), desc(gb), desc(x), desc(dy), desc(w), None, None),
@@ -153,7 +152,7 @@ def test_large_problems_in_every_layout(layout, shape, threads):
         assert kernel.parallel
         kernel.run(BackwardPointers(*(a.ctypes.data for a in (gi, gw, gb, x, dy, w)), 0, 0), 0, 0)
     finally:
-        numba.set_num_threads(previous)
+        cpu_pool.set_thread_count(previous)
     for got, want in zip((gi, gw, gb), torch_backward(x, dy, w), strict=True):
         assert_close(got, want)
     y = cudnn_bn.batch_norm_forward_inference(x, w, w, w, np.abs(w))
@@ -351,7 +350,7 @@ def test_one_backward_needs_at_most_its_outputs_in_extra_memory():
 
 
 def test_thread_count_follows_omp_num_threads():
-    script = "from cudnn_bn.backends import cpu; print(cpu.thread_count())"
+    script = "from cudnn_bn.backends import cpu_pool; print(cpu_pool.thread_count())"
     env = dict(os.environ, OMP_NUM_THREADS="1")
     env.pop("NUMBA_NUM_THREADS", None)
     capped = subprocess.run(
@@ -360,7 +359,7 @@ def test_thread_count_follows_omp_num_threads():
     assert capped.stdout.strip() == "1"
     env.pop("OMP_NUM_THREADS")
     free = subprocess.run(
-        [sys.executable, "-c", script + "; import numba; print(numba.get_num_threads())"],
+        [sys.executable, "-c", script + "; import numba; print(numba.config.NUMBA_NUM_THREADS)"],
         capture_output=True, text=True, check=True, env=env,
     )  # fmt: skip
     count, numba_count = free.stdout.split()

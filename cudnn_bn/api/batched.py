@@ -12,6 +12,8 @@ any other batch.
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
+
 from ..arrays import NUMPY, TORCH, Operand, common_place, operand
 from ..arrays.cuda_interface import is_cupy
 from ..backends.host import host_array
@@ -31,10 +33,10 @@ _PER_CHANNEL = ("weight", "running_mean", "running_var", "saved_mean", "saved_in
 
 def _native(op: Operand, array: Any) -> Any:
     """An array of ``op``'s own library over ``op``'s memory (no copy)."""
+    if isinstance(array, np.ndarray) or op.kind is TORCH or is_cupy(op.owner):
+        return op.owner if op.owner is not None else array
     if op.kind is NUMPY:
         return host_array(op.ptr, op.desc, readonly=bool(op.readonly))
-    if op.kind is TORCH or is_cupy(op.owner):
-        return op.owner
     import cupy
 
     return cupy.asarray(array)

@@ -1,11 +1,13 @@
 """The CPU backend: every batch-norm pass on host pointers, two walks over the data.
 
 Each kernel object is built once per descriptor: it works out how to walk its tensors
-(``cpu_layout.Layout``), the per-channel operands' strides and dtypes, and how many
-threads a call may use; a call then only hands the pointers to one compiled pass
+(``cpu_layout.Layout``), the per-channel operands' strides and dtypes, and whether a call is
+large enough for threads; a call then only hands the pointers to the compiled pass
 (``cpu_kernels``): per-channel sums in one read of the data, then the results in one more
-read and one write. Fused passes (``Fusion``) apply the same maths as cuDNN:
-``y = relu(bn(x) [+ z])`` forward, and backward through the ReLU mask ``output > 0``.
+read and one write. A small call is one kernel call in the calling thread; a large one runs
+the same steps with its work items on the engine's threads (``cpu_pool``). Fused passes
+(``Fusion``) apply the same maths as cuDNN: ``y = relu(bn(x) [+ z])`` forward, and backward
+through the ReLU mask ``output > 0``.
 
 Aliasing: an output may be the very tensor of an input (same address and strides, e.g.
 ``grad_input`` over ``grad_output``): each element is read before it is written. An output
@@ -13,9 +15,6 @@ that overlaps an input any other way is computed into a scratch buffer and copie
 end, so the result is what it would be without the overlap.
 """
 
-import os
-
-import numba
 import numpy as np
 
 from ..dtypes import FLOAT_TYPES
@@ -33,7 +32,7 @@ from ..problems import (
     Fusion,
 )
 from ..tensor import TensorDesc
-from . import cpu_kernels
+from . import cpu_kernels, cpu_pool
 from .cpu_layout import Layout
 from .host import host_array
 
@@ -45,25 +44,7 @@ _LIKE = {
     DataType.F32: np.empty(0, np.float32),
     DataType.F64: np.empty(0, np.float64),
 }
-PARALLEL_MIN_VALUES = 1 << 16  # below this many values a thread start-up costs more than it saves
-
-
-def _thread_limit() -> int | None:
-    """``OMP_NUM_THREADS`` as a cap on numba's thread count (unset or invalid: no cap)."""
-    try:
-        return max(1, int(os.environ["OMP_NUM_THREADS"].split(",")[0]))
-    except (KeyError, ValueError):
-        return None
-
-
-_THREAD_LIMIT = _thread_limit()
-
-
-def thread_count() -> int:
-    """Threads a call may use: numba's count for this thread (``NUMBA_NUM_THREADS``,
-    ``numba.set_num_threads``), capped by ``OMP_NUM_THREADS`` where that is set."""
-    threads = numba.get_num_threads()
-    return threads if _THREAD_LIMIT is None else min(threads, _THREAD_LIMIT)
+PARALLEL_MIN_VALUES = 1 << 16  # below this many values a thread hand-off costs more than it saves
 
 
 def _channel_args(descs: list[TensorDesc | None]) -> np.ndarray:
@@ -93,6 +74,8 @@ class _HostKernel:
         itemsize = FLOAT_TYPES[data[0].dtype].itemsize
         self.nbytes = [span * itemsize for span in self.layout.spans]
         self.parallel = self.layout.count * self.layout.channels >= PARALLEL_MIN_VALUES
+        (self.whole,) = self.layout.items(1)
+        self.tile = int(self.layout.geometry[cpu_kernels.TILE])
         # Output slots whose layout equals an input's: the same address is safe for those.
         self.same_layout = {
             (o, i)
@@ -102,7 +85,31 @@ class _HostKernel:
         }
 
     def chunks(self) -> int:
-        return thread_count() if self.parallel else 1
+        return cpu_pool.thread_count() if self.parallel else 1
+
+    def views(self, addresses: list[int]) -> list[np.ndarray]:
+        """Flat arrays over the data slots (what the item kernels take)."""
+        spans = self.layout.spans
+        return [cpu_kernels.flat(a, n, self.like) for a, n in zip(addresses, spans, strict=True)]
+
+    def tiled(self, *values: np.ndarray) -> list[np.ndarray]:
+        """Per-channel arrays as the walk sees them (``cpu_kernels.tiled``)."""
+        return [cpu_kernels.tiled(v, self.tile) for v in values]
+
+    def sums(self, x, dy, y, shift, items: list) -> np.ndarray:
+        """``cpu_kernels.item_sums`` of every work item on the engine's threads, added in
+        item order (the same sums for the same thread count), per channel."""
+        geometry, strides = self.layout.geometry, self.layout.strides
+        channels = self.layout.channels
+        partial = np.zeros((len(items), cpu_kernels.SUMS, channels * self.tile))
+        (shift,) = self.tiled(shift)
+        cpu_pool.run(
+            lambda i: cpu_kernels.item_sums(
+                x, dy, y, geometry, strides, shift, partial[i], items[i]
+            ),
+            len(items),
+        )
+        return cpu_kernels.folded(partial.sum(axis=0), channels)
 
     def overlapping(self, addresses: list[int]) -> list[int]:
         """Output slots that overlap an input other than element for element."""
@@ -162,26 +169,34 @@ class BatchNormBackward(_HostKernel):
         p = ptrs
         addresses = [p.input, p.grad_output, p.output, p.grad_input, p.grad_z]
         addresses = [a if d is not None else 0 for a, d in zip(addresses, self.data, strict=True)]
-        self.run_with_scratch(
-            addresses,
-            lambda at: cpu_kernels.backward(
-                *at,
-                p.weight,
-                p.running_mean,
-                p.running_var,
-                p.grad_weight,
-                p.grad_bias,
-                self.like,
-                self.layout.geometry,
-                self.layout.strides,
-                self.spans,
-                self.channel_args,
-                self.mode,
-                self.eps,
-                self.flags,
-                self.chunks(),
-            ),
+        channel = (p.weight, p.running_mean, p.running_var, p.grad_weight, p.grad_bias)
+        self.run_with_scratch(addresses, lambda at: self.launch(at, channel))
+
+    def launch(self, at: list[int], channel: tuple[int, ...]) -> None:
+        k, layout, chunks = cpu_kernels, self.layout, self.chunks()
+        geometry, strides, args = layout.geometry, layout.strides, self.channel_args
+        if chunks == 1:
+            k.backward(*at, *channel, self.like, geometry, strides, self.spans, args,
+                       self.mode, self.eps, self.flags, self.whole)  # fmt: skip
+            return
+        write_gi, write_gw, write_gb, masked, write_gz = self.flags
+        x, dy, y, gi, gz = self.views(at)
+        w, shift, stat = k.backward_inputs(x, geometry, strides, *channel[:3], args, self.mode)
+        items = layout.items(chunks)
+        sums = self.sums(x, dy, y, shift, items)
+        k_dy, k_x, k_c, gw, gb = k.backward_coefficients(
+            sums, shift, stat, w, layout.count, self.mode, self.eps
         )
+        if write_gi or write_gz:
+            apply = (self.mode != cpu_kernels.EVAL, masked, write_gi, write_gz)
+            coefficients = self.tiled(k_dy, k_x, k_c)
+            cpu_pool.run(
+                lambda i: k.item_backward(
+                    x, dy, y, gi, gz, geometry, strides, *coefficients, apply, items[i]
+                ),
+                len(items),
+            )
+        k.backward_outputs(gw, gb, *channel[3:], args, write_gw, write_gb)
 
 
 class BatchNormForwardTraining(_HostKernel):
@@ -211,26 +226,35 @@ class BatchNormForwardTraining(_HostKernel):
     def run(self, ptrs: ForwardTrainingPointers, workspace: int, stream: int) -> None:
         p = ptrs
         addresses = [p.input, p.z if self.data[1] is not None else 0, p.output]
-        self.run_with_scratch(
-            addresses,
-            lambda at: cpu_kernels.forward_training(
-                *at,
-                p.weight,
-                p.bias,
-                p.saved_mean,
-                p.saved_invstd,
-                p.running_mean,
-                p.running_var,
-                self.like,
-                self.layout.geometry,
-                self.layout.strides,
-                self.spans,
-                self.channel_args,
-                self.eps,
-                self.momentum,
-                self.flags,
-                self.chunks(),
+        self.run_with_scratch(addresses, lambda at: self.launch(at, p))
+
+    def launch(self, at: list[int], p: ForwardTrainingPointers) -> None:
+        k, layout, chunks = cpu_kernels, self.layout, self.chunks()
+        geometry, strides, args = layout.geometry, layout.strides, self.channel_args
+        outputs = (p.saved_mean, p.saved_invstd, p.running_mean, p.running_var)
+        if chunks == 1:
+            k.forward_training(*at, p.weight, p.bias, *outputs, self.like, geometry, strides,
+                               self.spans, args, self.eps, self.momentum, self.flags,
+                               self.whole)  # fmt: skip
+            return
+        add_z, relu, *updates = self.flags
+        updates = tuple(updates)
+        x, z, y = self.views(at)
+        w, b, old_mean, old_var, shift = k.training_inputs(
+            x, geometry, strides, p.weight, p.bias, p.running_mean, p.running_var, args, updates
+        )
+        items = layout.items(chunks)
+        sums = self.sums(x, x[:0], x[:0], shift, items)
+        stats = k.training_statistics(sums, shift, layout.count, self.eps)
+        coefficients = self.tiled(stats[0], w * stats[2], b)
+        cpu_pool.run(
+            lambda i: k.item_forward(
+                x, z, y, geometry, strides, *coefficients, (add_z, relu), items[i]
             ),
+            len(items),
+        )
+        k.training_outputs(
+            stats, (old_mean, old_var), outputs, args, layout.count, self.momentum, updates
         )
 
 
@@ -251,24 +275,28 @@ class BatchNormForwardInference(_HostKernel):
             [t.input, None, t.output], [t.weight, t.bias, t.running_mean, t.running_var]
         )
         self.eps = float(attributes.eps)
+        self.plain = (False, False)  # the forward's flags: no z, no ReLU
 
     def run(self, ptrs: ForwardInferencePointers, workspace: int, stream: int) -> None:
         p = ptrs
-        self.run_with_scratch(
-            [p.input, 0, p.output],
-            lambda at: cpu_kernels.forward_inference(
-                at[0],
-                at[2],
-                p.weight,
-                p.bias,
-                p.running_mean,
-                p.running_var,
-                self.like,
-                self.layout.geometry,
-                self.layout.strides,
-                self.spans,
-                self.channel_args,
-                self.eps,
-                self.chunks(),
+        channel = (p.weight, p.bias, p.running_mean, p.running_var)
+        self.run_with_scratch([p.input, 0, p.output], lambda at: self.launch(at, channel))
+
+    def launch(self, at: list[int], channel: tuple[int, ...]) -> None:
+        k, layout, chunks = cpu_kernels, self.layout, self.chunks()
+        geometry, strides, args = layout.geometry, layout.strides, self.channel_args
+        if chunks == 1:
+            k.forward_inference(at[0], at[2], *channel, self.like, geometry, strides,
+                                self.spans, args, self.eps, self.plain, self.whole)  # fmt: skip
+            return
+        x, _, y = self.views(at)
+        coefficients = self.tiled(
+            *k.inference_coefficients(*channel, args, layout.channels, self.eps)
+        )
+        items = layout.items(chunks)
+        cpu_pool.run(
+            lambda i: k.item_forward(
+                x, x, y, geometry, strides, *coefficients, self.plain, items[i]
             ),
+            len(items),
         )

@@ -1,13 +1,20 @@
-"""The CPU engine's compiled passes: numba kernels over raw host pointers.
+"""The CPU engine's compiled kernels: serial numba functions over raw host pointers.
 
-Each batch-norm pass is one call: it reads the per-channel operands, walks the data once
-for the per-channel sums (float64 accumulators; shifted by a per-channel value so that a
-constant channel sums to exactly zero), derives per-channel coefficients, walks the data a
-second time to write the result (one read of each operand, one write), and writes the
-per-channel results last. Work is split into items (a channel and a run of rows, or a run
-of rows with every channel when channels are innermost) that run in parallel when the
-caller asks for more than one chunk; one chunk runs serially with no thread start-up,
-which is what small problems want. Data tensors are walked as ``cpu_layout.Layout`` says.
+A batch-norm pass reads the per-channel operands, walks the data once for the per-channel
+sums (float64 accumulators; shifted by a per-channel value so that a constant channel sums
+to exactly zero), derives per-channel coefficients, walks the data a second time to write
+the result (one read of each operand, one write), and writes the per-channel results last.
+The walks are split into work items (a block of channels and a run of rows, or a run of
+rows with every channel when channels are innermost): ``item_sums``, ``item_forward`` and
+``item_backward`` do one item each, and release the GIL, so that the backend's own threads
+(``cpu_pool``) run items truly in parallel. A small problem is one item: ``backward``,
+``forward_training`` and ``forward_inference`` do a whole pass in one call.
+
+No kernel uses numba's parallel layer (OpenMP, TBB or workqueue): a forked child, any
+``NUMBA_THREADING_LAYER`` and many calling threads are all safe, and the first call
+compiles in seconds. Flags are runtime arguments, not compile-time ones: each data dtype
+compiles one version of each function, and only when a call needs it. Data tensors are
+walked as ``cpu_layout.Layout`` says, by index arithmetic on flat views.
 
 F16 and BF16 have no numba type: the kernels see their bits (``uint16`` for F16, ``int16``
 for BF16, so the dtype alone picks the conversion) and convert element by element: exact
@@ -16,35 +23,60 @@ F16 goes through LLVM's ``half`` type, so it uses the CPU's conversion instructi
 Per-channel operands may have another dtype than the data (F32 for half data); they are
 read and written through a runtime dtype code, since they are small.
 
-Compiled with ``cache=True``: the first call of each data dtype compiles once per machine
-(seconds), later processes load the machine code from numba's cache. References: numba's
-"Automatic parallelization with @jit" (``prange``), "Notes on caching" and
-``numba.extending.intrinsic``; NumPy's ``astype(float16)`` is what the F16 rounding is
-tested against.
+Compiled code is cached on disk (numba's ``cache=True``: in ``NUMBA_CACHE_DIR``, else in
+``__pycache__`` beside this file, else the user's cache directory); where none is writable
+the kernels compile in memory in every process, with one warning. References: numba's
+"Notes on caching", "Releasing the GIL" and ``numba.extending.intrinsic``; NumPy's
+``astype(float16)`` is what the F16 rounding is tested against.
 """
+
+import warnings
 
 import numba
 import numpy as np
 from llvmlite import ir
-from numba import prange, types
+from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic, overload
 
 from ..enums import DataType
 
 F16, F32, F64, BF16 = (int(d) for d in (DataType.F16, DataType.F32, DataType.F64, DataType.BF16))
-ROW_DIMS = 4  # cpu_layout.ROW_DIMS: geometry is (C, inner, rows, channels_inner, *row_dims)
+ROW_DIMS = 4  # cpu_layout.ROW_DIMS: geometry is (C, inner, rows, channels_inner,
+TILE = 4 + ROW_DIMS  # *row_dims, tile): tile = rows of channels walked as one run
 SUMS = 4  # sum(x - k), sum((x - k)^2), sum(dy), sum(dy * (x - k))
 REASSOC = {"reassoc"}  # lets LLVM vectorize the float64 sums; no nnan/ninf: nan stays nan
-OPTIONS = {"cache": True, "error_model": "numpy"}  # numpy: 1/0 is inf, not an exception
-jit = numba.njit(**OPTIONS)
+NO_CACHE_WARNING = (
+    "cudnn_bn's CPU engine found no writable cache location for its compiled kernels, so "
+    "every process compiles them again on first use (seconds); set NUMBA_CACHE_DIR to a "
+    "writable directory to cache them"
+)
+_cache = [True]  # whether numba found a cache location; one warning where it did not
 
 
-def prange_only() -> dict:
-    """numba's parallel options with only ``prange`` on: no hidden parallel loops (a
-    ``np.zeros`` turned into one would wake the threads on every small call)."""
-    off = ("comprehension", "reduction", "inplace_binop", "setitem", "numpy", "stencil", "fusion")
-    return dict.fromkeys(off, False)
+def jit(function=None, **options):
+    """``numba.njit`` with the engine's options (GIL released, NumPy's error model: 1/0 is
+    inf, not an exception), cached on disk where numba finds a writable location."""
+
+    def compile_lazily(f):
+        settings = {"nogil": True, "error_model": "numpy", **options}
+        if _cache[0]:
+            try:
+                return numba.njit(cache=True, **settings)(f)
+            except RuntimeError as error:  # numba's "cannot cache ...: no locator available"
+                if "no locator" not in str(error):
+                    raise
+                _cache[0] = False
+                warnings.warn(NO_CACHE_WARNING, RuntimeWarning, stacklevel=3)
+        return numba.njit(**settings)(f)
+
+    return compile_lazily if function is None else compile_lazily(function)
+
+
+def helper(function=None, **options):
+    """``jit`` for a function only other kernels call: no wrappers for calls from Python or
+    C, which is less to compile on first use."""
+    return jit(function, no_cpython_wrapper=True, no_cfunc_wrapper=True, **options)
 
 
 # --- memory --------------------------------------------------------------------------------
@@ -93,7 +125,7 @@ def _f32_to_f16(typingctx, value):
     return types.uint16(types.float32), codegen
 
 
-@jit
+@helper
 def _f64_to_f16(value):
     # One rounding from float64: first to float32 rounding to odd (toward zero, then the
     # last bit set if anything was cut off), then to half by the hardware's round to
@@ -109,12 +141,12 @@ def _f64_to_f16(value):
     return _f32_to_f16(np.int32(bits).view(np.float32))
 
 
-@jit
+@helper
 def _bf16_to_f64(stored):
     return np.float64(np.uint32((np.int64(stored) & 0xFFFF) << 16).view(np.float32))
 
 
-@jit
+@helper
 def _f64_to_bf16(value):
     single = np.float32(value)
     bits = np.int64(single.view(np.uint32))
@@ -204,280 +236,152 @@ def store_channels(values, address, stride, code):
 # --- walking the data ----------------------------------------------------------------------
 
 
-@jit
-def row_offset(row, geometry, strides, t):
-    """Element offset of row ``row`` in tensor ``t`` (row dimensions decomposed; the
-    outermost needs no division, and most layouts have just that one)."""
+@helper
+def row_offset(row, geometry, strides):
+    """Element offset of row ``row`` in the tensor with ``strides`` (its row of
+    ``Layout.strides``): row dimensions decomposed; the outermost needs no division, and
+    most layouts have just that one."""
     offset = 0
     for k in range(ROW_DIMS - 1, 0, -1):
         size = geometry[4 + k]
         if row < size:
-            return offset + row * strides[t, 2 + k]
-        offset += (row % size) * strides[t, 2 + k]
+            return offset + row * strides[2 + k]
+        offset += (row % size) * strides[2 + k]
         row //= size
-    return offset + row * strides[t, 2]
+    return offset + row * strides[2]
 
 
-@jit
-def work_items(geometry, chunks):
-    """``(items, split)``: blocks of channels times runs of rows (``split`` per block).
-
-    Channels innermost: one block of every channel, rows split in ``chunks``. Otherwise
-    ``chunks`` blocks of channels, and rows split too when there are fewer channels."""
-    channels, rows = geometry[0], geometry[2]
-    if geometry[3]:
-        split = min(chunks, rows)
-        return split, split
-    blocks = min(channels, chunks)
-    split = min(rows, (chunks + blocks - 1) // blocks)
-    return blocks * split, split
+@helper
+def _walk(bounds, geometry, strides):
+    """What an item's loops need: its ``bounds`` (first channel, end channel, first row,
+    end row; ``Layout.items``), whether a run crosses channels (channels innermost) or
+    stays in one, the run length, and each slot's element stride in a run."""
+    c0, c1, r0, r1 = bounds
+    across = geometry[3] != 0
+    column = 0 if across else 1
+    return c0, c1, r0, r1, across, c1 - c0 if across else geometry[1], _column(strides, column)
 
 
-@jit
-def item_bounds(item, split, geometry, items):
-    """``(first channel, end channel, first row, end row)`` of work item ``item``."""
-    channels, rows = geometry[0], geometry[2]
-    block, s = item // split, item % split
-    blocks = items // split
+@helper
+def _column(strides, column):
+    """A column of ``Layout.strides`` as values: loops that write memory would otherwise
+    reload them from the array (it might alias their output) and not vectorize."""
     return (
-        block * channels // blocks,
-        (block + 1) * channels // blocks,
-        s * rows // split,
-        (s + 1) * rows // split,
+        strides[0, column],
+        strides[1, column],
+        strides[2, column],
+        strides[3, column],
+        strides[4, column],
     )
 
 
-# --- runs: the innermost loops ----------------------------------------------------------------
-# A run is the elements of one row that the innermost loop visits: one channel's ``inner``
-# elements, or every channel when channels are innermost. The run functions below are
-# compiled for contiguous runs (slices, which LLVM vectorizes) and for strided ones.
-
-
-@jit
-def _strided(a, offset, n, stride):
-    """``n`` elements of the flat view ``a`` from ``offset``, ``stride`` apart (0 too)."""
-    return np.lib.stride_tricks.as_strided(a[offset:], (n,), (stride * a.itemsize,))
-
-
-@jit
-def _row_bases(r, geometry, strides):
-    """Offsets of row ``r`` (channel 0) in the five tensor slots."""
-    return (
-        row_offset(r, geometry, strides, 0),
-        row_offset(r, geometry, strides, 1),
-        row_offset(r, geometry, strides, 2),
-        row_offset(r, geometry, strides, 3),
-        row_offset(r, geometry, strides, 4),
-    )
-
-
-@jit
-def _contiguous_runs(geometry, strides, tensors):
-    """Whether the runs of the first ``tensors`` slots are all contiguous."""
-    column = 0 if geometry[3] else 1
-    unit = True
-    for t in range(tensors):
-        unit = unit and strides[t, column] == 1  # an absent tensor has the input's strides
-    return unit
-
-
-@jit
-def _channel_runs_adjoin(geometry, strides, tensors):
-    """Whether, channel after channel, the runs of the first ``tensors`` slots follow each
-    other in memory (NCHW-like), so that a row's block of channels is one contiguous run."""
-    adjoin = not geometry[3]
-    for t in range(tensors):
-        adjoin = adjoin and strides[t, 0] == geometry[1]
-    return adjoin
-
-
-@jit
-def _run_length(geometry, c0, c1):
-    return c1 - c0 if geometry[3] else geometry[1]
-
-
-@jit
-def _run_stride(geometry, strides, t):
-    return strides[t, 0] if geometry[3] else strides[t, 1]
-
-
-@numba.njit(**OPTIONS, fastmath=REASSOC)
-def _accumulate(xs, ds, ys, shift, c, m, out, channels_inner, flags):
-    """Add a run's sums to ``out`` (``(SUMS, C)``): column ``i`` for element ``i`` of a run
-    over channels; else the run holds ``m`` channels from ``c``, one after the other.
-
-    The three loops are the cases a pass asks for (x alone; x and dy; x and masked dy),
-    written out so that each vectorizes with no test inside."""
-    has_dy, masked = flags
-    if channels_inner:
-        if not has_dy:
-            for i in range(xs.size):
-                xv = decode(xs[i]) - shift[i]
-                out[0, i] += xv
-                out[1, i] += xv * xv
-        elif not masked:
-            for i in range(xs.size):
-                xv, dv = decode(xs[i]) - shift[i], decode(ds[i])
-                out[0, i] += xv
-                out[1, i] += xv * xv
-                out[2, i] += dv
-                out[3, i] += dv * xv
-        else:
-            for i in range(xs.size):
-                xv, dv = decode(xs[i]) - shift[i], decode(ds[i])
-                dv = dv if decode(ys[i]) > 0 else 0.0
-                out[0, i] += xv
-                out[1, i] += xv * xv
-                out[2, i] += dv
-                out[3, i] += dv * xv
-        return
-    n = xs.size // m
-    for j in range(m):
-        xj, dj, yj = xs[j * n : j * n + n], ds[j * n : j * n + n], ys[j * n : j * n + n]
-        k = shift[c + j]
-        s0 = s1 = s2 = s3 = 0.0
-        if not has_dy:
-            for i in range(n):
-                xv = decode(xj[i]) - k
-                s0 += xv
-                s1 += xv * xv
-        elif not masked:
-            for i in range(n):
-                xv, dv = decode(xj[i]) - k, decode(dj[i])
-                s0 += xv
-                s1 += xv * xv
-                s2 += dv
-                s3 += dv * xv
-        else:
-            for i in range(n):
-                xv, dv = decode(xj[i]) - k, decode(dj[i])
-                dv = dv if decode(yj[i]) > 0 else 0.0
-                s0 += xv
-                s1 += xv * xv
-                s2 += dv
-                s3 += dv * xv
-        out[0, c + j] += s0
-        out[1, c + j] += s1
-        out[2, c + j] += s2
-        out[3, c + j] += s3
-
-
-@jit
-def _apply_backward(xs, ds, ys, gs, zs, k_dy, k_x, k_c, c, m, channels_inner, flags):
-    """``gs = k_dy*ds + k_x*xs + k_c`` and ``zs = ds`` over a run (``ds`` masked); the run
-    is over channels, or holds ``m`` channels from ``c`` one after the other.
-
-    ``flags``: use x (all but eval), mask, write gi, write gz. The unfused cases have loops
-    of their own, with no test inside, so that they vectorize."""
-    use_x, masked, write_gi, write_gz = flags
-    plain = write_gi and not (masked or write_gz)
-    if channels_inner and plain and use_x:
-        for i in range(xs.size):
-            v = k_dy[i] * decode(ds[i]) + k_x[i] * decode(xs[i]) + k_c[i]
-            gs[i] = encode(v, gs.dtype)
-        return
-    if channels_inner and plain:
-        for i in range(xs.size):
-            gs[i] = encode(k_dy[i] * decode(ds[i]) + k_c[i], gs.dtype)
-        return
-    n = xs.size // m
-    for j in range(m if not channels_inner else 1):
-        lo, hi = (j * n, j * n + n) if not channels_inner else (0, xs.size)
-        xj, dj, yj, gj, zj = xs[lo:hi], ds[lo:hi], ys[lo:hi], gs[lo:hi], zs[lo:hi]
-        a, b, k = k_dy[c + j], k_x[c + j], k_c[c + j]
-        if plain and use_x:
-            for i in range(hi - lo):
-                gj[i] = encode(a * decode(dj[i]) + b * decode(xj[i]) + k, gj.dtype)
-        elif plain:
-            for i in range(hi - lo):
-                gj[i] = encode(a * decode(dj[i]) + k, gj.dtype)
-        else:
-            for i in range(hi - lo):
-                ch = i if channels_inner else c + j
-                dv = decode(dj[i])
-                if masked and not decode(yj[i]) > 0:
-                    dv = 0.0
-                v = k_dy[ch] * dv + k_c[ch]
-                if use_x:
-                    v += k_x[ch] * decode(xj[i])
-                if write_gi:
-                    gj[i] = encode(v, gj.dtype)
-                if write_gz:
-                    zj[i] = encode(dv, zj.dtype)
-
-
-@jit
-def _apply_forward(xs, zs, ys, mean, scale, shift, c, m, channels_inner, flags):
-    """``ys = relu?((xs - mean)*scale + shift [+ zs])`` over a run (over channels, or of
-    ``m`` channels from ``c``, one after the other)."""
-    add_z, relu = flags
-    n = xs.size // m
-    for j in range(m if not channels_inner else 1):
-        lo, hi = (j * n, j * n + n) if not channels_inner else (0, xs.size)
-        xj, zj, yj = xs[lo:hi], zs[lo:hi], ys[lo:hi]
-        for i in range(hi - lo):
-            ch = i if channels_inner else c + j
-            v = (decode(xj[i]) - mean[ch]) * scale[ch] + shift[ch]
-            if add_z:
-                v += decode(zj[i])
-            if relu and v < 0:
-                v = 0.0
-            yj[i] = encode(v, yj.dtype)
+@helper
+def _at(offset, i, stride):
+    """Index of element ``i`` of a run: unsigned, so that numba adds no negative-index
+    wraparound, which would keep LLVM from vectorizing the loop (60x slower)."""
+    return np.uint64(offset + i * stride)
 
 
 # --- pass 1: per-channel sums --------------------------------------------------------------
+# A run is what the innermost loop visits: one channel's ``inner`` elements ("along"), or
+# every channel of one row when channels are innermost ("across": ``tile`` rows at once
+# where rows are dense, see ``cpu_layout``). Along a channel the sums are scalars (kept in
+# registers); across channels they are the item's (SUMS, C * tile) table, and the across
+# loops walk all the item's rows themselves (rows of few channels are short). Each case a
+# pass asks for (x alone; x and dy; x and masked dy) is its own loop, with no test inside,
+# so that it vectorizes.
 
 
-@jit
-def _sums_item(x, dy, y, geometry, strides, shift, item, items, split, out, flags):
-    """Accumulate work item ``item``'s sums into ``out`` (``(SUMS, C)``)."""
-    c0, c1, r0, r1 = item_bounds(item, split, geometry, items)
-    n, inner = _run_length(geometry, c0, c1), geometry[3] != 0
-    tensors = 3 if flags[1] else 2
-    unit = _contiguous_runs(geometry, strides, tensors)
-    block = unit and _channel_runs_adjoin(geometry, strides, tensors)
-    sx, sd = _run_stride(geometry, strides, 0), _run_stride(geometry, strides, 1)
-    sy = _run_stride(geometry, strides, 2)
-    cx, cd, cy = strides[0, 0], strides[1, 0], strides[2, 0]
+@helper(fastmath=REASSOC)
+def _sums_along(x, dy, y, ox, od, oy, sx, sd, sy, n, k, has_dy, masked):
+    s0 = s1 = s2 = s3 = 0.0
+    if not has_dy:
+        for i in range(n):
+            xv = decode(x[_at(ox, i, sx)]) - k
+            s0 += xv
+            s1 += xv * xv
+    elif not masked:
+        for i in range(n):
+            xv, dv = decode(x[_at(ox, i, sx)]) - k, decode(dy[_at(od, i, sd)])
+            s0 += xv
+            s1 += xv * xv
+            s2 += dv
+            s3 += dv * xv
+    else:
+        for i in range(n):
+            xv, dv = decode(x[_at(ox, i, sx)]) - k, decode(dy[_at(od, i, sd)])
+            dv = dv if decode(y[_at(oy, i, sy)]) > 0 else 0.0
+            s0 += xv
+            s1 += xv * xv
+            s2 += dv
+            s3 += dv * xv
+    return s0, s1, s2, s3
+
+
+@helper
+def _sums_across(x, dy, y, geometry, strides, r0, r1, n, shift, out):
+    has_dy, masked = dy.size > 0, y.size > 0
+    sx, sd, sy = strides[0, 0], strides[1, 0], strides[2, 0]
     for r in range(r0, r1):
-        bx, bd, by, _, _ = _row_bases(r, geometry, strides)
-        if block:  # the whole block of channels in one run
-            ox, od, oy, size = bx + c0 * cx, bd + c0 * cd, by + c0 * cy, (c1 - c0) * n
-            xs, ds, ys = x[ox : ox + size], dy[od : od + size], y[oy : oy + size]
-            _accumulate(xs, ds, ys, shift, c0, c1 - c0, out, False, flags)
-            continue
-        for c in range(c0, c0 + 1 if inner else c1):
-            ox, od, oy = bx + c * cx, bd + c * cd, by + c * cy
-            if unit:
-                xs, ds, ys = x[ox : ox + n], dy[od : od + n], y[oy : oy + n]
-                _accumulate(xs, ds, ys, shift, c, 1, out, inner, flags)
-            else:
-                xs, ds = _strided(x, ox, n, sx), _strided(dy, od, n, sd)
-                _accumulate(xs, ds, _strided(y, oy, n, sy), shift, c, 1, out, inner, flags)
-
-
-@numba.njit(**OPTIONS, parallel=prange_only())
-def channel_sums(x, dy, y, geometry, strides, shift, flags, chunks):
-    """``(4, C)`` float64 sums over every value of each channel, ``k`` = ``shift[c]``:
-    ``x - k``, ``(x - k)^2``, ``dy``, ``dy * (x - k)`` (``dy`` zero where ``y <= 0`` if
-    masked). ``flags``: sum dy, mask; without dy its sums stay zero."""
-    items, split = work_items(geometry, chunks)
-    if split == 1:  # items cover distinct channels: they share one table
-        sums = np.zeros((SUMS, geometry[0]))
-        if chunks == 1:
-            for item in range(items):
-                _sums_item(x, dy, y, geometry, strides, shift, item, items, split, sums, flags)
+        ox, od = row_offset(r, geometry, strides[0]), row_offset(r, geometry, strides[1])
+        oy = row_offset(r, geometry, strides[2])
+        if not has_dy:
+            for i in range(n):
+                xv = decode(x[_at(ox, i, sx)]) - shift[i]
+                out[0, i] += xv
+                out[1, i] += xv * xv
+        elif not masked:
+            for i in range(n):
+                xv, dv = decode(x[_at(ox, i, sx)]) - shift[i], decode(dy[_at(od, i, sd)])
+                out[0, i] += xv
+                out[1, i] += xv * xv
+                out[2, i] += dv
+                out[3, i] += dv * xv
         else:
-            for item in prange(items):
-                _sums_item(x, dy, y, geometry, strides, shift, item, items, split, sums, flags)
-        return sums
-    partial = np.zeros((items, SUMS, geometry[0]))
-    for item in prange(items):
-        _sums_item(x, dy, y, geometry, strides, shift, item, items, split, partial[item], flags)
-    return partial.sum(axis=0)  # in item order: the same sums for the same split
+            for i in range(n):
+                xv, dv = decode(x[_at(ox, i, sx)]) - shift[i], decode(dy[_at(od, i, sd)])
+                dv = dv if decode(y[_at(oy, i, sy)]) > 0 else 0.0
+                out[0, i] += xv
+                out[1, i] += xv * xv
+                out[2, i] += dv
+                out[3, i] += dv * xv
 
 
 @jit
+def item_sums(x, dy, y, geometry, strides, shift, out, bounds):
+    """Add the sums of the work item ``bounds`` to ``out`` (``(SUMS, C * tile)``, ``shift``
+    tiled the same, see ``tiled``): ``x - k``, ``(x - k)^2``, ``dy``, ``dy * (x - k)`` with
+    ``k = shift[c]``; ``dy`` zero where ``y <= 0`` if ``y`` is not empty; with ``dy`` empty
+    its sums stay zero."""
+    c0, c1, r0, r1, across, n, s = _walk(bounds, geometry, strides)
+    if across:
+        _sums_across(x, dy, y, geometry, strides, r0, r1, n, shift, out)
+        return
+    has_dy, masked = dy.size > 0, y.size > 0
+    for r in range(r0, r1):
+        ox, od = row_offset(r, geometry, strides[0]), row_offset(r, geometry, strides[1])
+        oy = row_offset(r, geometry, strides[2])
+        for c in range(c0, c1):
+            sums = _sums_along(
+                x,
+                dy,
+                y,
+                ox + c * strides[0, 0],
+                od + c * strides[1, 0],
+                oy + c * strides[2, 0],
+                s[0],
+                s[1],
+                s[2],
+                n,
+                shift[c],
+                has_dy,
+                masked,
+            )
+            for j in range(SUMS):
+                out[j, c] += sums[j]
+
+
+@helper
 def first_values(x, geometry, strides):
     """Each channel's first value: the shift that makes a constant channel sum to zero."""
     shift = np.empty(geometry[0])
@@ -486,141 +390,221 @@ def first_values(x, geometry, strides):
     return shift
 
 
+@jit
+def tiled(values, tile):
+    """``values`` repeated ``tile`` times (itself for 1): per-channel values for a run of
+    ``tile`` rows of channels."""
+    if tile == 1:
+        return values
+    out = np.empty(values.size * tile)
+    for t in range(tile):
+        out[t * values.size : (t + 1) * values.size] = values
+    return out
+
+
+@jit
+def folded(sums, channels):
+    """``(SUMS, C * tile)`` sums added up per channel: ``(SUMS, C)``."""
+    if sums.shape[1] == channels:
+        return sums
+    out = np.zeros((SUMS, channels))
+    for j in range(SUMS):
+        for i in range(sums.shape[1]):
+            out[j, i % channels] += sums[j, i]
+    return out
+
+
 # --- pass 2: the elementwise results -------------------------------------------------------
+# The plain cases (no fusion) have loops of their own, with no test inside, so that they
+# vectorize; along a channel the coefficients are scalars, across channels arrays (tiled).
+
+
+@helper
+def _forward_element(x, z, y, ox, oz, oy, mean, scale, shift, add_z, relu):
+    v = (decode(x[ox]) - mean) * scale + shift
+    if add_z:
+        v += decode(z[oz])
+    if relu and v < 0:
+        v = 0.0
+    y[oy] = encode(v, y.dtype)
+
+
+@helper
+def _forward_along(x, z, y, ox, oz, oy, sx, sz, sy, n, mean, scale, shift, flags):
+    add_z, relu = flags
+    if not (add_z or relu):
+        for i in range(n):
+            y[_at(oy, i, sy)] = encode((decode(x[_at(ox, i, sx)]) - mean) * scale + shift, y.dtype)
+        return
+    for i in range(n):
+        at = (_at(ox, i, sx), _at(oz, i, sz), _at(oy, i, sy))
+        _forward_element(x, z, y, *at, mean, scale, shift, add_z, relu)
+
+
+@helper
+def _forward_across(x, z, y, geometry, strides, r0, r1, n, mean, scale, shift, flags):
+    add_z, relu = flags
+    sx, sz, sy = strides[0, 0], strides[1, 0], strides[2, 0]
+    for r in range(r0, r1):
+        ox, oz = row_offset(r, geometry, strides[0]), row_offset(r, geometry, strides[1])
+        oy = row_offset(r, geometry, strides[2])
+        if not (add_z or relu):
+            for i in range(n):
+                v = (decode(x[_at(ox, i, sx)]) - mean[i]) * scale[i] + shift[i]
+                y[_at(oy, i, sy)] = encode(v, y.dtype)
+            continue
+        for i in range(n):
+            at = (_at(ox, i, sx), _at(oz, i, sz), _at(oy, i, sy))
+            _forward_element(x, z, y, *at, mean[i], scale[i], shift[i], add_z, relu)
 
 
 @jit
-def _backward_item(x, dy, y, gi, gz, geometry, strides, k_dy, k_x, k_c, item, items, split, flags):
-    """``_apply_backward`` over work item ``item``."""
-    c0, c1, r0, r1 = item_bounds(item, split, geometry, items)
-    n, inner = _run_length(geometry, c0, c1), geometry[3] != 0
-    unit = _contiguous_runs(geometry, strides, 5)
-    block = unit and _channel_runs_adjoin(geometry, strides, 5)
-    s = [_run_stride(geometry, strides, t) for t in range(5)]
-    cs = strides[:, 0]
+def item_forward(x, z, y, geometry, strides, mean, scale, shift, flags, bounds):
+    """``y = relu?((x - mean)*scale + shift [+ z])`` over the work item ``bounds`` (the
+    per-channel arrays tiled as ``tiled`` does). ``flags``: add z, ReLU. Data slots: x, z,
+    y."""
+    c0, c1, r0, r1, across, n, s = _walk(bounds, geometry, strides)
+    if across:
+        _forward_across(x, z, y, geometry, strides, r0, r1, n, mean, scale, shift, flags)
+        return
     for r in range(r0, r1):
-        b = _row_bases(r, geometry, strides)
-        for c in range(c0, c0 + 1 if inner or block else c1):
-            o = (
-                b[0] + c * cs[0],
-                b[1] + c * cs[1],
-                b[2] + c * cs[2],
-                b[3] + c * cs[3],
-                b[4] + c * cs[4],
+        ox, oz = row_offset(r, geometry, strides[0]), row_offset(r, geometry, strides[1])
+        oy = row_offset(r, geometry, strides[2])
+        for c in range(c0, c1):
+            _forward_along(
+                x,
+                z,
+                y,
+                ox + c * strides[0, 0],
+                oz + c * strides[1, 0],
+                oy + c * strides[2, 0],
+                s[0],
+                s[1],
+                s[2],
+                n,
+                mean[c],
+                scale[c],
+                shift[c],
+                flags,
             )
-            if unit:
-                m = c1 - c0 if block else 1
-                size = m * n
-                xs, ds, ys = x[o[0] : o[0] + size], dy[o[1] : o[1] + size], y[o[2] : o[2] + size]
-                gs, zs = gi[o[3] : o[3] + size], gz[o[4] : o[4] + size]
-                _apply_backward(xs, ds, ys, gs, zs, k_dy, k_x, k_c, c, m, inner, flags)
-            else:
-                xs, ds = _strided(x, o[0], n, s[0]), _strided(dy, o[1], n, s[1])
-                ys, gs = _strided(y, o[2], n, s[2]), _strided(gi, o[3], n, s[3])
-                zs = _strided(gz, o[4], n, s[4])
-                _apply_backward(xs, ds, ys, gs, zs, k_dy, k_x, k_c, c, 1, inner, flags)
+
+
+@helper
+def _backward_element(x, dy, y, gi, gz, o, s, i, k_dy, k_x, k_c, flags):
+    """Element ``i`` of a run (offsets ``o``, strides ``s``): ``gi = k_dy*dv + k_x*x + k_c``
+    and ``gz = dv``, with ``dv`` the dy, zero where ``y <= 0`` if masked."""
+    use_x, masked, write_gi, write_gz = flags
+    dv = decode(dy[_at(o[1], i, s[1])])
+    if masked and not decode(y[_at(o[2], i, s[2])]) > 0:
+        dv = 0.0
+    v = k_dy * dv + k_c
+    if use_x:
+        v += k_x * decode(x[_at(o[0], i, s[0])])
+    if write_gi:
+        gi[_at(o[3], i, s[3])] = encode(v, gi.dtype)
+    if write_gz:
+        gz[_at(o[4], i, s[4])] = encode(dv, gz.dtype)
+
+
+@helper
+def _backward_along(x, dy, y, gi, gz, o, s, n, a, b, k, flags):
+    use_x, masked, write_gi, write_gz = flags
+    if write_gi and not (masked or write_gz):
+        if use_x:
+            for i in range(n):
+                v = a * decode(dy[_at(o[1], i, s[1])]) + b * decode(x[_at(o[0], i, s[0])])
+                gi[_at(o[3], i, s[3])] = encode(v + k, gi.dtype)
+        else:
+            for i in range(n):
+                gi[_at(o[3], i, s[3])] = encode(a * decode(dy[_at(o[1], i, s[1])]) + k, gi.dtype)
+        return
+    for i in range(n):
+        _backward_element(x, dy, y, gi, gz, o, s, i, a, b, k, flags)
+
+
+@helper
+def _row_offsets(r, geometry, strides):
+    """Offsets of row ``r`` in the five data slots."""
+    return (
+        row_offset(r, geometry, strides[0]),
+        row_offset(r, geometry, strides[1]),
+        row_offset(r, geometry, strides[2]),
+        row_offset(r, geometry, strides[3]),
+        row_offset(r, geometry, strides[4]),
+    )
+
+
+@helper
+def _backward_across(x, dy, y, gi, gz, geometry, strides, r0, r1, n, k_dy, k_x, k_c, flags):
+    use_x, masked, write_gi, write_gz = flags
+    plain = write_gi and not (masked or write_gz)
+    s = _column(strides, 0)
+    for r in range(r0, r1):
+        o = _row_offsets(r, geometry, strides)
+        if plain and use_x:
+            for i in range(n):
+                v = k_dy[i] * decode(dy[_at(o[1], i, s[1])])
+                v += k_x[i] * decode(x[_at(o[0], i, s[0])])
+                gi[_at(o[3], i, s[3])] = encode(v + k_c[i], gi.dtype)
+        elif plain:
+            for i in range(n):
+                v = k_dy[i] * decode(dy[_at(o[1], i, s[1])]) + k_c[i]
+                gi[_at(o[3], i, s[3])] = encode(v, gi.dtype)
+        else:
+            for i in range(n):
+                _backward_element(x, dy, y, gi, gz, o, s, i, k_dy[i], k_x[i], k_c[i], flags)
 
 
 @jit
-def _forward_item(x, z, out, geometry, strides, mean, scale, shift, item, items, split, flags):
-    """``_apply_forward`` over work item ``item``."""
-    c0, c1, r0, r1 = item_bounds(item, split, geometry, items)
-    n, inner = _run_length(geometry, c0, c1), geometry[3] != 0
-    unit = _contiguous_runs(geometry, strides, 3)
-    block = unit and _channel_runs_adjoin(geometry, strides, 3)
-    sx, sz = _run_stride(geometry, strides, 0), _run_stride(geometry, strides, 1)
-    so = _run_stride(geometry, strides, 2)
-    cx, cz, co = strides[0, 0], strides[1, 0], strides[2, 0]
+def item_backward(x, dy, y, gi, gz, geometry, strides, k_dy, k_x, k_c, flags, bounds):
+    """``gi = k_dy*dv + k_x*x + k_c`` and ``gz = dv`` (``dv``: dy, zero where ``y <= 0`` if
+    masked) over the work item ``bounds`` (the coefficients tiled as ``tiled`` does).
+    ``flags``: use x (all but eval), mask, write gi, write gz. Data slots: x, dy, y, gi,
+    gz."""
+    c0, c1, r0, r1, across, n, s = _walk(bounds, geometry, strides)
+    if across:
+        _backward_across(x, dy, y, gi, gz, geometry, strides, r0, r1, n, k_dy, k_x, k_c, flags)
+        return
     for r in range(r0, r1):
-        bx, bz, bo, _, _ = _row_bases(r, geometry, strides)
-        for c in range(c0, c0 + 1 if inner or block else c1):
-            ox, oz, oo = bx + c * cx, bz + c * cz, bo + c * co
-            if unit:
-                m = c1 - c0 if block else 1
-                size = m * n
-                xs, zs, ys = x[ox : ox + size], z[oz : oz + size], out[oo : oo + size]
-                _apply_forward(xs, zs, ys, mean, scale, shift, c, m, inner, flags)
-            else:
-                xs, zs = _strided(x, ox, n, sx), _strided(z, oz, n, sz)
-                ys = _strided(out, oo, n, so)
-                _apply_forward(xs, zs, ys, mean, scale, shift, c, 1, inner, flags)
-
-
-@numba.njit(**OPTIONS, parallel=prange_only())
-def backward_elementwise(x, dy, y, gi, gz, geometry, strides, k_dy, k_x, k_c, flags, chunks):
-    """Pass 2 of the backward: ``_backward_item`` over every work item."""
-    items, split = work_items(geometry, chunks)
-    if chunks == 1:
-        for item in range(items):
-            _backward_item(
-                x, dy, y, gi, gz, geometry, strides, k_dy, k_x, k_c, item, items, split, flags
+        o = _row_offsets(r, geometry, strides)
+        for c in range(c0, c1):
+            oc = (
+                o[0] + c * strides[0, 0],
+                o[1] + c * strides[1, 0],
+                o[2] + c * strides[2, 0],
+                o[3] + c * strides[3, 0],
+                o[4] + c * strides[4, 0],
             )
-    else:
-        for item in prange(items):
-            _backward_item(
-                x, dy, y, gi, gz, geometry, strides, k_dy, k_x, k_c, item, items, split, flags
-            )
-
-
-@numba.njit(**OPTIONS, parallel=prange_only())
-def forward_elementwise(x, z, out, geometry, strides, mean, scale, shift, flags, chunks):
-    """Pass 2 of the forwards: ``_forward_item`` over every work item."""
-    items, split = work_items(geometry, chunks)
-    if chunks == 1:
-        for item in range(items):
-            _forward_item(
-                x, z, out, geometry, strides, mean, scale, shift, item, items, split, flags
-            )
-    else:
-        for item in prange(items):
-            _forward_item(
-                x, z, out, geometry, strides, mean, scale, shift, item, items, split, flags
-            )
+            _backward_along(x, dy, y, gi, gz, oc, s, n, k_dy[c], k_x[c], k_c[c], flags)
 
 
 # --- the passes ----------------------------------------------------------------------------
+# Each pass is its inputs, its sums over every item, its coefficients, its results over
+# every item and its per-channel outputs. The whole-pass functions below run them as one
+# item in one call (small problems); the backend runs the same steps with items on threads.
 
 TRAIN, SAVED, EVAL, SAVED_INVSTD = 0, 1, 2, 3  # problems.Mode
 
 
 @jit
-def backward(
-    x_at,
-    dy_at,
-    y_at,
-    gi_at,
-    gz_at,
-    w_at,
-    m_at,
-    v_at,
-    gw_at,
-    gb_at,
-    like,
-    geometry,
-    strides,
-    spans,
-    channel_args,
-    mode,
-    eps,
-    flags,
-    chunks,
-):
-    """Batch-norm backward. Data tensors (x, dy, the fused forward's y, gi, gz) are walked
-    with ``strides``' rows 0..4; ``channel_args`` holds (stride, dtype code) of weight,
-    statistic 0, statistic 1, grad_weight, grad_bias. ``flags``: write gi, gw, gb; mask dy by
-    ``y > 0``; write gz. ``grad_input = k_dy*dy + k_x*x + k_c`` per channel."""
-    write_gi, write_gw, write_gb, masked, write_gz = flags
-    x, dy, y = flat(x_at, spans[0], like), flat(dy_at, spans[1], like), flat(y_at, spans[2], like)
-    gi, gz = flat(gi_at, spans[3], like), flat(gz_at, spans[4], like)
-    channels, count = geometry[0], geometry[1] * geometry[2]
+def backward_inputs(x, geometry, strides, w_at, m_at, v_at, channel_args, mode):
+    """``(weight, shift, statistic)`` in float64: the shift is the batch's first values
+    (train) or the saved/running mean; the statistic is the saved invstd or a variance."""
+    channels = geometry[0]
     w = load_channels(w_at, channel_args[0, 0], channel_args[0, 1], channels)
     if mode == TRAIN:
         shift = first_values(x, geometry, strides)
-        stat = shift
-    else:
-        shift = load_channels(m_at, channel_args[1, 0], channel_args[1, 1], channels)
-        stat = load_channels(v_at, channel_args[2, 0], channel_args[2, 1], channels)
-    sums = channel_sums(x, dy, y, geometry, strides, shift, (True, masked), chunks)
+        return w, shift, shift
+    shift = load_channels(m_at, channel_args[1, 0], channel_args[1, 1], channels)
+    stat = load_channels(v_at, channel_args[2, 0], channel_args[2, 1], channels)
+    return w, shift, stat
+
+
+@jit
+def backward_coefficients(sums, shift, stat, w, count, mode, eps):
+    """``(k_dy, k_x, k_c, grad_weight, grad_bias)``: ``grad_input = k_dy*dy + k_x*x + k_c``
+    per channel."""
+    channels = w.size
     k_dy, k_x, k_c = np.empty(channels), np.zeros(channels), np.zeros(channels)
     gw, gb = np.empty(channels), np.empty(channels)
     for c in range(channels):
@@ -644,25 +628,107 @@ def backward(
         if mode != EVAL:
             k_x[c] = -k_dy[c] * invstd * gw[c] / count
             k_c[c] = -k_dy[c] * sum_dy / count - k_x[c] * mean
-    if write_gi or write_gz:
-        backward_elementwise(
-            x,
-            dy,
-            y,
-            gi,
-            gz,
-            geometry,
-            strides,
-            k_dy,
-            k_x,
-            k_c,
-            (mode != EVAL, masked, write_gi, write_gz),
-            chunks,
-        )
+    return k_dy, k_x, k_c, gw, gb
+
+
+@jit
+def backward_outputs(gw, gb, gw_at, gb_at, channel_args, write_gw, write_gb):
     if write_gw:
         store_channels(gw, gw_at, channel_args[3, 0], channel_args[3, 1])
     if write_gb:
         store_channels(gb, gb_at, channel_args[4, 0], channel_args[4, 1])
+
+
+@jit
+def backward(
+    x_at,
+    dy_at,
+    y_at,
+    gi_at,
+    gz_at,
+    w_at,
+    m_at,
+    v_at,
+    gw_at,
+    gb_at,
+    like,
+    geometry,
+    strides,
+    spans,
+    channel_args,
+    mode,
+    eps,
+    flags,
+    whole,
+):
+    """Batch-norm backward as one item (``whole``: every channel and row). Data tensors
+    (x, dy, the fused forward's y, gi, gz) are walked with ``strides``' rows 0..4;
+    ``channel_args`` holds (stride, dtype code) of weight, statistic 0, statistic 1,
+    grad_weight, grad_bias. ``flags``: write gi, gw, gb;
+    mask dy by ``y > 0``; write gz."""
+    write_gi, write_gw, write_gb, masked, write_gz = flags
+    x, dy, y = flat(x_at, spans[0], like), flat(dy_at, spans[1], like), flat(y_at, spans[2], like)
+    gi, gz = flat(gi_at, spans[3], like), flat(gz_at, spans[4], like)
+    w, shift, stat = backward_inputs(x, geometry, strides, w_at, m_at, v_at, channel_args, mode)
+    channels, tile = geometry[0], geometry[TILE]
+    sums = np.zeros((SUMS, channels * tile))
+    item_sums(x, dy, y, geometry, strides, tiled(shift, tile), sums, whole)
+    count = geometry[1] * geometry[2] * tile
+    k_dy, k_x, k_c, gw, gb = backward_coefficients(
+        folded(sums, channels), shift, stat, w, count, mode, eps
+    )
+    if write_gi or write_gz:
+        apply = (mode != EVAL, masked, write_gi, write_gz)
+        k_dy, k_x, k_c = tiled(k_dy, tile), tiled(k_x, tile), tiled(k_c, tile)
+        item_backward(x, dy, y, gi, gz, geometry, strides, k_dy, k_x, k_c, apply, whole)
+    backward_outputs(gw, gb, gw_at, gb_at, channel_args, write_gw, write_gb)
+
+
+@jit
+def training_inputs(x, geometry, strides, w_at, b_at, rm_at, rv_at, channel_args, updates):
+    """``(weight, bias, old running mean, old running var, shift)`` in float64; a running
+    statistic that ``updates`` says is not updated is empty. Every per-channel input is
+    read before anything is written."""
+    channels = geometry[0]
+    w = load_channels(w_at, channel_args[0, 0], channel_args[0, 1], channels)
+    b = load_channels(b_at, channel_args[1, 0], channel_args[1, 1], channels)
+    old_mean = old_var = np.zeros(0)
+    if updates[0]:
+        old_mean = load_channels(rm_at, channel_args[4, 0], channel_args[4, 1], channels)
+    if updates[1]:
+        old_var = load_channels(rv_at, channel_args[5, 0], channel_args[5, 1], channels)
+    return w, b, old_mean, old_var, first_values(x, geometry, strides)
+
+
+@jit
+def training_statistics(sums, shift, count, eps):
+    """The batch's ``(mean, biased variance, invstd)`` from its shifted sums."""
+    channels = shift.size
+    mean, var, invstd = np.empty(channels), np.empty(channels), np.empty(channels)
+    for c in range(channels):
+        d = sums[0, c] / count
+        mean[c] = shift[c] + d
+        var[c] = sums[1, c] / count - d * d
+        if var[c] < 0.0:  # rounding; a NaN stays NaN
+            var[c] = 0.0
+        invstd[c] = 1.0 / np.sqrt(var[c] + eps)
+    return mean, var, invstd
+
+
+@jit
+def training_outputs(stats, old, at, channel_args, count, momentum, updates):
+    """Write the saved mean and invstd, and the running statistics ``updates`` names.
+    ``stats``: mean, var, invstd; ``old``: the old running mean and var; ``at``: the
+    addresses of saved_mean, saved_invstd, running_mean, running_var."""
+    mean, var, invstd = stats
+    store_channels(mean, at[0], channel_args[2, 0], channel_args[2, 1])
+    store_channels(invstd, at[1], channel_args[3, 0], channel_args[3, 1])
+    if updates[0]:
+        running = (1.0 - momentum) * old[0] + momentum * mean
+        store_channels(running, at[2], channel_args[4, 0], channel_args[4, 1])
+    if updates[1]:
+        running = (1.0 - momentum) * old[1] + momentum * var * (count / (count - 1))
+        store_channels(running, at[3], channel_args[5, 0], channel_args[5, 1])
 
 
 @jit
@@ -684,62 +750,63 @@ def forward_training(
     eps,
     momentum,
     flags,
-    chunks,
+    whole,
 ):
-    """Training forward: batch statistics, ``y``, saved mean and invstd, running update.
-    Data tensors: x, z, y (``strides`` rows 0..2); ``channel_args``: weight, bias,
-    saved_mean, saved_invstd, running_mean, running_var. ``flags``: add z, ReLU, update
-    running_mean, update running_var."""
+    """Training forward as one item (``whole``: every channel and row): batch statistics,
+    ``y``, saved mean and invstd, running update. Data tensors: x, z, y (``strides`` rows
+    0..2); ``channel_args``: weight, bias, saved_mean, saved_invstd, running_mean,
+    running_var. ``flags``: add z, ReLU, update running_mean, update running_var."""
     add_z, relu, update_mean, update_var = flags
+    updates = (update_mean, update_var)
     x, z, y = flat(x_at, spans[0], like), flat(z_at, spans[1], like), flat(y_at, spans[2], like)
-    channels, count = geometry[0], geometry[1] * geometry[2]
-    w = load_channels(w_at, channel_args[0, 0], channel_args[0, 1], channels)
-    b = load_channels(b_at, channel_args[1, 0], channel_args[1, 1], channels)
-    if update_mean:  # every per-channel input is read before anything is written
-        old_mean = load_channels(rm_at, channel_args[4, 0], channel_args[4, 1], channels)
-    if update_var:
-        old_var = load_channels(rv_at, channel_args[5, 0], channel_args[5, 1], channels)
-    shift = first_values(x, geometry, strides)
-    sums = channel_sums(x, x, x, geometry, strides, shift, (False, False), chunks)
-    mean, invstd, var = np.empty(channels), np.empty(channels), np.empty(channels)
-    for c in range(channels):
-        d = sums[0, c] / count
-        mean[c] = shift[c] + d
-        var[c] = sums[1, c] / count - d * d
-        if var[c] < 0.0:
-            var[c] = 0.0
-        invstd[c] = 1.0 / np.sqrt(var[c] + eps)
-    forward_elementwise(x, z, y, geometry, strides, mean, w * invstd, b, (add_z, relu), chunks)
-    store_channels(mean, sm_at, channel_args[2, 0], channel_args[2, 1])
-    store_channels(invstd, si_at, channel_args[3, 0], channel_args[3, 1])
-    if update_mean:
-        store_channels(
-            (1.0 - momentum) * old_mean + momentum * mean,
-            rm_at,
-            channel_args[4, 0],
-            channel_args[4, 1],
-        )
-    if update_var:
-        unbiased = var * (count / (count - 1))
-        store_channels(
-            (1.0 - momentum) * old_var + momentum * unbiased,
-            rv_at,
-            channel_args[5, 0],
-            channel_args[5, 1],
-        )
+    w, b, old_mean, old_var, shift = training_inputs(
+        x, geometry, strides, w_at, b_at, rm_at, rv_at, channel_args, updates
+    )
+    channels, tile = geometry[0], geometry[TILE]
+    sums = np.zeros((SUMS, channels * tile))
+    item_sums(x, x[:0], x[:0], geometry, strides, tiled(shift, tile), sums, whole)
+    count = geometry[1] * geometry[2] * tile
+    mean, var, invstd = training_statistics(folded(sums, channels), shift, count, eps)
+    coefficients = tiled(mean, tile), tiled(w * invstd, tile), tiled(b, tile)
+    item_forward(x, z, y, geometry, strides, *coefficients, (add_z, relu), whole)
+    at = (sm_at, si_at, rm_at, rv_at)
+    old = (old_mean, old_var)
+    training_outputs((mean, var, invstd), old, at, channel_args, count, momentum, updates)
 
 
 @jit
-def forward_inference(
-    x_at, y_at, w_at, b_at, rm_at, rv_at, like, geometry, strides, spans, channel_args, eps, chunks
-):
-    """Inference forward with fixed statistics. Data tensors: x, y (``strides`` rows 0, 2);
-    ``channel_args``: weight, bias, running_mean, running_var."""
-    x, y = flat(x_at, spans[0], like), flat(y_at, spans[2], like)
-    channels = geometry[0]
+def inference_coefficients(w_at, b_at, rm_at, rv_at, channel_args, channels, eps):
+    """``(mean, scale, shift)``: ``y = (x - mean)*scale + shift`` per channel."""
     w = load_channels(w_at, channel_args[0, 0], channel_args[0, 1], channels)
     b = load_channels(b_at, channel_args[1, 0], channel_args[1, 1], channels)
     mean = load_channels(rm_at, channel_args[2, 0], channel_args[2, 1], channels)
     var = load_channels(rv_at, channel_args[3, 0], channel_args[3, 1], channels)
-    scale = w / np.sqrt(var + eps)
-    forward_elementwise(x, x, y, geometry, strides, mean, scale, b, (False, False), chunks)
+    return mean, w / np.sqrt(var + eps), b
+
+
+@jit
+def forward_inference(
+    x_at,
+    y_at,
+    w_at,
+    b_at,
+    rm_at,
+    rv_at,
+    like,
+    geometry,
+    strides,
+    spans,
+    channel_args,
+    eps,
+    plain,
+    whole,
+):
+    """Inference forward as one item (``whole``: every channel and row). Data tensors: x, y
+    (``strides`` rows 0, 2); ``channel_args``: weight, bias, running_mean, running_var;
+    ``plain``: the forward's flags, none set."""
+    x, y = flat(x_at, spans[0], like), flat(y_at, spans[2], like)
+    channel = (w_at, b_at, rm_at, rv_at)
+    mean, scale, b = inference_coefficients(*channel, channel_args, geometry[0], eps)
+    tile = geometry[TILE]
+    mean, scale, b = tiled(mean, tile), tiled(scale, tile), tiled(b, tile)
+    item_forward(x, x, y, geometry, strides, mean, scale, b, plain, whole)

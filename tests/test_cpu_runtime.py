@@ -1,0 +1,174 @@
+"""Where the CPU engine runs (issue 18), each case in a child process with a time limit:
+
+- in a child forked after a parallel call (``os.fork``, and ``multiprocessing.Pool`` with the
+  fork start method): GNU OpenMP killed or hung such children;
+- under every numba threading layer installed, from 16 Python threads at once: numba's
+  ``workqueue`` layer aborted the process ("Concurrent access has been detected");
+- where no cache location is writable: every call failed with INTERNAL_ERROR ("no locator
+  available"); now the kernels compile in memory, with one warning;
+- a small call does not start numba's thread pool (the training forward did, every call).
+
+Results are checked against the same call made serially in the same process.
+"""
+
+import importlib.util
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+LIMIT_S = 600  # a cold numba cache compiles the kernels first (seconds; minutes under load)
+
+PROBLEM = """
+import numpy as np, cudnn_bn
+rng = np.random.default_rng(0)
+x = rng.standard_normal((32, 64, 128), dtype=np.float32)  # 262144 values: a parallel call
+dy = rng.standard_normal(x.shape, dtype=np.float32)
+w, b = np.ones(64, np.float32), np.zeros(64, np.float32)
+
+def passes():
+    gi, gw, gb = cudnn_bn.batch_norm_backward(x, dy, w, None, None)
+    y, mean, invstd = cudnn_bn.batch_norm_forward_training(x, w, b, None, None)
+    return [np.asarray(a) for a in (gi, gw, gb, y, mean, invstd)]
+
+def same(got, want):
+    return all(np.array_equal(g, v) for g, v in zip(got, want, strict=True))
+
+want = passes()
+"""
+
+
+def run_child(script: str, **env: str) -> subprocess.CompletedProcess:
+    """``script`` in a fresh interpreter with at least two engine threads; ``env`` added
+    (a value of ``""`` removes the variable). The working directory is ``/``, so that only
+    ``PYTHONPATH`` says where the package is."""
+    environ = dict(os.environ, NUMBA_NUM_THREADS="4", PYTHONPATH=str(REPO))
+    environ.pop("OMP_NUM_THREADS", None)
+    for key, value in env.items():
+        if value:
+            environ[key] = value
+        else:
+            environ.pop(key, None)
+    return subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=LIMIT_S,
+        env=environ, cwd="/",
+    )  # fmt: skip
+
+
+def assert_printed(result: subprocess.CompletedProcess, expected: str) -> None:
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.split() == expected.split(), (result.stdout, result.stderr[-3000:])
+
+
+def test_forked_child_after_a_parallel_call():
+    script = (
+        PROBLEM
+        + """
+import os
+pid = os.fork()
+if pid == 0:
+    os._exit(0 if same(passes(), want) else 3)
+print(os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]))
+"""
+    )
+    assert_printed(run_child(script), "0")
+
+
+def test_multiprocessing_pool_with_fork_after_a_parallel_call():
+    script = (
+        PROBLEM
+        + """
+import multiprocessing
+
+def work(_):
+    return same(passes(), want)
+
+with multiprocessing.get_context("fork").Pool(2) as pool:
+    print(*pool.map(work, range(4), chunksize=1))
+"""
+    )
+    assert_printed(run_child(script), "True True True True")
+
+
+def _layers() -> list:
+    tbb = importlib.util.find_spec("tbb") is not None
+    marks = pytest.mark.skipif(not tbb, reason="TBB is not installed")
+    return ["workqueue", "omp", pytest.param("tbb", marks=marks)]
+
+
+@pytest.mark.parametrize("layer", _layers())
+def test_sixteen_threads_under_every_threading_layer(layer):
+    script = (
+        PROBLEM
+        + """
+from concurrent.futures import ThreadPoolExecutor
+with ThreadPoolExecutor(16) as threads:
+    print(all(threads.map(lambda _: same(passes(), want), range(32))))
+"""
+    )
+    assert_printed(run_child(script, NUMBA_THREADING_LAYER=layer), "True")
+
+
+def test_no_writable_cache_location_compiles_in_memory_with_one_warning(tmp_path):
+    """The package in a read-only place (its ``__pycache__`` cannot be made: a file is in
+    the way, which stops root too), no writable home, ``NUMBA_CACHE_DIR`` unset."""
+    package = tmp_path / "site" / "cudnn_bn"
+    shutil.copytree(REPO / "cudnn_bn", package, ignore=shutil.ignore_patterns("__pycache__"))
+    for folder in [package, *(p for p in package.rglob("*") if p.is_dir())]:
+        (folder / "__pycache__").write_text("not a folder")
+    for path in [*package.rglob("*"), package]:
+        path.chmod(0o555 if path.is_dir() else 0o444)
+    script = """
+import warnings
+import numpy as np
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    import cudnn_bn
+    x = np.arange(24, dtype=np.float32).reshape(4, 3, 2)
+    w = np.ones(3, np.float32)
+    gi, gw, gb = cudnn_bn.batch_norm_backward(x, x, w, None, None)
+    y = cudnn_bn.batch_norm_forward_inference(x, w, w, w, w)
+print(cudnn_bn.__file__, float(gb.sum()), y.shape)
+print(*[str(w.message) for w in caught], sep="\\n")
+"""
+    try:
+        result = run_child(
+            script,
+            PYTHONPATH=str(package.parent),
+            HOME="/dev/null",
+            XDG_CACHE_HOME="",
+            NUMBA_CACHE_DIR="",
+            PYTHONDONTWRITEBYTECODE="1",
+        )
+    finally:
+        for path in [package, *package.rglob("*")]:
+            path.chmod(0o755 if path.is_dir() else 0o644)
+    assert result.returncode == 0, result.stderr[-3000:]
+    first, *warnings = result.stdout.splitlines()
+    assert first == f"{package / '__init__.py'} 276.0 (4, 3, 2)", result.stdout
+    assert len(warnings) == 1 and "NUMBA_CACHE_DIR" in warnings[0], result.stdout
+
+
+def test_calls_never_start_numbas_thread_pool():
+    """Neither a small call (one item, in the calling thread) nor a large one (the engine's
+    own threads) starts numba's parallel layer, whose threads would compete with the
+    caller's (and make a later fork unsafe)."""
+    script = (
+        """
+import numpy as np, cudnn_bn
+from numba.np.ufunc import parallel
+small = np.ones((8, 4), np.float32)
+ones = np.ones(4, np.float32)
+cudnn_bn.batch_norm_forward_training(small, ones, ones, ones.copy(), ones.copy())
+cudnn_bn.batch_norm_backward(small, small, ones, None, None)
+cudnn_bn.batch_norm_forward_inference(small, ones, ones, ones, ones)
+print(parallel._is_initialized)
+"""
+        + PROBLEM
+        + "print(parallel._is_initialized)"
+    )
+    assert_printed(run_child(script), "False False")
