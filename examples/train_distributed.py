@@ -4,11 +4,12 @@
 
 Every rank holds the whole model and draws the same global batches as the single-process
 ``train_mnist_like.py`` (same seed, same order); each rank takes its share of a batch (uneven
-where the ranks do not divide it). The batch norms are ``cudnn_bn.distributed``'s: their
-statistics are those of the global batch, so every activation equals the single-process
-one. The parameter gradients (each rank's share of the global-batch loss) are summed over
-the ranks with one MPI all-reduce per step, and every rank takes the same SGD step: the loss
-curve is the single-process run's, to rounding. Rank 0 prints it. NumPy and the CPU backend
+where the ranks do not divide it). The batch norms are ``cudnn_bn.nn.SyncBatchNorm`` layers
+(``cudnn_bn.distributed`` underneath): their statistics are those of the global batch, so
+every activation equals the single-process one. The parameter gradients (each rank's share of
+the global-batch loss; the layers' ``weight_grad``/``bias_grad`` too) are summed over the ranks
+with one MPI all-reduce per step, and every rank takes the same SGD step: the loss curve is the
+single-process run's, to rounding. Rank 0 prints it. NumPy and the CPU backend
 without a GPU; CuPy (one GPU per rank, the statistics staged through the host for MPI) with.
 Exits non-zero unless the loss at least halves.
 """
@@ -27,44 +28,14 @@ from train_mnist_like import (
     MOMENTUM,
     SAMPLES,
     STEPS,
-    BatchNormReLU,
     finish,
     forward,
     make_data,
+    sgd_step,
 )
 
 import cudnn_bn
-from cudnn_bn.distributed import sync_batch_norm_backward, sync_batch_norm_forward_training
-
-
-class SyncBatchNormReLU(BatchNormReLU):
-    """``BatchNormReLU`` over the global batch: its statistics come from every rank."""
-
-    def __init__(self, xp, channels: int, comm: MPI.Comm) -> None:
-        super().__init__(xp, channels)
-        self.comm = comm
-
-    def train(self, h):
-        self.h = h
-        self.y, self.mean, self.invstd = sync_batch_norm_forward_training(
-            h,
-            self.gamma,
-            self.beta,
-            self.running_mean,
-            self.running_var,
-            group=self.comm,
-            momentum=MOMENTUM,
-            eps=EPS,
-        )
-        return self.xp.maximum(self.y, 0)
-
-    def backward(self, grad):
-        """The gradient with respect to this rank's ``h``; ``grad_gamma``/``grad_beta`` are
-        this rank's share (summed over the ranks with the other parameter gradients)."""
-        grad_h, self.grad_gamma, self.grad_beta = sync_batch_norm_backward(
-            self.h, grad * (self.y > 0), self.gamma, self.mean, self.invstd, group=self.comm
-        )
-        return grad_h
+from cudnn_bn.nn import SyncBatchNorm
 
 
 def allreduce(comm: MPI.Comm, xp, arrays: list) -> list:
@@ -97,7 +68,9 @@ def main() -> None:
 
     w1, w2, w3 = weight(FEATURES, HIDDEN), weight(HIDDEN, HIDDEN), weight(HIDDEN, CLASSES)
     b3 = xp.zeros(CLASSES, xp.float32)
-    bn1, bn2 = SyncBatchNormReLU(xp, HIDDEN, comm), SyncBatchNormReLU(xp, HIDDEN, comm)
+    bn1, bn2 = (
+        SyncBatchNorm(HIDDEN, eps=EPS, momentum=MOMENTUM, fusion="relu", group=comm) for _ in "12"
+    )
     x_all, t_all = xp.asarray(points), xp.asarray(labels)
 
     start = time.perf_counter()
@@ -122,20 +95,20 @@ def main() -> None:
             comm,
             xp,
             [local_loss, grad_w1, grad_w2, grad_w3, grad_b3]
-            + [bn.grad_gamma for bn in (bn1, bn2)]
-            + [bn.grad_beta for bn in (bn1, bn2)],
+            + [grad for bn in (bn1, bn2) for grad in (bn.weight_grad, bn.bias_grad)],
         )
         losses.append(float(loss[0]) / BATCH)
         if step % 5 == 0 or step == STEPS - 1:
             say(f"{step:5d}  {losses[-1]:.4f}")
-        *weight_grads, gamma1, gamma2, beta1, beta2 = grads
-        for param, grad in zip((w1, w2, w3, b3), weight_grads, strict=True):
+        for param, grad in zip((w1, w2, w3, b3), grads[:4], strict=True):
             param -= LEARNING_RATE * grad
-        bn1.grad_gamma, bn2.grad_gamma, bn1.grad_beta, bn2.grad_beta = gamma1, gamma2, beta1, beta2
-        bn1.step(LEARNING_RATE)
-        bn2.step(LEARNING_RATE)
+        for bn, (gamma, beta) in zip((bn1, bn2), (grads[4:6], grads[6:]), strict=True):
+            bn.weight_grad, bn.bias_grad = gamma, beta  # the sums over the ranks
+            sgd_step(bn, LEARNING_RATE)
 
-    logits = bn2.infer(bn1.infer(x_all @ w1) @ w2) @ w3 + b3
+    bn1.eval()
+    bn2.eval()
+    logits = bn2(bn1(x_all @ w1) @ w2) @ w3 + b3
     finish(losses, logits, t_all, time.perf_counter() - start, say)
 
 

@@ -2,12 +2,12 @@
 
 The data are made here: 10 classes of Gaussian blobs in 64 dimensions (fixed seed). The network
 is Linear -> batch norm -> ReLU -> Linear -> batch norm -> ReLU -> Linear -> softmax
-cross-entropy, trained with plain SGD. Each batch norm runs
-``batch_norm_forward_training`` on the ``(N, C)`` activations (running statistics kept) and
-its gradient comes from ``batch_norm_backward(mode="saved")`` with the mean and inverse
-standard deviation that forward saved; the final accuracy is measured in inference mode
-(``batch_norm_forward_inference`` with the running statistics). CuPy and cuDNN where a GPU is
-usable, NumPy and the CPU backend otherwise. Exits non-zero unless the loss at least halves.
+cross-entropy, trained with plain SGD. Each batch norm + ReLU is one ``cudnn_bn.nn.BatchNorm``
+layer (``fusion="relu"``) on the ``(N, C)`` activations: in training mode its forward
+normalizes with the batch statistics and moves the running ones, its ``backward`` returns the
+gradient with respect to its input and accumulates gamma's and beta's; the final accuracy is
+measured in eval mode (the running statistics). CuPy and cuDNN where a GPU is usable, NumPy and
+the CPU engine otherwise. Exits non-zero unless the loss at least halves.
 """
 
 import time
@@ -15,6 +15,7 @@ import time
 import numpy as np
 
 import cudnn_bn
+from cudnn_bn.nn import BatchNorm
 
 CLASSES, FEATURES, HIDDEN = 10, 64, 128
 SAMPLES, BATCH, STEPS = 4096, 256, 60
@@ -29,63 +30,25 @@ def make_data(rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
     return points.astype(np.float32), labels
 
 
-class BatchNormReLU:
-    """``relu(batch_norm(h))`` over ``(N, C)``, with its parameters and running statistics."""
+def batch_norm_relu(channels: int) -> BatchNorm:
+    """``relu(batch_norm(h))`` over ``(N, C)``: one layer owns gamma/beta, the running
+    statistics and what its backward needs."""
+    return BatchNorm(channels, eps=EPS, momentum=MOMENTUM, fusion="relu")
 
-    def __init__(self, xp, channels: int) -> None:
-        self.xp = xp
-        self.gamma = xp.ones(channels, xp.float32)
-        self.beta = xp.zeros(channels, xp.float32)
-        self.running_mean = xp.zeros(channels, xp.float32)
-        self.running_var = xp.ones(channels, xp.float32)
 
-    def train(self, h):
-        """Batch statistics (saved for the backward); the running ones are updated."""
-        self.h = h
-        self.y, self.mean, self.invstd = cudnn_bn.batch_norm_forward_training(
-            h,
-            self.gamma,
-            self.beta,
-            self.running_mean,
-            self.running_var,
-            momentum=MOMENTUM,
-            eps=EPS,
-        )
-        return self.xp.maximum(self.y, 0)
-
-    def backward(self, grad):
-        """The gradient with respect to ``h``; ``grad_gamma``/``grad_beta`` are kept."""
-        grad_y = grad * (self.y > 0)
-        grad_h, self.grad_gamma, self.grad_beta = cudnn_bn.batch_norm_backward(
-            self.h,
-            grad_y,
-            self.gamma,
-            None,
-            None,
-            eps=EPS,
-            mode="saved",
-            saved_mean=self.mean,
-            saved_invstd=self.invstd,
-        )
-        return grad_h
-
-    def infer(self, h):
-        """Inference mode: the running statistics, fixed."""
-        y = cudnn_bn.batch_norm_forward_inference(
-            h, self.gamma, self.beta, self.running_mean, self.running_var, eps=EPS
-        )
-        return self.xp.maximum(y, 0)
-
-    def step(self, lr: float) -> None:
-        self.gamma -= lr * self.grad_gamma
-        self.beta -= lr * self.grad_beta
+def sgd_step(bn: BatchNorm, lr: float) -> None:
+    """Plain SGD on a batch norm's gamma (``weight``) and beta (``bias``), then forget their
+    gradients (the layer accumulates them, as torch does)."""
+    bn.weight -= lr * bn.weight_grad
+    bn.bias -= lr * bn.bias_grad
+    bn.zero_grad()
 
 
 def forward(xp, x, weights: tuple, bns: tuple) -> tuple:
     """The network in training mode: both hidden activations and the log-softmax."""
     (w1, w2, w3, b3), (bn1, bn2) = weights, bns
-    a1 = bn1.train(x @ w1)
-    a2 = bn2.train(a1 @ w2)
+    a1 = bn1(x @ w1)
+    a2 = bn2(a1 @ w2)
     logits = a2 @ w3 + b3
     shifted = logits - logits.max(axis=1, keepdims=True)
     return a1, a2, shifted - xp.log(xp.exp(shifted).sum(axis=1, keepdims=True))
@@ -109,7 +72,7 @@ def main() -> None:
 
     w1, w2, w3 = weight(FEATURES, HIDDEN), weight(HIDDEN, HIDDEN), weight(HIDDEN, CLASSES)
     b3 = xp.zeros(CLASSES, xp.float32)
-    bn1, bn2 = BatchNormReLU(xp, HIDDEN), BatchNormReLU(xp, HIDDEN)
+    bn1, bn2 = batch_norm_relu(HIDDEN), batch_norm_relu(HIDDEN)
     x_all, t_all = xp.asarray(points), xp.asarray(labels)
 
     start = time.perf_counter()
@@ -134,10 +97,12 @@ def main() -> None:
         grad_w1 = x.T @ grad_h1
         for param, grad in ((w1, grad_w1), (w2, grad_w2), (w3, grad_w3), (b3, grad_b3)):
             param -= LEARNING_RATE * grad
-        bn1.step(LEARNING_RATE)
-        bn2.step(LEARNING_RATE)
+        sgd_step(bn1, LEARNING_RATE)
+        sgd_step(bn2, LEARNING_RATE)
 
-    logits = bn2.infer(bn1.infer(x_all @ w1) @ w2) @ w3 + b3
+    bn1.eval()
+    bn2.eval()
+    logits = bn2(bn1(x_all @ w1) @ w2) @ w3 + b3
     finish(losses, logits, t_all, time.perf_counter() - start)
 
 

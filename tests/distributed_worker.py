@@ -31,6 +31,7 @@ from cudnn_bn.distributed import (
     sync_batch_norm_backward,
     sync_batch_norm_forward_training,
 )
+from cudnn_bn.nn import SyncBatchNorm
 
 MOMENTUM = 0.1
 KINDS = {  # engine -> the arrays it runs on
@@ -411,6 +412,82 @@ def case_bytes_per_pass(me: Rank) -> None:
     numbers["bytes sent per rank, forward, C=64"] = forward
     numbers["bytes sent per rank, backward, C=64"] = backward
     assert forward == backward == 8 * (10 + 2 * 64), sent
+
+
+def _check_layer(me: Rank, fusion: str | None, momentum: float | None, affine: bool) -> None:
+    """``cudnn_bn.nn.SyncBatchNorm`` on this rank's slice (uneven, rank 1 empty) against
+    torch's ``BatchNorm1d`` on the global batch, float64, over training and eval steps: the
+    output, grad_input and grad_z slices, this rank's share of the parameter gradients
+    (torch's with grad_output zero outside the slice), the running statistics and
+    num_batches_tracked after every step. Every step runs on every rank, failed or not, so
+    that the ranks stay in step; the failures are reported at the end."""
+    counts = split(me.size, True)
+    lo = sum(counts[: me.rank])
+    hi = lo + counts[me.rank]
+    tail = (3, 4)
+    module = torch.nn.BatchNorm1d(3, eps=EPS, momentum=momentum, affine=affine).double()
+    layer = SyncBatchNorm(3, EPS, momentum, affine, fusion=fusion, group=me.group)
+    rng = np.random.default_rng(21)
+    if affine:
+        with torch.no_grad():
+            module.weight.uniform_(0.5, 1.5, generator=torch.Generator().manual_seed(1))
+            module.bias.normal_(generator=torch.Generator().manual_seed(2))
+    layer.load_state_dict({n: v.numpy() for n, v in module.state_dict().items()})
+    params = [module.weight, module.bias] if affine else []
+    totals = [torch.zeros(3, dtype=torch.float64) for _ in params]
+    failures = []
+    for step, training in enumerate((True, True, True, False, True)):
+        try:  # a failing step must not skip the collectives the other ranks wait in
+            module.train(training)
+            layer.train(training)
+            x, dy, z = (rng.standard_normal((sum(counts), *tail)) * 2 + 1 for _ in range(3))
+            xt, zt = torch.tensor(x, requires_grad=True), torch.tensor(z, requires_grad=True)
+            y = module(xt)
+            if fusion is not None:
+                y = torch.relu(y + zt if fusion == "add_relu" else y)
+            grad_x, grad_z = torch.autograd.grad(
+                y, [xt, zt], torch.tensor(dy), retain_graph=True, allow_unused=True
+            )
+            local_dy = torch.zeros_like(y)
+            local_dy[lo:hi] = torch.tensor(dy[lo:hi])
+            if params:
+                for total, grad in zip(
+                    totals, torch.autograd.grad(y, params, local_dy), strict=True
+                ):
+                    total += grad
+            mine = {n: me.array(v[lo:hi], "f64") for n, v in dict(x=x, dy=dy, z=z).items()}
+            output = layer(mine["x"], mine["z"] if fusion == "add_relu" else None)
+            grads = layer.backward(mine["dy"])
+            if fusion == "add_relu":
+                grads, got_z = grads
+                close(f"step {step}: grad_z", me.host(got_z), grad_z[lo:hi].numpy(), 1e-12)
+            close(f"step {step}: output", me.host(output), y.detach()[lo:hi].numpy(), 1e-12)
+            close(f"step {step}: grad_input", me.host(grads), grad_x[lo:hi].numpy(), 1e-12)
+            for name, total in zip(("weight_grad", "bias_grad"), totals, strict=False):
+                close(f"step {step}: {name}", me.host(getattr(layer, name)), total.numpy(), 1e-12)
+            for name in ("running_mean", "running_var"):
+                close(
+                    f"step {step}: {name}",
+                    me.host(getattr(layer, name)),
+                    getattr(module, name).numpy(),
+                    1e-12,
+                )
+            assert layer.num_batches_tracked == int(module.num_batches_tracked), step
+        except Exception:
+            failures.append(traceback.format_exc())
+    assert not failures, "\n".join(failures)
+
+
+def case_layer(me: Rank) -> None:
+    _check_layer(me, None, 0.1, True)
+
+
+def case_layer_fused_cumulative(me: Rank) -> None:
+    _check_layer(me, "add_relu", None, True)
+
+
+def case_layer_without_affine(me: Rank) -> None:
+    _check_layer(me, "relu", 0.1, False)
 
 
 def case_engine_error(me: Rank) -> None:

@@ -1,0 +1,308 @@
+"""``BatchNorm``: a batch-norm layer that owns its parameters, running statistics and the
+state its backward needs, with ``torch.nn.BatchNorm1d/2d/3d``'s semantics.
+
+Reference: PyTorch ``torch/nn/modules/batchnorm.py`` (``_NormBase``, ``_BatchNorm.forward``).
+Each pass is one call of the array API; the running statistics are updated in place by the
+training forward itself.
+"""
+
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from ..api import batch_norm_backward, batch_norm_forward_inference, batch_norm_forward_training
+from ..arrays import common_place, operand
+from ..enums import DataType, Status
+from ..errors import InfiniError, raises_only_infini_errors
+from ..ops.validation import check_eps, check_fraction
+from . import libraries
+
+_public = raises_only_infini_errors({})
+FUSIONS = (None, "relu", "add_relu")
+Backward = Callable[[Any], tuple[Any, ...]]
+
+
+def add_relu(output: Any, z: Any) -> Any:
+    """``relu(output [+ z])``, in place on ``output`` (a pass's fresh result)."""
+    if z is not None:
+        output += z
+    output[output < 0] = 0
+    return output
+
+
+def check_like_input(name: str, array: Any, input: Any) -> None:
+    """``array`` (argument ``name``; None passes) is like ``input``: same library, device,
+    shape and dtype. For the arrays the layer combines itself (a residual ``z``, a fused
+    output's ``grad_output``), before anything is written."""
+    if array is None:
+        return
+    common_place({"input": input, name: array})
+    x, a = operand("input", input).desc, operand(name, array).desc
+    if (a.shape, a.dtype) != (x.shape, x.dtype) or libraries.library(name, array) != (
+        libraries.library("input", input)
+    ):
+        raise InfiniError(
+            Status.BAD_PARAM,
+            f"{name} must be an array like input: {x.dtype.name} {x.shape}, "
+            f"got {a.dtype.name} {a.shape}",
+        )
+
+
+class BatchNorm:
+    """Batch norm over ``(N, C)``, ``(N, C, L)``, ``(N, C, H, W)`` (NCHW or channels-last) and
+    ``(N, C, D, H, W)`` NumPy arrays, CuPy arrays or torch tensors.
+
+    As ``torch.nn.BatchNorm2d(num_features, eps, momentum, affine, track_running_stats)``:
+    ``training`` (``train()``/``eval()``) picks the batch statistics (the running ones moved
+    by ``momentum``, or by ``1/num_batches_tracked`` when ``momentum`` is None) or the running
+    statistics; ``track_running_stats=False`` keeps none and uses the batch's in eval too;
+    ``affine=False`` has no ``weight``/``bias``. ``fusion`` ``"relu"`` or ``"add_relu"``
+    makes ``forward(input, z)`` return ``relu(bn(input) [+ z])``.
+
+    ``weight``, ``bias``, ``running_mean`` and ``running_var`` are arrays of the input's
+    library on its device, float32 (float64 for float64 input): made on the first
+    ``forward``, or at once from ``like=`` (an array of that library, device and dtype).
+    ``backward(grad_output)`` is the gradient of the last ``forward``: it returns
+    ``grad_input`` (and ``grad_z`` for ``"add_relu"``) and adds to ``weight_grad`` and
+    ``bias_grad`` (None until a backward, and after ``zero_grad()``). A failing call
+    raises ``InfiniError`` and changes nothing.
+    """
+
+    @_public
+    def __init__(
+        self,
+        num_features: int,
+        eps: float = 1e-5,
+        momentum: float | None = 0.1,
+        affine: bool = True,
+        track_running_stats: bool = True,
+        fusion: str | None = None,
+        *,
+        like: Any = None,
+    ) -> None:
+        if isinstance(num_features, bool) or not isinstance(num_features, int | np.integer):
+            raise InfiniError(
+                Status.BAD_PARAM, f"num_features must be an int, got {num_features!r}"
+            )
+        if num_features <= 0:
+            raise InfiniError(Status.BAD_PARAM, f"num_features must be > 0, got {num_features}")
+        if fusion not in FUSIONS:
+            raise InfiniError(
+                Status.BAD_PARAM, f"fusion must be None, 'relu' or 'add_relu', got {fusion!r}"
+            )
+        self.num_features = int(num_features)
+        self.eps = check_eps(eps)
+        self.momentum = None if momentum is None else check_fraction("momentum", momentum)
+        self.affine, self.track_running_stats = bool(affine), bool(track_running_stats)
+        self.fusion = fusion
+        self.training = True
+        self.num_batches_tracked: int | None = 0 if self.track_running_stats else None
+        self.weight_grad: Any = None
+        self.bias_grad: Any = None
+        # Until the arrays exist: their values on the host, made in the first input's library.
+        self._pending: dict[str, np.ndarray] | None = {
+            name: np.full(self.num_features, value) for name, value in self.defaults().items()
+        }
+        self._place: tuple[str, str] | None = None
+        self.weight = self.bias = self.running_mean = self.running_var = None
+        self._backward: Backward | None = None
+        if like is not None:
+            self._commit(*self._arrays_for("like", like))
+
+    def defaults(self) -> dict[str, float]:
+        """The per-channel arrays this layer has, and their initial value (torch's)."""
+        names = {}
+        if self.affine:
+            names.update(weight=1.0, bias=0.0)
+        if self.track_running_stats:
+            names.update(running_mean=0.0, running_var=1.0)
+        return names
+
+    def __repr__(self) -> str:
+        return (
+            f"{type(self).__name__}({self.num_features}, eps={self.eps}, "
+            f"momentum={self.momentum}, affine={self.affine}, "
+            f"track_running_stats={self.track_running_stats}, fusion={self.fusion!r})"
+        )
+
+    # --- modes and gradients ----------------------------------------------------------------
+
+    def train(self, mode: bool = True) -> "BatchNorm":
+        """Training mode (batch statistics) or, with ``mode=False``, eval mode."""
+        self.training = bool(mode)
+        return self
+
+    def eval(self) -> "BatchNorm":
+        """Eval mode: the running statistics (the batch's without ``track_running_stats``)."""
+        return self.train(False)
+
+    def zero_grad(self) -> None:
+        """Forget the accumulated ``weight_grad``/``bias_grad`` (None, as torch's default)."""
+        self.weight_grad = self.bias_grad = None
+
+    # --- the arrays --------------------------------------------------------------------------
+
+    def _arrays_for(self, name: str, array: Any) -> tuple[tuple[str, str], dict[str, Any]]:
+        """``array``'s (library, device) and the layer's per-channel arrays for it: its own,
+        or new ones there (not yet the layer's: see ``_commit``)."""
+        where = libraries.place(name, array)
+        if self._pending is None:
+            if where != self._place:
+                raise InfiniError(
+                    Status.BAD_PARAM,
+                    f"{name} is a {where[0]} array on {where[1]}, but this layer's parameters "
+                    f"and statistics are {self._place[0]} arrays on {self._place[1]}",
+                )
+            return where, {n: getattr(self, n) for n in self.defaults()}
+        dtype = operand(name, array).desc.dtype
+        stats_dtype = "float64" if dtype == DataType.F64 else "float32"
+        return where, {n: libraries.new(v, array, stats_dtype) for n, v in self._pending.items()}
+
+    def _commit(self, where: tuple[str, str], arrays: dict[str, Any]) -> None:
+        """Make ``arrays`` (from ``_arrays_for``) the layer's own, kept at ``where``."""
+        if self._pending is not None:
+            self._place, self._pending = where, None
+            for name, array in arrays.items():
+                setattr(self, name, array)
+
+    # --- passes ------------------------------------------------------------------------------
+
+    @_public
+    def forward(self, input: Any, z: Any = None) -> Any:
+        """``bn(input)`` (``relu(bn(input) [+ z])`` when fused), as an array of its kind."""
+        if (z is not None) != (self.fusion == "add_relu"):
+            wants = "needs z" if z is None else "takes no z"
+            raise InfiniError(Status.BAD_PARAM, f"fusion={self.fusion!r} {wants}")
+        where, arrays = self._arrays_for("input", input)
+        weight, bias = arrays.get("weight"), arrays.get("bias")
+        running = arrays.get("running_mean"), arrays.get("running_var")
+        if self.training or not self.track_running_stats:
+            tracking = self.training and self.track_running_stats
+            count = self.num_batches_tracked + 1 if tracking else None
+            momentum = 0.0
+            if tracking:
+                momentum = 1.0 / count if self.momentum is None else self.momentum
+            output, backward = self._batch_pass(
+                input, z, weight, bias, *(running if tracking else (None, None)), momentum
+            )
+            if tracking:
+                self.num_batches_tracked = count
+        else:
+            output, backward = self._eval_pass(input, z, weight, bias, *running)
+        self._commit(where, arrays)
+        self._backward = backward
+        return output
+
+    __call__ = forward
+
+    def _batch_pass(
+        self,
+        input: Any,
+        z: Any,
+        weight: Any,
+        bias: Any,
+        running_mean: Any,
+        running_var: Any,
+        momentum: float,
+    ) -> tuple[Any, Backward]:
+        """Normalize with the batch's statistics, moving the running ones (when given) in
+        place; the output and its backward."""
+        outputs = batch_norm_forward_training(
+            input, weight, bias, running_mean, running_var,
+            momentum=momentum, eps=self.eps, fusion=self.fusion, z=z,
+        )  # fmt: skip
+        fused = dict(fusion=self.fusion, output=outputs[0], bias=bias) if self.fusion else {}
+        return outputs[0], lambda grad_output: batch_norm_backward(
+            input, grad_output, weight, None, None,
+            eps=self.eps, mode="saved", saved_mean=outputs[1], saved_invstd=outputs[2],
+            reserve=outputs.reserve, **fused,
+        )  # fmt: skip
+
+    def _eval_pass(
+        self, input: Any, z: Any, weight: Any, bias: Any, running_mean: Any, running_var: Any
+    ) -> tuple[Any, Backward]:
+        """Normalize with the running statistics; the output and its (eval-rule) backward."""
+        check_like_input("z", z, input)
+        output = batch_norm_forward_inference(
+            input, weight, bias, running_mean, running_var, eps=self.eps
+        )
+        fused = {}
+        if self.fusion:
+            output = add_relu(output, z)
+            fused = dict(fusion=self.fusion, output=output, bias=bias)
+        return output, lambda grad_output: batch_norm_backward(
+            input, grad_output, weight, running_mean, running_var,
+            eps=self.eps, mode="eval", **fused,
+        )  # fmt: skip
+
+    @_public
+    def backward(self, grad_output: Any) -> Any:
+        """``grad_input`` of the last ``forward`` (``(grad_input, grad_z)`` for
+        ``"add_relu"``); ``weight_grad``/``bias_grad`` accumulate (affine layers)."""
+        if self._backward is None:
+            raise InfiniError(
+                Status.BAD_PARAM, "backward() needs a forward() first (one backward per forward)"
+            )
+        grad_input, grad_weight, grad_bias, *grad_z = self._backward(grad_output)
+        self._backward = None
+        if self.affine:
+            if self.weight_grad is None:
+                self.weight_grad, self.bias_grad = grad_weight, grad_bias
+            else:
+                self.weight_grad += grad_weight
+                self.bias_grad += grad_bias
+        return (grad_input, grad_z[0]) if grad_z else grad_input
+
+    # --- state dicts -------------------------------------------------------------------------
+
+    @_public
+    def state_dict(self) -> dict[str, Any]:
+        """torch's names and order: ``weight``, ``bias`` (affine), ``running_mean``,
+        ``running_var``, ``num_batches_tracked`` (tracking). The layer's own arrays (host
+        float64 copies before they exist); ``num_batches_tracked`` a 0-d int64 array."""
+        state = {n: v.copy() for n, v in self._pending.items()} if self._pending is not None else {
+            name: getattr(self, name) for name in self.defaults()
+        }  # fmt: skip
+        if self.track_running_stats:
+            like = state["running_mean"]
+            state["num_batches_tracked"] = libraries.new(
+                np.array(self.num_batches_tracked), like, "int64"
+            )
+        return state
+
+    @_public
+    def load_state_dict(self, state: dict[str, Any], strict: bool = True) -> None:
+        """Copy a state (``state_dict()``'s names; arrays of any of the three libraries or
+        anything NumPy reads, e.g. a torch module's state) into the layer's arrays, in place.
+        ``strict``: missing or unexpected names raise. Everything is checked first."""
+        expected = list(self.defaults())
+        if self.track_running_stats:
+            expected.append("num_batches_tracked")
+        missing = [n for n in expected if n not in state]
+        unexpected = [n for n in state if n not in expected]
+        if strict and (missing or unexpected):
+            raise InfiniError(
+                Status.BAD_PARAM,
+                f"state: missing {missing}, unexpected {unexpected} (expected {expected})",
+            )
+        values = {n: libraries.host(f"state[{n!r}]", state[n]) for n in expected if n in state}
+        for name, value in values.items():
+            shape = () if name == "num_batches_tracked" else (self.num_features,)
+            if value.shape != shape:
+                raise InfiniError(
+                    Status.BAD_TENSOR_SHAPE,
+                    f"state[{name!r}] has shape {value.shape}; expected {shape}",
+                )
+        count = values.pop("num_batches_tracked", None)
+        if count is not None and not (count >= 0 and count == int(count)):
+            raise InfiniError(
+                Status.BAD_PARAM, f"state['num_batches_tracked'] must be a count, got {count}"
+            )
+        for name, value in values.items():
+            if self._pending is not None:
+                self._pending[name] = value
+            else:
+                libraries.assign(getattr(self, name), value)
+        if count is not None:
+            self.num_batches_tracked = int(count)

@@ -1,0 +1,69 @@
+"""The array libraries a layer keeps its state in (NumPy, CuPy, torch): which one an array
+belongs to, on which device, and new arrays there from host values.
+
+A layer's parameters and statistics live in its input's library and on its device; they
+are made from, and read back into, host NumPy values only when created, saved or loaded.
+"""
+
+from typing import Any
+
+import numpy as np
+
+from ..enums import Status
+from ..errors import InfiniError
+
+
+def library(name: str, array: Any) -> str:
+    """``"numpy"``, ``"cupy"`` or ``"torch"``; BAD_PARAM for anything else."""
+    if isinstance(array, np.ndarray):
+        return "numpy"
+    package = type(array).__module__.partition(".")[0]
+    if package in ("cupy", "torch") and hasattr(array, "shape"):
+        return package
+    raise InfiniError(
+        Status.BAD_PARAM,
+        f"{name} must be a NumPy or CuPy array or a torch tensor, got {type(array).__name__}",
+    )
+
+
+def place(name: str, array: Any) -> tuple[str, str]:
+    """(library, device) of ``array``, e.g. ``("torch", "cuda:1")`` or ``("numpy", "cpu")``."""
+    lib = library(name, array)
+    if lib == "numpy":
+        return lib, "cpu"
+    if lib == "cupy":
+        return lib, f"cuda:{array.device.id}"
+    return lib, str(array.device)
+
+
+def new(values: np.ndarray, like: Any, dtype: str) -> Any:
+    """``values`` as a new array of ``like``'s library and device, of dtype ``dtype``
+    (a NumPy dtype name: ``"float32"``, ``"float64"``, ``"int64"``)."""
+    lib = library("like", like)
+    if lib == "numpy":
+        return np.array(values, dtype=dtype)
+    if lib == "cupy":
+        import cupy
+
+        with like.device:
+            return cupy.array(values, dtype=dtype)
+    import torch
+
+    return torch.tensor(values, dtype=getattr(torch, dtype), device=like.device)
+
+
+def host(name: str, array: Any) -> np.ndarray:
+    """A float64 NumPy copy of an array of any of the three libraries, or of a number."""
+    try:
+        if type(array).__module__.partition(".")[0] == "torch":
+            return array.detach().to("cpu", copy=True).double().numpy()
+        if type(array).__module__.partition(".")[0] == "cupy":
+            return array.get().astype(np.float64)
+        return np.array(array, dtype=np.float64)
+    except (TypeError, ValueError) as exc:
+        raise InfiniError(Status.BAD_PARAM, f"{name} is not an array of numbers: {exc}") from exc
+
+
+def assign(target: Any, values: np.ndarray) -> None:
+    """Write host ``values`` into ``target`` in place (its dtype, library and device)."""
+    target[...] = new(values, target, str(target.dtype).removeprefix("torch."))

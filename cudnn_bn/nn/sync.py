@@ -1,0 +1,59 @@
+"""``SyncBatchNorm``: ``BatchNorm`` whose training statistics are those of the global batch,
+every sample on every process of a group, as ``torch.nn.SyncBatchNorm``.
+
+Reference: PyTorch ``torch/nn/modules/batchnorm.py`` (``SyncBatchNorm.forward``): only a
+training forward synchronizes; eval mode is ``BatchNorm``'s, on this process's batch.
+"""
+
+from typing import Any
+
+from ..distributed import sync_batch_norm_backward, sync_batch_norm_forward_training
+from .batch_norm import Backward, BatchNorm, add_relu, check_like_input
+
+
+class SyncBatchNorm(BatchNorm):
+    """``BatchNorm(num_features, ...)`` synchronized over ``group`` (an mpi4py
+    communicator, a torch.distributed process group or CuPy's NCCL communicator): every
+    process of it must call ``forward`` and ``backward`` together in training mode. Batch
+    sizes may differ between processes (N = 0 included). ``weight_grad``/``bias_grad`` are
+    this process's share, to be summed over the processes with the other parameter
+    gradients (as torch's data-parallel wrapper does); the running statistics move towards
+    the global batch's, identically on every process. A fused training forward applies
+    ``relu(... [+ z])`` to the synchronized output, and its backward masks ``grad_output``
+    by it (``cudnn_bn.distributed`` has no fused pass); ``z`` is checked on each rank alone,
+    so a bad ``z`` on one rank raises there while the others wait in the collective."""
+
+    def __init__(self, num_features: int, *args: Any, group: Any, **kwargs: Any) -> None:
+        super().__init__(num_features, *args, **kwargs)
+        self.group = group
+
+    def _batch_pass(
+        self,
+        input: Any,
+        z: Any,
+        weight: Any,
+        bias: Any,
+        running_mean: Any,
+        running_var: Any,
+        momentum: float,
+    ) -> tuple[Any, Backward]:
+        if not self.training:  # torch: eval mode never synchronizes
+            return super()._batch_pass(input, z, weight, bias, running_mean, running_var, momentum)
+        check_like_input("z", z, input)  # on this rank, before the collectives
+        output, mean, invstd = sync_batch_norm_forward_training(
+            input, weight, bias, running_mean, running_var,
+            group=self.group, momentum=momentum, eps=self.eps,
+        )  # fmt: skip
+        if self.fusion:
+            output = add_relu(output, z)
+
+        def backward(grad_output: Any) -> tuple[Any, ...]:
+            if self.fusion:
+                check_like_input("grad_output", grad_output, input)
+                grad_output = grad_output * (output > 0)
+            grads = sync_batch_norm_backward(
+                input, grad_output, weight, mean, invstd, group=self.group
+            )
+            return (*grads, grad_output) if self.fusion == "add_relu" else grads
+
+        return output, backward

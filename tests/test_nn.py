@@ -1,0 +1,452 @@
+"""``cudnn_bn.nn.BatchNorm`` against PyTorch's own ``torch.nn.BatchNorm1d/2d/3d`` in float64.
+
+Each scenario runs the same steps through both: several training steps, then eval steps,
+with fresh data each step. After every step it compares the output, ``grad_input`` (and
+``grad_z``), the accumulated weight/bias gradients, the running statistics and
+``num_batches_tracked``. The torch module is float64 on the values the layer saw (rounded to
+its dtype), so the tolerance is the rounding of the layer's dtype: 1e-10 for float64,
+InfiniCore's 2e-5 for float32 and 1e-2 for F16/BF16 (whose outputs alone are rounded to
+2^-11 and 2^-8 relative), each as atol + rtol.
+"""
+
+import itertools
+import socket
+
+import ml_dtypes
+import numpy as np
+import pytest
+import torch
+
+from cudnn_bn import InfiniError, Status
+from cudnn_bn.nn import BatchNorm, SyncBatchNorm
+
+EPS = 1e-5
+MODULES = {2: torch.nn.BatchNorm1d, 3: torch.nn.BatchNorm1d, 4: torch.nn.BatchNorm2d}
+MODULES[5] = torch.nn.BatchNorm3d
+SHAPES = [(8, 3), (4, 3, 5), (3, 3, 4, 5), (2, 3, 2, 3, 4)]
+TOLERANCE = {"f64": 1e-10, "f32": 2e-5, "f16": 1e-2, "bf16": 1e-2}
+DTYPES = {
+    "numpy": {"f64": np.float64, "f32": np.float32, "f16": np.float16, "bf16": ml_dtypes.bfloat16},
+    "torch": {"f64": torch.float64, "f32": torch.float32, "f16": torch.float16},
+}
+DTYPES["torch"]["bf16"] = torch.bfloat16
+
+
+def host(array) -> np.ndarray:
+    """A float64 NumPy copy of a NumPy or CuPy array or a torch tensor."""
+    if isinstance(array, torch.Tensor):
+        return array.detach().to("cpu", torch.float64).numpy()
+    if type(array).__module__.startswith("cupy"):
+        return array.get().astype(np.float64)
+    return np.asarray(array, dtype=np.float64)
+
+
+def make(values: np.ndarray, lib: str, dtype: str, channels_last: bool = False):
+    """``values`` as a ``lib`` array of ``dtype``, optionally with the channels innermost:
+    ``lib`` is ``"numpy"``, ``"torch"`` (CPU), ``"cupy"`` or ``"cuda"`` (torch on a GPU)."""
+    if lib in ("numpy", "cupy"):
+        xp = np if lib == "numpy" else pytest.importorskip("cupy")
+        array = xp.asarray(values.astype(DTYPES["numpy"][dtype]))
+        if channels_last:
+            array = xp.moveaxis(xp.ascontiguousarray(xp.moveaxis(array, 1, -1)), -1, 1)
+        return array
+    tensor = torch.tensor(values).to(DTYPES["torch"][dtype])
+    if lib == "cuda":
+        tensor = tensor.cuda()
+    if channels_last:
+        tensor = tensor.movedim(1, -1).contiguous().movedim(-1, 1)
+    return tensor
+
+
+def close(what: str, actual, expected, tol: float) -> None:
+    actual, expected = host(actual), host(expected)
+    assert actual.shape == expected.shape, (what, actual.shape, expected.shape)
+    error = np.abs(actual - expected)
+    assert np.all(error <= tol * (1 + np.abs(expected))), f"{what}: max error {error.max()}"
+
+
+def torch_module(shape, **flags) -> torch.nn.Module:
+    """torch's module for ``shape`` in float64 with random weight/bias (when affine)."""
+    module = MODULES[len(shape)](shape[1], eps=EPS, **flags).double()
+    if module.affine:
+        rng = np.random.default_rng(42)
+        with torch.no_grad():
+            module.weight.copy_(torch.tensor(rng.uniform(0.5, 1.5, shape[1])))
+            module.bias.copy_(torch.tensor(rng.standard_normal(shape[1]) * 0.5))
+    return module
+
+
+def numpy_state(module: torch.nn.Module) -> dict[str, np.ndarray]:
+    return {name: value.detach().numpy().copy() for name, value in module.state_dict().items()}
+
+
+def torch_step(module, x, dy, z, fusion):
+    """torch's ``relu(bn(x) [+ z])`` (or ``bn(x)``) and its gradients by name."""
+    xt = torch.tensor(x, requires_grad=True)
+    zt = None if z is None else torch.tensor(z, requires_grad=True)
+    y = module(xt)
+    if fusion is not None:
+        y = torch.relu(y + zt if zt is not None else y)
+    y.backward(torch.tensor(dy))
+    grads = {"grad_input": xt.grad, "grad_z": None if zt is None else zt.grad}
+    return y.detach(), grads
+
+
+def compare_state(layer: BatchNorm, module: torch.nn.Module, tol: float, step: int) -> None:
+    if module.affine and module.weight.grad is None:
+        assert layer.weight_grad is layer.bias_grad is None
+    elif module.affine:
+        close(f"step {step}: weight_grad", layer.weight_grad, module.weight.grad, tol)
+        close(f"step {step}: bias_grad", layer.bias_grad, module.bias.grad, tol)
+    else:
+        assert layer.weight is layer.bias is layer.weight_grad is layer.bias_grad is None
+    if module.track_running_stats:
+        close(f"step {step}: running_mean", layer.running_mean, module.running_mean, tol)
+        close(f"step {step}: running_var", layer.running_var, module.running_var, tol)
+        assert layer.num_batches_tracked == int(module.num_batches_tracked), step
+    else:
+        assert layer.running_mean is layer.running_var is layer.num_batches_tracked is None
+
+
+def run_scenario(
+    shape,
+    *,
+    lib="numpy",
+    dtype="f64",
+    fusion=None,
+    channels_last=False,
+    modes=(True, True, True, False, False, True),
+    seed=0,
+    **flags,
+) -> BatchNorm:
+    """Train/eval steps (``modes``: True trains) through both; compares after every step."""
+    module = torch_module(shape, **flags)
+    layer = BatchNorm(shape[1], EPS, fusion=fusion, **flags)
+    layer.load_state_dict(numpy_state(module))
+    tol = TOLERANCE[dtype]
+    rng = np.random.default_rng(seed)
+    for step, training in enumerate(modes):
+        module.train(training)
+        layer.train(training)
+        x = rng.standard_normal(shape) * 2 + np.arange(shape[1]).reshape(
+            -1, *[1] * (len(shape) - 2)
+        )
+        dy = rng.standard_normal(shape)
+        z = rng.standard_normal(shape) if fusion == "add_relu" else None
+        arrays = [make(a, lib, dtype, channels_last) for a in (x, dy, z) if a is not None]
+        x, dy, *z = [host(a) for a in arrays]  # the values the layer sees
+        expected, grads = torch_step(module, x, dy, z[0] if z else None, fusion)
+        output = layer(arrays[0], *arrays[2:])
+        got = layer.backward(arrays[1])
+        if fusion == "add_relu":
+            got, grad_z = got
+            close(f"step {step}: grad_z", grad_z, grads["grad_z"], tol)
+            assert type(grad_z) is type(arrays[0])
+        assert type(output) is type(got) is type(arrays[0])
+        close(f"step {step}: output", output, expected, tol)
+        close(f"step {step}: grad_input", got, grads["grad_input"], tol)
+        compare_state(layer, module, tol, step)
+    return layer
+
+
+FLAGS = [
+    dict(momentum=momentum, affine=affine, track_running_stats=track)
+    for momentum, affine, track in itertools.product((0.1, None), (True, False), (True, False))
+]
+
+
+def flag_id(flags: dict) -> str:
+    return "-".join(f"{k}={v}" for k, v in flags.items())
+
+
+@pytest.mark.parametrize("flags", FLAGS, ids=flag_id)
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"{len(s)}d")
+def test_every_flag_combination_matches_torch_in_float64(shape, flags):
+    run_scenario(shape, **flags)
+
+
+@pytest.mark.parametrize("flags", FLAGS, ids=flag_id)
+@pytest.mark.parametrize("fusion", ["relu", "add_relu"])
+def test_fused_layers_match_torch_relu_of_bn(fusion, flags):
+    run_scenario((4, 3, 5), fusion=fusion, **flags)
+
+
+@pytest.mark.parametrize("lib", ["numpy", "torch"])
+@pytest.mark.parametrize("dtype", ["f32", "f16", "bf16"])
+@pytest.mark.parametrize("fusion", [None, "add_relu"])
+def test_narrow_dtypes_keep_float32_state_and_match_torch(lib, dtype, fusion):
+    layer = run_scenario((4, 3, 2, 5), lib=lib, dtype=dtype, fusion=fusion)
+    wanted = np.float32 if lib == "numpy" else torch.float32
+    for array in (layer.weight, layer.bias, layer.running_mean, layer.running_var):
+        assert array.dtype == wanted and type(array) is type(layer.weight_grad)
+
+
+@pytest.mark.parametrize("lib", ["numpy", "torch"])
+@pytest.mark.parametrize("shape", SHAPES[2:], ids=lambda s: f"{len(s)}d")
+@pytest.mark.parametrize("fusion", [None, "relu"])
+def test_channels_last_input_matches_torch(lib, shape, fusion):
+    run_scenario(shape, lib=lib, dtype="f32", fusion=fusion, channels_last=True)
+
+
+def test_torch_tensors_keep_state_as_tensors():
+    layer = run_scenario((4, 3, 5), lib="torch", momentum=None)
+    assert all(isinstance(a, torch.Tensor) for a in layer.state_dict().values())
+    assert layer.state_dict()["num_batches_tracked"].dtype == torch.int64
+
+
+# --- state dicts ---------------------------------------------------------------------------------
+
+
+def trained_module(shape=(6, 3, 4)) -> torch.nn.Module:
+    """A torch module after three training steps (non-trivial running statistics)."""
+    module = torch_module(shape)
+    rng = np.random.default_rng(5)
+    for _ in range(3):
+        module(torch.tensor(rng.standard_normal(shape) * 3 + 1))
+    return module
+
+
+@pytest.mark.parametrize("before_first_forward", [True, False])
+def test_torch_state_loads_and_results_match_torch(before_first_forward):
+    module = trained_module()
+    layer = BatchNorm(3)
+    if not before_first_forward:
+        layer(np.ones((2, 3, 4)))  # the arrays exist: the state is copied into them
+        kept = layer.running_var
+    layer.load_state_dict(numpy_state(module))
+    if not before_first_forward:
+        assert layer.running_var is kept
+    assert layer.num_batches_tracked == 3
+    x = np.random.default_rng(6).standard_normal((6, 3, 4))
+    for training in (False, True):
+        module.train(training)
+        layer.train(training)
+        close("output", layer(x), module(torch.tensor(x)), 1e-12)
+        compare_state(layer, module, 1e-12, 0)
+
+
+def test_layer_state_loads_into_torch_and_results_match():
+    layer = BatchNorm(3)
+    rng = np.random.default_rng(7)
+    for _ in range(4):
+        layer(rng.standard_normal((5, 3, 2)) * 2)
+        layer.backward(rng.standard_normal((5, 3, 2)))
+    layer.weight -= 0.1 * layer.weight_grad
+    state = layer.state_dict()
+    assert list(state) == ["weight", "bias", "running_mean", "running_var", "num_batches_tracked"]
+    module = torch.nn.BatchNorm1d(3).double()
+    module.load_state_dict({name: torch.as_tensor(value) for name, value in state.items()})
+    module.eval()
+    layer.eval()
+    x = rng.standard_normal((5, 3, 2))
+    close("output", layer(x), module(torch.tensor(x)), 1e-12)
+    assert int(module.num_batches_tracked) == 4
+
+
+def test_state_dict_before_any_forward_is_torch_initial_state():
+    state = BatchNorm(4).state_dict()
+    for name, value in torch.nn.BatchNorm1d(4).state_dict().items():
+        np.testing.assert_array_equal(np.asarray(state[name]), value.numpy())
+
+
+@pytest.mark.parametrize(
+    ("change", "status"),
+    [
+        (lambda s: s.pop("running_var"), Status.BAD_PARAM),
+        (lambda s: s.update(extra=np.zeros(3)), Status.BAD_PARAM),
+        (lambda s: s.update(bias=np.zeros(4)), Status.BAD_TENSOR_SHAPE),
+        (lambda s: s.update(num_batches_tracked=np.array(-1)), Status.BAD_PARAM),
+    ],
+)
+def test_bad_state_raises_and_changes_nothing(change, status):
+    layer = BatchNorm(3)
+    layer(np.arange(12.0).reshape(4, 3))
+    before = {n: np.array(v) for n, v in layer.state_dict().items()}
+    state = numpy_state(trained_module())
+    change(state)
+    with pytest.raises(InfiniError) as info:
+        layer.load_state_dict(state)
+    assert info.value.status == status
+    for name, value in layer.state_dict().items():
+        np.testing.assert_array_equal(np.asarray(value), before[name])
+
+
+def test_non_strict_load_takes_what_is_there():
+    layer = BatchNorm(3)
+    layer.load_state_dict({"running_mean": np.full(3, 2.0), "other": 1}, strict=False)
+    np.testing.assert_array_equal(layer.state_dict()["running_mean"], np.full(3, 2.0))
+
+
+# --- batches torch treats specially ------------------------------------------------------------
+
+
+@pytest.mark.parametrize("training", [True, False])
+@pytest.mark.parametrize("shape", [(1, 3), (1, 3, 1), (1, 3, 1, 1)])
+def test_one_value_per_channel_raises_where_torch_does(shape, training):
+    """torch raises ValueError when it would normalize with the batch's statistics (training,
+    or eval without running statistics); the layer raises BAD_TENSOR_SHAPE (a ValueError)
+    and, unlike torch, leaves num_batches_tracked alone."""
+    for track in (True, False):
+        module = MODULES[len(shape)](3, track_running_stats=track).double().train(training)
+        layer = BatchNorm(3, track_running_stats=track).train(training)
+        x = np.ones(shape)
+        try:
+            module(torch.tensor(x))
+        except ValueError:
+            with pytest.raises(ValueError) as info:
+                layer(x)
+            assert info.value.status == Status.BAD_TENSOR_SHAPE
+            assert layer.num_batches_tracked in (0, None)
+        else:
+            close("output", layer(x), module(torch.tensor(x)), 1e-12)
+
+
+@pytest.mark.parametrize("flags", FLAGS, ids=flag_id)
+def test_empty_batch_gives_empty_output_and_leaves_statistics_alone(flags):
+    """N = 0 in training: an empty output, running statistics unchanged; torch still counts
+    the batch in num_batches_tracked, and so does the layer (momentum=None depends on it)."""
+    modes = (True, False, True, True)
+    module = torch_module((0, 3, 2), **flags)
+    layer = BatchNorm(3, EPS, **flags)
+    layer.load_state_dict(numpy_state(module))
+    for step, training in enumerate(modes):
+        module.train(training)
+        layer.train(training)
+        shape = (0, 3, 2) if step < 2 else (4, 3, 2)
+        x = np.random.default_rng(step).standard_normal(shape)
+        dy = np.ones(shape)
+        expected, grads = torch_step(module, x, dy, None, None)
+        close("output", layer(x), expected, 1e-10)
+        close("grad_input", layer.backward(dy), grads["grad_input"], 1e-10)
+        compare_state(layer, module, 1e-10, step)
+
+
+# --- the rest of the interface -----------------------------------------------------------------
+
+
+def test_zero_grad_forgets_and_a_backward_needs_its_forward():
+    layer = BatchNorm(3)
+    with pytest.raises(InfiniError) as info:
+        layer.backward(np.ones((4, 3)))
+    assert info.value.status == Status.BAD_PARAM and "forward" in str(info.value)
+    x = np.random.default_rng(0).standard_normal((4, 3))
+    layer(x)
+    first = np.array(layer.backward(np.ones((4, 3))))
+    with pytest.raises(InfiniError):
+        layer.backward(np.ones((4, 3)))  # one backward per forward
+    layer.zero_grad()
+    assert layer.weight_grad is None and layer.bias_grad is None
+    layer(x)
+    np.testing.assert_array_equal(layer.backward(np.ones((4, 3))), first)
+
+
+def test_like_makes_the_state_at_once_in_that_library():
+    layer = BatchNorm(3, like=torch.zeros(0, dtype=torch.float16))
+    assert layer.weight.dtype == torch.float32 and layer.running_var.tolist() == [1.0] * 3
+    with pytest.raises(InfiniError) as info:
+        layer(np.ones((4, 3), np.float32))
+    assert info.value.status == Status.BAD_PARAM and "torch" in str(info.value)
+    assert layer.num_batches_tracked == 0
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "words"),
+    [
+        (dict(num_features=0), "num_features"),
+        (dict(num_features=3.0), "num_features"),
+        (dict(num_features=3, eps=-1.0), "eps"),
+        (dict(num_features=3, momentum=2.0), "momentum"),
+        (dict(num_features=3, fusion="gelu"), "fusion"),
+        (dict(num_features=3, like=[1.0]), "like"),
+    ],
+)
+def test_bad_arguments_raise_bad_param(kwargs, words):
+    with pytest.raises(InfiniError) as info:
+        BatchNorm(**kwargs)
+    assert info.value.status == Status.BAD_PARAM and words in str(info.value)
+
+
+def test_bad_input_raises_infini_error_and_changes_nothing():
+    layer = BatchNorm(3, fusion="add_relu")
+    x = np.ones((4, 3))
+    for call in (
+        lambda: layer(x),  # no z
+        lambda: layer(x.astype(np.int32), x),
+        lambda: layer(np.ones((4, 2)), np.ones((4, 2))),
+        lambda: layer([[1.0]], x),
+    ):
+        with pytest.raises(InfiniError):
+            call()
+        assert layer.weight is None and layer.num_batches_tracked == 0
+    layer.eval()
+    with pytest.raises(InfiniError):
+        layer(x, np.ones((4, 2)))  # z unlike input, eval mode
+
+
+# --- SyncBatchNorm in a group of one ------------------------------------------------------------
+
+
+@pytest.fixture(params=["mpi", "gloo"])
+def group_of_one(request):
+    """(group, array library): mpi4py's COMM_SELF with NumPy arrays, or a torch.distributed
+    gloo world of one over 127.0.0.1 with torch tensors (torn down afterwards)."""
+    if request.param == "mpi":
+        yield pytest.importorskip("mpi4py.MPI").COMM_SELF, "numpy"
+        return
+    dist = pytest.importorskip("torch.distributed")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    try:
+        yield dist.group.WORLD, "torch"
+    finally:
+        dist.destroy_process_group()
+
+
+def test_sync_batch_norm_in_a_group_of_one_is_batch_norm(group_of_one):
+    group, lib = group_of_one
+    rng = np.random.default_rng(11)
+    for fusion in (None, "add_relu"):
+        plain = BatchNorm(3, momentum=None, fusion=fusion)
+        sync = SyncBatchNorm(3, momentum=None, fusion=fusion, group=group)
+        for training in (True, True, False, True):
+            plain.train(training)
+            sync.train(training)
+            x, dy, z = (make(rng.standard_normal((5, 3, 4)), lib, "f64") for _ in range(3))
+            z = z if fusion else None
+            close("output", sync(x, z), plain(x, z), 1e-12)
+            got, want = sync.backward(dy), plain.backward(dy)
+            for g, w in zip(*(r if fusion else (r,) for r in (got, want)), strict=True):
+                close("gradient", g, w, 1e-12)
+            for name, value in plain.state_dict().items():
+                close(name, sync.state_dict()[name], value, 1e-12)
+            close("weight_grad", sync.weight_grad, plain.weight_grad, 1e-12)
+        if fusion:  # a residual unlike the input: raises before anything is written
+            before = {n: host(v) for n, v in sync.state_dict().items()}
+            with pytest.raises(InfiniError) as info:
+                sync(x, z[:, :2])
+            assert info.value.status == Status.BAD_PARAM
+            for name, value in sync.state_dict().items():
+                np.testing.assert_array_equal(host(value), before[name])
+            sync(x, z)
+            with pytest.raises(InfiniError) as info:
+                sync.backward(dy[:1])  # would broadcast
+            assert info.value.status == Status.BAD_PARAM
+
+
+# --- on a GPU: CuPy arrays and torch CUDA tensors (cuDNN and the CuPy kernels) ----------------
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("lib", ["cupy", "cuda"])
+@pytest.mark.parametrize("dtype", ["f32", "f16"])
+@pytest.mark.parametrize(
+    ("shape", "channels_last", "fusion"),
+    [((8, 3), False, None), ((3, 4, 4, 5), True, "add_relu"), ((2, 3, 2, 3, 4), False, "relu")],
+)
+def test_gpu_arrays_match_torch(lib, dtype, shape, channels_last, fusion):
+    layer = run_scenario(
+        shape, lib=lib, dtype=dtype, fusion=fusion, channels_last=channels_last, momentum=None
+    )
+    assert all(type(a) is type(layer.weight) for a in layer.state_dict().values())
