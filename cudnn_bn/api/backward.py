@@ -45,6 +45,10 @@ class Backward:
             w = absent_parameter(x, descs, ("running_mean", "saved_mean", "bias"))
             constants["weight"] = (1.0, w)
             mask = (mask[0], False, mask[2])
+        bias = descs["bias"]
+        if bias is None and fusion != Fusion.BN:  # a fused forward's absent bias was 0
+            bias = TensorDesc.contiguous(w.dtype, w.shape)
+            constants["bias"] = (0.0, bias)
         per_channel = TensorDesc.contiguous(w.dtype, w.shape)
         wants_z = fusion == Fusion.BN_ADD_RELU
         given = {g: descs.get(g) for g in GRADIENTS}
@@ -62,7 +66,7 @@ class Backward:
             descs["saved_mean" if saved else "running_mean"],
             descs["saved_invstd" if saved else "running_var"],
             descs["output"],
-            descs["bias"],
+            bias,
             (given["grad_z"] or packed_like(x)) if wants_z else None,
         )
         try:
