@@ -24,7 +24,7 @@ import numpy as np
 from hypothesis import HealthCheck, settings
 
 TESTS = Path(__file__).resolve().parent
-TARGETS = ("fuzz_capi", "fuzz_arrays")
+TARGETS = ("fuzz_capi", "fuzz_arrays", "fuzz_distributed")  # FUZZ_SECONDS is shared by all
 EXAMPLES_PER_RUN = 100
 COUNTS: Counter = Counter()  # what the examples did: calls, statuses, refusals...
 # What must never happen; the parent test asserts each count is 0.
