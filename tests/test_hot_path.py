@@ -238,3 +238,16 @@ def test_an_empty_batch_of_problems_validates_everything(edit):
         cudnn_bn.batch_norm_backward_batched(
             args["input"], args["grad_output"], args["weight"], None, None, **options
         )
+
+
+def test_batched_operands_of_several_kinds_are_folded_each_by_its_own_library():
+    """torch input with NumPy per-channel operands (found by the fuzzer: the fold copied a
+    NumPy weight into a torch tensor)."""
+    xb, dyb, _, _ = problem((2, 4, C, 5))
+    w = np.random.default_rng(2).uniform(0.5, 1.5, C)
+    got = cudnn_bn.batch_norm_backward_batched(torch.tensor(xb), dyb, w, None, None)
+    assert isinstance(got[0], torch.Tensor)
+    for i in range(2):
+        _, gx, gw, _ = torch_training(xb[i], dyb[i], w, np.zeros(C))
+        close(got[0][i], gx)
+        close(got[1][i], gw)

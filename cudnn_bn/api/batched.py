@@ -9,7 +9,6 @@ problem at once; the results are views of that call's outputs shaped ``(B, N, C,
 any other batch.
 """
 
-from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -42,7 +41,13 @@ def _native(op: Operand, array: Any) -> Any:
     return cupy.asarray(array)
 
 
-def _fold(op: Operand, array: Any, made: Callable[[TensorDesc], Any]) -> Any:
+def _made(op: Operand, array: Any, desc: TensorDesc) -> Any:
+    """A new array for ``desc`` from ``op``'s own library (the operands may be of several
+    kinds on the CPU: NumPy beside torch)."""
+    return op.kind.allocator(array, desc)()[0]
+
+
+def _fold(op: Operand, array: Any) -> Any:
     """``(B, N, C, ...)`` data as ``(N, B*C, ...)``: a view where B's stride is C channel
     strides, else a copy into a new packed ``(N, B, C, ...)`` array. NumPy, CuPy and torch
     share the methods used (``swapaxes``, ``reshape``, ``[...] =``)."""
@@ -50,25 +55,25 @@ def _fold(op: Operand, array: Any, made: Callable[[TensorDesc], Any]) -> Any:
     batch, n, channels, rest = x.shape[0], x.shape[1], x.shape[2], x.shape[3:]
     swapped = _native(op, array).swapaxes(0, 1)
     if x.strides[0] != channels * x.strides[2]:
-        copy = made(TensorDesc.contiguous(x.dtype, (n, batch, channels, *rest)))
+        copy = _made(op, array, TensorDesc.contiguous(x.dtype, (n, batch, channels, *rest)))
         copy[...] = swapped
         swapped = copy
     return swapped.reshape(n, batch * channels, *rest)
 
 
-def _tile(op: Operand, array: Any, batch: int, made: Callable[[TensorDesc], Any]) -> Any:
+def _tile(op: Operand, array: Any, batch: int) -> Any:
     """A per-channel operand for every problem, ``(B*C,)``: rows of a ``(B, C)`` one, or a
     shared ``(C,)`` one repeated."""
     native = _native(op, array)
     if op.desc.ndim == 2:
-        return native.reshape(-1) if op.desc.is_contiguous() else _copy(native, op, made)
-    tiled = made(TensorDesc.contiguous(op.desc.dtype, (batch, *op.desc.shape)))
+        return native.reshape(-1) if op.desc.is_contiguous() else _copy(native, op, array)
+    tiled = _made(op, array, TensorDesc.contiguous(op.desc.dtype, (batch, *op.desc.shape)))
     tiled[...] = native
     return tiled.reshape(-1)
 
 
-def _copy(native: Any, op: Operand, made: Callable[[TensorDesc], Any]) -> Any:
-    copy = made(TensorDesc.contiguous(op.desc.dtype, op.desc.shape))
+def _copy(native: Any, op: Operand, array: Any) -> Any:
+    copy = _made(op, array, TensorDesc.contiguous(op.desc.dtype, op.desc.shape))
     copy[...] = native
     return copy.reshape(-1)
 
@@ -148,14 +153,9 @@ def batch_norm_backward_batched(
     consumer = None if device.name == "CPU" else call_on
     ops = {n: operand(n, a, consumer) for n, a in present.items()}
     batch, channels = _check_shapes(ops)
-    kind = ops["input"].kind
-
-    def made(desc: TensorDesc) -> Any:
-        return kind.allocator(input, desc)()[0]
-
-    with kind.scope(input, call_on, device_id):
-        folded = {n: _fold(ops[n], present[n], made) for n in _DATA if n in ops}
-        folded |= {n: _tile(ops[n], present[n], batch, made) for n in _PER_CHANNEL if n in ops}
+    with ops["input"].kind.scope(input, call_on, device_id):
+        folded = {n: _fold(ops[n], present[n]) for n in _DATA if n in ops}
+        folded |= {n: _tile(ops[n], present[n], batch) for n in _PER_CHANNEL if n in ops}
         grads = batch_norm_backward(
             folded["input"],
             folded["grad_output"],
