@@ -4,6 +4,7 @@ Strides are in elements, as in the C API. The checks here are the layout facts e
 operator's validation needs: contiguity, channels-last order, and overlap.
 """
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -41,29 +42,9 @@ class TensorDesc:
     def checked(cls, dtype: int, shape: tuple[int, ...], strides: tuple[int, ...]) -> "TensorDesc":
         """A descriptor some buffer can hold, as ``infiniopCreateTensorDescriptor`` takes it:
         a real dtype (BAD_TENSOR_DTYPE), sizes whose product in bytes fits a ``ptrdiff_t``
-        (BAD_TENSOR_SHAPE), strides whose farthest element does too (BAD_TENSOR_STRIDES)."""
-        if dtype not in ITEMSIZE:
-            name = DataType(dtype).name if dtype in DataType._value2member_map_ else dtype
-            raise InfiniError(Status.BAD_TENSOR_DTYPE, f"dtype {name} is not an element type")
-        itemsize = ITEMSIZE[DataType(dtype)]
-        if any(not 0 <= n <= MAX_BYTES for n in shape):
-            raise InfiniError(
-                Status.BAD_TENSOR_SHAPE, f"shape {shape} has a size outside [0, 2**63)"
-            )
-        if any(not -MAX_BYTES - 1 <= s <= MAX_BYTES for s in strides):
-            raise InfiniError(Status.BAD_TENSOR_STRIDES, f"strides {strides} do not fit ptrdiff_t")
-        if math.prod(shape) * itemsize > MAX_BYTES:
-            raise InfiniError(
-                Status.BAD_TENSOR_SHAPE, f"shape {shape} holds more bytes than any buffer can"
-            )
-        if 0 not in shape:
-            reach = sum((n - 1) * abs(s) for n, s in zip(shape, strides, strict=True))
-            if (reach + 1) * itemsize > MAX_BYTES:
-                raise InfiniError(
-                    Status.BAD_TENSOR_STRIDES,
-                    f"strides {strides} reach beyond any buffer for shape {shape}",
-                )
-        return cls(DataType(dtype), tuple(shape), tuple(strides))
+        (BAD_TENSOR_SHAPE), strides whose farthest element does too (BAD_TENSOR_STRIDES).
+        Remembered per (dtype, shape, strides): the array API's door asks on every call."""
+        return _checked(dtype, tuple(shape), tuple(strides))
 
     @classmethod
     def contiguous(cls, dtype: DataType, shape: tuple[int, ...]) -> "TensorDesc":
@@ -128,3 +109,27 @@ class TensorDesc:
                 return True
             span += stride * (size - 1)
         return False
+
+
+@functools.lru_cache(maxsize=4096)
+def _checked(dtype: int, shape: tuple[int, ...], strides: tuple[int, ...]) -> TensorDesc:
+    if dtype not in ITEMSIZE:
+        name = DataType(dtype).name if dtype in DataType._value2member_map_ else dtype
+        raise InfiniError(Status.BAD_TENSOR_DTYPE, f"dtype {name} is not an element type")
+    itemsize = ITEMSIZE[DataType(dtype)]
+    if any(not 0 <= n <= MAX_BYTES for n in shape):
+        raise InfiniError(Status.BAD_TENSOR_SHAPE, f"shape {shape} has a size outside [0, 2**63)")
+    if any(not -MAX_BYTES - 1 <= s <= MAX_BYTES for s in strides):
+        raise InfiniError(Status.BAD_TENSOR_STRIDES, f"strides {strides} do not fit ptrdiff_t")
+    if math.prod(shape) * itemsize > MAX_BYTES:
+        raise InfiniError(
+            Status.BAD_TENSOR_SHAPE, f"shape {shape} holds more bytes than any buffer can"
+        )
+    if 0 not in shape:
+        reach = sum((n - 1) * abs(s) for n, s in zip(shape, strides, strict=True))
+        if (reach + 1) * itemsize > MAX_BYTES:
+            raise InfiniError(
+                Status.BAD_TENSOR_STRIDES,
+                f"strides {strides} reach beyond any buffer for shape {shape}",
+            )
+    return TensorDesc(DataType(dtype), shape, strides)
