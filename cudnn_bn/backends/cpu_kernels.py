@@ -396,9 +396,10 @@ def tiled(values, tile):
     ``tile`` rows of channels."""
     if tile == 1:
         return values
-    out = np.empty(values.size * tile)
-    for t in range(tile):
-        out[t * values.size : (t + 1) * values.size] = values
+    n = values.size
+    out = np.empty(n * tile)
+    for i in range(n * tile):  # a loop: numba's slice assignment costs seconds to compile
+        out[i] = values[i % n]
     return out
 
 
@@ -724,11 +725,30 @@ def training_outputs(stats, old, at, channel_args, count, momentum, updates):
     store_channels(mean, at[0], channel_args[2, 0], channel_args[2, 1])
     store_channels(invstd, at[1], channel_args[3, 0], channel_args[3, 1])
     if updates[0]:
-        running = (1.0 - momentum) * old[0] + momentum * mean
+        running = _blend(old[0], mean, 1.0, momentum)
         store_channels(running, at[2], channel_args[4, 0], channel_args[4, 1])
     if updates[1]:
-        running = (1.0 - momentum) * old[1] + momentum * var * (count / (count - 1))
+        running = _blend(old[1], var, count / (count - 1), momentum)
         store_channels(running, at[3], channel_args[5, 0], channel_args[5, 1])
+
+
+@helper
+def _blend(old, new, factor, momentum):
+    """``(1 - momentum)*old + momentum*factor*new``, a loop (array expressions cost
+    seconds to compile on first use)."""
+    out = np.empty(old.size)
+    for c in range(old.size):
+        out[c] = (1.0 - momentum) * old[c] + momentum * (new[c] * factor)
+    return out
+
+
+@helper
+def _product(a, b):
+    """``a * b`` elementwise, a loop (see ``_blend``)."""
+    out = np.empty(a.size)
+    for c in range(a.size):
+        out[c] = a[c] * b[c]
+    return out
 
 
 @jit
@@ -767,7 +787,7 @@ def forward_training(
     item_sums(x, x[:0], x[:0], geometry, strides, tiled(shift, tile), sums, whole)
     count = geometry[1] * geometry[2] * tile
     mean, var, invstd = training_statistics(folded(sums, channels), shift, count, eps)
-    coefficients = tiled(mean, tile), tiled(w * invstd, tile), tiled(b, tile)
+    coefficients = tiled(mean, tile), tiled(_product(w, invstd), tile), tiled(b, tile)
     item_forward(x, z, y, geometry, strides, *coefficients, (add_z, relu), whole)
     at = (sm_at, si_at, rm_at, rv_at)
     old = (old_mean, old_var)
@@ -781,7 +801,10 @@ def inference_coefficients(w_at, b_at, rm_at, rv_at, channel_args, channels, eps
     b = load_channels(b_at, channel_args[1, 0], channel_args[1, 1], channels)
     mean = load_channels(rm_at, channel_args[2, 0], channel_args[2, 1], channels)
     var = load_channels(rv_at, channel_args[3, 0], channel_args[3, 1], channels)
-    return mean, w / np.sqrt(var + eps), b
+    scale = np.empty(channels)
+    for c in range(channels):
+        scale[c] = w[c] / np.sqrt(var[c] + eps)
+    return mean, scale, b
 
 
 @jit
