@@ -116,6 +116,16 @@ def _f16_to_f64(typingctx, stored):
 
 
 @intrinsic
+def _f16_to_f32(typingctx, stored):
+    """The float32 value of F16 bits (exact), as ``_f16_to_f64``."""
+
+    def codegen(context, builder, signature, args):
+        return builder.fpext(builder.bitcast(args[0], ir.HalfType()), ir.FloatType())
+
+    return types.float32(types.uint16), codegen
+
+
+@intrinsic
 def _f32_to_f16(typingctx, value):
     """F16 bits of a float32, rounded to nearest even (LLVM's half truncation)."""
 
@@ -147,12 +157,23 @@ def _bf16_to_f64(stored):
 
 
 @helper
+def _bf16_to_f32(stored):
+    return np.uint32((np.uint32(stored) & np.uint32(0xFFFF)) << 16).view(np.float32)
+
+
+@helper
+def _f32_to_bf16(value):
+    # 32-bit integer arithmetic throughout, so that a loop of it vectorizes 8 wide.
+    bits = np.float32(value).view(np.uint32)
+    half = np.uint32(bits >> 16)
+    if value != value:
+        return np.uint32(half | np.uint32(0x40))  # keep NaN a (quiet) NaN
+    return np.uint32(np.uint32(bits + np.uint32(0x7FFF) + (half & np.uint32(1))) >> 16)
+
+
+@helper
 def _f64_to_bf16(value):
-    single = np.float32(value)
-    bits = np.int64(single.view(np.uint32))
-    if single != single:
-        return (bits >> 16) | 0x40  # keep NaN a (quiet) NaN
-    return (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+    return _f32_to_bf16(np.float32(value))
 
 
 def decode(stored):
@@ -165,6 +186,17 @@ def encode(value, dtype):
     raise NotImplementedError
 
 
+def widen(stored):
+    """The float32 value of one F16/BF16 element (exact; compiled only)."""
+    raise NotImplementedError
+
+
+def narrow(value, like):
+    """float64 ``value`` in the type the forward's elementwise pass works in for data of
+    ``like``'s dtype: float32 for F16/BF16 (as torch), float64 otherwise."""
+    raise NotImplementedError
+
+
 @overload(decode)
 def _decode(stored):
     if isinstance(stored, types.Float):
@@ -174,12 +206,67 @@ def _decode(stored):
     return lambda stored: _bf16_to_f64(stored)
 
 
+@overload(widen)
+def _widen(stored):
+    if stored == types.uint16:
+        return lambda stored: _f16_to_f32(np.uint16(stored))
+    return lambda stored: _bf16_to_f32(stored)
+
+
+@overload(narrow)
+def _narrow(value, like):
+    if isinstance(like.dtype, types.Float):
+        return lambda value, like: value
+    return lambda value, like: np.float32(value)
+
+
+def normalize(stored, k):
+    """``(x - mean)*scale + shift`` for one stored element, coefficients ``k`` from
+    ``_working`` (compiled only)."""
+    raise NotImplementedError
+
+
+@intrinsic
+def _fma(typingctx, a, b, c):
+    """``a*b + c`` rounded once (LLVM's fma)."""
+
+    def codegen(context, builder, signature, args):
+        return builder.fma(*args)
+
+    return a(a, b, c), codegen
+
+
+@overload(normalize)
+def _normalize(stored, k):
+    if isinstance(stored, types.Float):
+        return lambda stored, k: (np.float64(stored) - k[0][0]) * k[0][1] + k[0][2]
+
+    def compensated(stored, k):
+        # float32 with each coefficient as hi + lo and x - mean kept exactly as d + e
+        # (Knuth's two-sum): the only sizable rounding is the last one, so the result is
+        # within one F16/BF16 ulp of the float64 one even where y cancels to near zero
+        # (plain float32 is not: tests/test_cpu_engine.py).
+        (m, a, b), (m_lo, a_lo, b_lo) = k
+        xv = widen(stored)
+        d = xv - m
+        back = d - xv
+        e = (xv - (d - back)) + (-m - back) - m_lo
+        e = e if e == e else np.float32(0.0)  # x or mean infinite: d says it all
+        return _fma(d, a, b) + ((d * a_lo + e * a) + b_lo)
+
+    return compensated
+
+
 @overload(encode)
 def _encode(value, dtype):
     if isinstance(dtype.dtype, types.Float):
         return lambda value, dtype: value
     if dtype.dtype == types.uint16:
+        if value == types.float32:  # one rounding, the hardware's
+            return lambda value, dtype: _f32_to_f16(value)
         return lambda value, dtype: _f64_to_f16(value)
+    if value == types.float32:
+        return lambda value, dtype: _f32_to_bf16(value)
     return lambda value, dtype: _f64_to_bf16(value)
 
 
@@ -431,11 +518,29 @@ def _forward_element(x, z, y, ox, oz, oy, mean, scale, shift, add_z, relu):
 
 
 @helper
+def _working(mean, scale, shift, like):
+    """A channel's float64 coefficients for ``normalize``: each as a sum of two values of
+    the elementwise pass's type (``narrow``), the low parts zero for F32/F64 data."""
+    m_hi, a_hi, b_hi = narrow(mean, like), narrow(scale, like), narrow(shift, like)
+    low = (_low(mean, m_hi, like), _low(scale, a_hi, like), _low(shift, b_hi, like))
+    return (m_hi, a_hi, b_hi), low
+
+
+@helper
+def _low(value, hi, like):
+    """``value - hi`` in ``narrow``'s type; zero for an infinite value (all in ``hi``; a
+    NaN stays there too)."""
+    lo = value - hi
+    return narrow(lo if lo == lo else 0.0, like)
+
+
+@helper
 def _forward_along(x, z, y, ox, oz, oy, sx, sz, sy, n, mean, scale, shift, flags):
     add_z, relu = flags
     if not (add_z or relu):
+        k = _working(mean, scale, shift, y)
         for i in range(n):
-            y[_at(oy, i, sy)] = encode((decode(x[_at(ox, i, sx)]) - mean) * scale + shift, y.dtype)
+            y[_at(oy, i, sy)] = encode(normalize(x[_at(ox, i, sx)], k), y.dtype)
         return
     for i in range(n):
         at = (_at(ox, i, sx), _at(oz, i, sz), _at(oy, i, sy))
@@ -451,8 +556,8 @@ def _forward_across(x, z, y, geometry, strides, r0, r1, n, mean, scale, shift, f
         oy = row_offset(r, geometry, strides[2])
         if not (add_z or relu):
             for i in range(n):
-                v = (decode(x[_at(ox, i, sx)]) - mean[i]) * scale[i] + shift[i]
-                y[_at(oy, i, sy)] = encode(v, y.dtype)
+                k = _working(mean[i], scale[i], shift[i], y)
+                y[_at(oy, i, sy)] = encode(normalize(x[_at(ox, i, sx)], k), y.dtype)
             continue
         for i in range(n):
             at = (_at(ox, i, sx), _at(oz, i, sz), _at(oy, i, sy))
