@@ -440,10 +440,16 @@ def item_sums(x, dy, y, geometry, strides, shift, out, bounds):
     tiled the same, see ``tiled``): ``x - k``, ``(x - k)^2``, ``dy``, ``dy * (x - k)`` with
     ``k = shift[c]``; ``dy`` zero where ``y <= 0`` if ``y`` is not empty; with ``dy`` empty
     its sums stay zero."""
-    c0, c1, r0, r1, across, n, s = _walk(bounds, geometry, strides)
-    if across:
-        _sums_across(x, dy, y, geometry, strides, r0, r1, n, shift, out)
-        return
+    if geometry[3]:
+        item_sums_across(x, dy, y, geometry, strides, shift, out, bounds)
+    else:
+        item_sums_along(x, dy, y, geometry, strides, shift, out, bounds)
+
+
+@jit
+def item_sums_along(x, dy, y, geometry, strides, shift, out, bounds):
+    """``item_sums`` where runs stay in one channel."""
+    c0, c1, r0, r1, _, n, s = _walk(bounds, geometry, strides)
     has_dy, masked = dy.size > 0, y.size > 0
     for r in range(r0, r1):
         ox, od = row_offset(r, geometry, strides[0]), row_offset(r, geometry, strides[1])
@@ -466,6 +472,14 @@ def item_sums(x, dy, y, geometry, strides, shift, out, bounds):
             )
             for j in range(SUMS):
                 out[j, c] += sums[j]
+
+
+@jit
+def item_sums_across(x, dy, y, geometry, strides, shift, out, bounds):
+    """``item_sums`` where runs cross channels (channels innermost): each walk is
+    compiled apart, so that a layout compiles only its own."""
+    _, _, r0, r1, _, n, _ = _walk(bounds, geometry, strides)
+    _sums_across(x, dy, y, geometry, strides, r0, r1, n, shift, out)
 
 
 @helper
@@ -569,10 +583,16 @@ def item_forward(x, z, y, geometry, strides, mean, scale, shift, flags, bounds):
     """``y = relu?((x - mean)*scale + shift [+ z])`` over the work item ``bounds`` (the
     per-channel arrays tiled as ``tiled`` does). ``flags``: add z, ReLU. Data slots: x, z,
     y."""
-    c0, c1, r0, r1, across, n, s = _walk(bounds, geometry, strides)
-    if across:
-        _forward_across(x, z, y, geometry, strides, r0, r1, n, mean, scale, shift, flags)
-        return
+    if geometry[3]:
+        item_forward_across(x, z, y, geometry, strides, mean, scale, shift, flags, bounds)
+    else:
+        item_forward_along(x, z, y, geometry, strides, mean, scale, shift, flags, bounds)
+
+
+@jit
+def item_forward_along(x, z, y, geometry, strides, mean, scale, shift, flags, bounds):
+    """``item_forward`` where runs stay in one channel."""
+    c0, c1, r0, r1, _, n, s = _walk(bounds, geometry, strides)
     for r in range(r0, r1):
         ox, oz = row_offset(r, geometry, strides[0]), row_offset(r, geometry, strides[1])
         oy = row_offset(r, geometry, strides[2])
@@ -593,6 +613,14 @@ def item_forward(x, z, y, geometry, strides, mean, scale, shift, flags, bounds):
                 shift[c],
                 flags,
             )
+
+
+@jit
+def item_forward_across(x, z, y, geometry, strides, mean, scale, shift, flags, bounds):
+    """``item_forward`` where runs cross channels (channels innermost): each walk is
+    compiled apart, so that a layout compiles only its own."""
+    _, _, r0, r1, _, n, _ = _walk(bounds, geometry, strides)
+    _forward_across(x, z, y, geometry, strides, r0, r1, n, mean, scale, shift, flags)
 
 
 @helper
@@ -667,10 +695,16 @@ def item_backward(x, dy, y, gi, gz, geometry, strides, k_dy, k_x, k_c, flags, bo
     masked) over the work item ``bounds`` (the coefficients tiled as ``tiled`` does).
     ``flags``: use x (all but eval), mask, write gi, write gz. Data slots: x, dy, y, gi,
     gz."""
-    c0, c1, r0, r1, across, n, s = _walk(bounds, geometry, strides)
-    if across:
-        _backward_across(x, dy, y, gi, gz, geometry, strides, r0, r1, n, k_dy, k_x, k_c, flags)
-        return
+    if geometry[3]:
+        item_backward_across(x, dy, y, gi, gz, geometry, strides, k_dy, k_x, k_c, flags, bounds)
+    else:
+        item_backward_along(x, dy, y, gi, gz, geometry, strides, k_dy, k_x, k_c, flags, bounds)
+
+
+@jit
+def item_backward_along(x, dy, y, gi, gz, geometry, strides, k_dy, k_x, k_c, flags, bounds):
+    """``item_backward`` where runs stay in one channel."""
+    c0, c1, r0, r1, _, n, s = _walk(bounds, geometry, strides)
     for r in range(r0, r1):
         o = _row_offsets(r, geometry, strides)
         for c in range(c0, c1):
@@ -682,6 +716,14 @@ def item_backward(x, dy, y, gi, gz, geometry, strides, k_dy, k_x, k_c, flags, bo
                 o[4] + c * strides[4, 0],
             )
             _backward_along(x, dy, y, gi, gz, oc, s, n, k_dy[c], k_x[c], k_c[c], flags)
+
+
+@jit
+def item_backward_across(x, dy, y, gi, gz, geometry, strides, k_dy, k_x, k_c, flags, bounds):
+    """``item_backward`` where runs cross channels (channels innermost): each walk is
+    compiled apart, so that a layout compiles only its own."""
+    _, _, r0, r1, _, n, _ = _walk(bounds, geometry, strides)
+    _backward_across(x, dy, y, gi, gz, geometry, strides, r0, r1, n, k_dy, k_x, k_c, flags)
 
 
 # --- the passes ----------------------------------------------------------------------------
