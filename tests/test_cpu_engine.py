@@ -5,7 +5,8 @@ against references it did not write: torch in float64, NumPy's float16, torch's 
   from zero, constant channels (exactly zero variance), eps 0;
 - the parallel path (large problems split across threads) in every layout walk;
 - outputs that overlap inputs, in the same layout or another;
-- F16/BF16 conversions bit for bit; the extra memory of one call; the thread count.
+- F16/BF16 conversions bit for bit; F16/BF16 forwards (float32 inside) within one ulp of
+  float64 on every element; the extra memory of one call; the thread count.
 """
 
 import os
@@ -364,3 +365,36 @@ def test_thread_count_follows_omp_num_threads():
     )  # fmt: skip
     count, numba_count = free.stdout.split()
     assert count == numba_count
+
+
+@pytest.mark.parametrize("dtype", [np.float16, "bfloat16"])
+@pytest.mark.parametrize(("offset", "spread"), [(0, 1), (1e4, 30), (-1e4, 8), (0, 1e-4)])
+def test_half_forward_within_one_ulp_of_float64(dtype, offset, spread):
+    """F16/BF16 forwards (float32 elementwise, as torch) stay within one ulp of the float64
+    result rounded once, on every element; a constant channel is exact."""
+    if dtype == "bfloat16":
+        dtype = pytest.importorskip("ml_dtypes").bfloat16
+    rng = np.random.default_rng(3)
+    c = 8
+    x = (offset + spread * rng.standard_normal((512, c, 64))).astype(dtype)
+    x[:, 0] = x[0, 0, 0]
+    w, b = rng.uniform(-3, 3, c).astype(np.float32), rng.uniform(-3, 3, c).astype(np.float32)
+    xs = x.astype(np.float64)
+    mean, var = xs.mean(axis=(0, 2)), xs.var(axis=(0, 2))
+    rm = (mean + 0.1 * spread * rng.standard_normal(c)).astype(np.float32)
+    rv = (var * rng.uniform(0.5, 2, c)).astype(np.float32)
+
+    def rounded(m, v):
+        y = (xs - m[:, None]) * (w / np.sqrt(v + EPS))[:, None] + b.astype(np.float64)[:, None]
+        return (y if dtype is np.float16 else y.astype(np.float32)).astype(dtype)
+
+    def steps(got, want):  # distance in representable values
+        g, h = (np.asarray(a).view(np.int16).astype(np.int64) for a in (got, want))
+        return np.abs(np.where(g < 0, -32768 - g, g) - np.where(h < 0, -32768 - h, h))
+
+    y = cudnn_bn.batch_norm_forward_inference(x, w, b, rm, rv, eps=EPS)
+    want = rounded(rm.astype(np.float64), rv.astype(np.float64))
+    assert steps(y, want).max() <= 1
+    np.testing.assert_array_equal(np.asarray(y)[:, 0].view(np.int16), want[:, 0].view(np.int16))
+    y, *_ = cudnn_bn.batch_norm_forward_training(x, w, b, np.zeros(c, np.float32), None)
+    assert steps(y, rounded(mean, var)).max() <= 1

@@ -7,6 +7,7 @@
 - where no cache location is writable: every call failed with INTERNAL_ERROR ("no locator
   available"); now the kernels compile in memory, with one warning;
 - a small call does not start numba's thread pool (the training forward did, every call).
+- a large call compiles only its layout's walk (first calls compiled both).
 
 Results are checked against the same call made serially in the same process.
 """
@@ -172,3 +173,17 @@ print(parallel._is_initialized)
         + "print(parallel._is_initialized)"
     )
     assert_printed(run_child(script), "False False")
+
+
+def test_a_layout_compiles_only_its_own_walk(tmp_path):
+    """Large NCHW calls from an empty cache compile no channels-last walk (its loops were
+    a third of the README block's first-call compile time)."""
+    script = PROBLEM + (
+        "from cudnn_bn.backends import cpu_kernels as k\n"
+        "y = cudnn_bn.batch_norm_forward_inference(x, w, b, np.zeros(64, np.float32), w)\n"
+        "walks = (k._sums_across, k._forward_across, k._backward_across)\n"
+        "print([len(f.signatures) for f in walks])\n"
+    )
+    child = run_child(script, NUMBA_CACHE_DIR=str(tmp_path))
+    assert child.returncode == 0, child.stderr
+    assert child.stdout.split()[-3:] == ["[0,", "0,", "0]"]

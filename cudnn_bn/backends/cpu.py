@@ -76,6 +76,11 @@ class _HostKernel:
         self.parallel = self.layout.count * self.layout.channels >= PARALLEL_MIN_VALUES
         (self.whole,) = self.layout.items(1)
         self.tile = int(self.layout.geometry[cpu_kernels.TILE])
+        # The item kernels of this layout's walk (the other is never compiled for it).
+        walk = "across" if self.layout.geometry[3] else "along"
+        self.item_sums, self.item_forward, self.item_backward = (
+            getattr(cpu_kernels, f"item_{step}_{walk}") for step in ("sums", "forward", "backward")
+        )
         # Output slots whose layout equals an input's: the same address is safe for those.
         self.same_layout = {
             (o, i)
@@ -97,16 +102,14 @@ class _HostKernel:
         return [cpu_kernels.tiled(v, self.tile) for v in values]
 
     def sums(self, x, dy, y, shift, items: list) -> np.ndarray:
-        """``cpu_kernels.item_sums`` of every work item on the engine's threads, added in
+        """The walk's ``item_sums`` of every work item on the engine's threads, added in
         item order (the same sums for the same thread count), per channel."""
         geometry, strides = self.layout.geometry, self.layout.strides
         channels = self.layout.channels
         partial = np.zeros((len(items), cpu_kernels.SUMS, channels * self.tile))
         (shift,) = self.tiled(shift)
         cpu_pool.run(
-            lambda i: cpu_kernels.item_sums(
-                x, dy, y, geometry, strides, shift, partial[i], items[i]
-            ),
+            lambda i: self.item_sums(x, dy, y, geometry, strides, shift, partial[i], items[i]),
             len(items),
         )
         return cpu_kernels.folded(partial.sum(axis=0), channels)
@@ -191,7 +194,7 @@ class BatchNormBackward(_HostKernel):
             apply = (self.mode != cpu_kernels.EVAL, masked, write_gi, write_gz)
             coefficients = self.tiled(k_dy, k_x, k_c)
             cpu_pool.run(
-                lambda i: k.item_backward(
+                lambda i: self.item_backward(
                     x, dy, y, gi, gz, geometry, strides, *coefficients, apply, items[i]
                 ),
                 len(items),
@@ -248,7 +251,7 @@ class BatchNormForwardTraining(_HostKernel):
         stats = k.training_statistics(sums, shift, layout.count, self.eps)
         coefficients = self.tiled(stats[0], w * stats[2], b)
         cpu_pool.run(
-            lambda i: k.item_forward(
+            lambda i: self.item_forward(
                 x, z, y, geometry, strides, *coefficients, (add_z, relu), items[i]
             ),
             len(items),
@@ -295,7 +298,7 @@ class BatchNormForwardInference(_HostKernel):
         )
         items = layout.items(chunks)
         cpu_pool.run(
-            lambda i: k.item_forward(
+            lambda i: self.item_forward(
                 x, x, y, geometry, strides, *coefficients, self.plain, items[i]
             ),
             len(items),

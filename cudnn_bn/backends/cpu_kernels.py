@@ -13,13 +13,16 @@ rows with every channel when channels are innermost): ``item_sums``, ``item_forw
 No kernel uses numba's parallel layer (OpenMP, TBB or workqueue): a forked child, any
 ``NUMBA_THREADING_LAYER`` and many calling threads are all safe, and the first call
 compiles in seconds. Flags are runtime arguments, not compile-time ones: each data dtype
-compiles one version of each function, and only when a call needs it. Data tensors are
+compiles one version of each function, and only when a call needs it (a large call:
+only its layout's walk, ``item_*_along`` or ``item_*_across``). Data tensors are
 walked as ``cpu_layout.Layout`` says, by index arithmetic on flat views.
 
 F16 and BF16 have no numba type: the kernels see their bits (``uint16`` for F16, ``int16``
 for BF16, so the dtype alone picks the conversion) and convert element by element: exact
 reads, and one round-to-nearest-even write from float64 (BF16 through float32, as torch).
-F16 goes through LLVM's ``half`` type, so it uses the CPU's conversion instructions.
+F16 goes through LLVM's ``half`` type, so it uses the CPU's conversion instructions. The
+forward's elementwise pass on half data works in float32, compensated (``normalize``):
+twice as fast, and within one ulp of the float64 result.
 Per-channel operands may have another dtype than the data (F32 for half data); they are
 read and written through a runtime dtype code, since they are small.
 
@@ -116,6 +119,16 @@ def _f16_to_f64(typingctx, stored):
 
 
 @intrinsic
+def _f16_to_f32(typingctx, stored):
+    """The float32 value of F16 bits (exact), as ``_f16_to_f64``."""
+
+    def codegen(context, builder, signature, args):
+        return builder.fpext(builder.bitcast(args[0], ir.HalfType()), ir.FloatType())
+
+    return types.float32(types.uint16), codegen
+
+
+@intrinsic
 def _f32_to_f16(typingctx, value):
     """F16 bits of a float32, rounded to nearest even (LLVM's half truncation)."""
 
@@ -147,12 +160,23 @@ def _bf16_to_f64(stored):
 
 
 @helper
+def _bf16_to_f32(stored):
+    return np.uint32((np.uint32(stored) & np.uint32(0xFFFF)) << 16).view(np.float32)
+
+
+@helper
+def _f32_to_bf16(value):
+    # 32-bit integer arithmetic throughout, so that a loop of it vectorizes 8 wide.
+    bits = np.float32(value).view(np.uint32)
+    half = np.uint32(bits >> 16)
+    if value != value:
+        return np.uint32(half | np.uint32(0x40))  # keep NaN a (quiet) NaN
+    return np.uint32(np.uint32(bits + np.uint32(0x7FFF) + (half & np.uint32(1))) >> 16)
+
+
+@helper
 def _f64_to_bf16(value):
-    single = np.float32(value)
-    bits = np.int64(single.view(np.uint32))
-    if single != single:
-        return (bits >> 16) | 0x40  # keep NaN a (quiet) NaN
-    return (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+    return _f32_to_bf16(np.float32(value))
 
 
 def decode(stored):
@@ -165,6 +189,17 @@ def encode(value, dtype):
     raise NotImplementedError
 
 
+def widen(stored):
+    """The float32 value of one F16/BF16 element (exact; compiled only)."""
+    raise NotImplementedError
+
+
+def narrow(value, like):
+    """float64 ``value`` in the type the forward's elementwise pass works in for data of
+    ``like``'s dtype: float32 for F16/BF16 (as torch), float64 otherwise."""
+    raise NotImplementedError
+
+
 @overload(decode)
 def _decode(stored):
     if isinstance(stored, types.Float):
@@ -174,12 +209,67 @@ def _decode(stored):
     return lambda stored: _bf16_to_f64(stored)
 
 
+@overload(widen)
+def _widen(stored):
+    if stored == types.uint16:
+        return lambda stored: _f16_to_f32(np.uint16(stored))
+    return lambda stored: _bf16_to_f32(stored)
+
+
+@overload(narrow)
+def _narrow(value, like):
+    if isinstance(like.dtype, types.Float):
+        return lambda value, like: value
+    return lambda value, like: np.float32(value)
+
+
+def normalize(stored, k):
+    """``(x - mean)*scale + shift`` for one stored element, coefficients ``k`` from
+    ``_working`` (compiled only)."""
+    raise NotImplementedError
+
+
+@intrinsic
+def _fma(typingctx, a, b, c):
+    """``a*b + c`` rounded once (LLVM's fma)."""
+
+    def codegen(context, builder, signature, args):
+        return builder.fma(*args)
+
+    return a(a, b, c), codegen
+
+
+@overload(normalize)
+def _normalize(stored, k):
+    if isinstance(stored, types.Float):
+        return lambda stored, k: (np.float64(stored) - k[0][0]) * k[0][1] + k[0][2]
+
+    def compensated(stored, k):
+        # float32 with each coefficient as hi + lo and x - mean kept exactly as d + e
+        # (Knuth's two-sum): the only sizable rounding is the last one, so the result is
+        # within one F16/BF16 ulp of the float64 one even where y cancels to near zero
+        # (plain float32 is not: tests/test_cpu_engine.py).
+        (m, a, b), (m_lo, a_lo, b_lo) = k
+        xv = widen(stored)
+        d = xv - m
+        back = d - xv
+        e = (xv - (d - back)) + (-m - back) - m_lo
+        e = e if e == e else np.float32(0.0)  # x or mean infinite: d says it all
+        return _fma(d, a, b) + ((d * a_lo + e * a) + b_lo)
+
+    return compensated
+
+
 @overload(encode)
 def _encode(value, dtype):
     if isinstance(dtype.dtype, types.Float):
         return lambda value, dtype: value
     if dtype.dtype == types.uint16:
+        if value == types.float32:  # one rounding, the hardware's
+            return lambda value, dtype: _f32_to_f16(value)
         return lambda value, dtype: _f64_to_f16(value)
+    if value == types.float32:
+        return lambda value, dtype: _f32_to_bf16(value)
     return lambda value, dtype: _f64_to_bf16(value)
 
 
@@ -353,10 +443,16 @@ def item_sums(x, dy, y, geometry, strides, shift, out, bounds):
     tiled the same, see ``tiled``): ``x - k``, ``(x - k)^2``, ``dy``, ``dy * (x - k)`` with
     ``k = shift[c]``; ``dy`` zero where ``y <= 0`` if ``y`` is not empty; with ``dy`` empty
     its sums stay zero."""
-    c0, c1, r0, r1, across, n, s = _walk(bounds, geometry, strides)
-    if across:
-        _sums_across(x, dy, y, geometry, strides, r0, r1, n, shift, out)
-        return
+    if geometry[3]:
+        item_sums_across(x, dy, y, geometry, strides, shift, out, bounds)
+    else:
+        item_sums_along(x, dy, y, geometry, strides, shift, out, bounds)
+
+
+@jit
+def item_sums_along(x, dy, y, geometry, strides, shift, out, bounds):
+    """``item_sums`` where runs stay in one channel."""
+    c0, c1, r0, r1, _, n, s = _walk(bounds, geometry, strides)
     has_dy, masked = dy.size > 0, y.size > 0
     for r in range(r0, r1):
         ox, od = row_offset(r, geometry, strides[0]), row_offset(r, geometry, strides[1])
@@ -381,6 +477,14 @@ def item_sums(x, dy, y, geometry, strides, shift, out, bounds):
                 out[j, c] += sums[j]
 
 
+@jit
+def item_sums_across(x, dy, y, geometry, strides, shift, out, bounds):
+    """``item_sums`` where runs cross channels (channels innermost): each walk is
+    compiled apart, so that a layout compiles only its own."""
+    _, _, r0, r1, _, n, _ = _walk(bounds, geometry, strides)
+    _sums_across(x, dy, y, geometry, strides, r0, r1, n, shift, out)
+
+
 @helper
 def first_values(x, geometry, strides):
     """Each channel's first value: the shift that makes a constant channel sum to zero."""
@@ -396,9 +500,10 @@ def tiled(values, tile):
     ``tile`` rows of channels."""
     if tile == 1:
         return values
-    out = np.empty(values.size * tile)
-    for t in range(tile):
-        out[t * values.size : (t + 1) * values.size] = values
+    n = values.size
+    out = np.empty(n * tile)
+    for i in range(n * tile):  # a loop: numba's slice assignment costs seconds to compile
+        out[i] = values[i % n]
     return out
 
 
@@ -430,11 +535,29 @@ def _forward_element(x, z, y, ox, oz, oy, mean, scale, shift, add_z, relu):
 
 
 @helper
+def _working(mean, scale, shift, like):
+    """A channel's float64 coefficients for ``normalize``: each as a sum of two values of
+    the elementwise pass's type (``narrow``), the low parts zero for F32/F64 data."""
+    m_hi, a_hi, b_hi = narrow(mean, like), narrow(scale, like), narrow(shift, like)
+    low = (_low(mean, m_hi, like), _low(scale, a_hi, like), _low(shift, b_hi, like))
+    return (m_hi, a_hi, b_hi), low
+
+
+@helper
+def _low(value, hi, like):
+    """``value - hi`` in ``narrow``'s type; zero for an infinite value (all in ``hi``; a
+    NaN stays there too)."""
+    lo = value - hi
+    return narrow(lo if lo == lo else 0.0, like)
+
+
+@helper
 def _forward_along(x, z, y, ox, oz, oy, sx, sz, sy, n, mean, scale, shift, flags):
     add_z, relu = flags
     if not (add_z or relu):
+        k = _working(mean, scale, shift, y)
         for i in range(n):
-            y[_at(oy, i, sy)] = encode((decode(x[_at(ox, i, sx)]) - mean) * scale + shift, y.dtype)
+            y[_at(oy, i, sy)] = encode(normalize(x[_at(ox, i, sx)], k), y.dtype)
         return
     for i in range(n):
         at = (_at(ox, i, sx), _at(oz, i, sz), _at(oy, i, sy))
@@ -450,8 +573,8 @@ def _forward_across(x, z, y, geometry, strides, r0, r1, n, mean, scale, shift, f
         oy = row_offset(r, geometry, strides[2])
         if not (add_z or relu):
             for i in range(n):
-                v = (decode(x[_at(ox, i, sx)]) - mean[i]) * scale[i] + shift[i]
-                y[_at(oy, i, sy)] = encode(v, y.dtype)
+                k = _working(mean[i], scale[i], shift[i], y)
+                y[_at(oy, i, sy)] = encode(normalize(x[_at(ox, i, sx)], k), y.dtype)
             continue
         for i in range(n):
             at = (_at(ox, i, sx), _at(oz, i, sz), _at(oy, i, sy))
@@ -463,10 +586,16 @@ def item_forward(x, z, y, geometry, strides, mean, scale, shift, flags, bounds):
     """``y = relu?((x - mean)*scale + shift [+ z])`` over the work item ``bounds`` (the
     per-channel arrays tiled as ``tiled`` does). ``flags``: add z, ReLU. Data slots: x, z,
     y."""
-    c0, c1, r0, r1, across, n, s = _walk(bounds, geometry, strides)
-    if across:
-        _forward_across(x, z, y, geometry, strides, r0, r1, n, mean, scale, shift, flags)
-        return
+    if geometry[3]:
+        item_forward_across(x, z, y, geometry, strides, mean, scale, shift, flags, bounds)
+    else:
+        item_forward_along(x, z, y, geometry, strides, mean, scale, shift, flags, bounds)
+
+
+@jit
+def item_forward_along(x, z, y, geometry, strides, mean, scale, shift, flags, bounds):
+    """``item_forward`` where runs stay in one channel."""
+    c0, c1, r0, r1, _, n, s = _walk(bounds, geometry, strides)
     for r in range(r0, r1):
         ox, oz = row_offset(r, geometry, strides[0]), row_offset(r, geometry, strides[1])
         oy = row_offset(r, geometry, strides[2])
@@ -487,6 +616,14 @@ def item_forward(x, z, y, geometry, strides, mean, scale, shift, flags, bounds):
                 shift[c],
                 flags,
             )
+
+
+@jit
+def item_forward_across(x, z, y, geometry, strides, mean, scale, shift, flags, bounds):
+    """``item_forward`` where runs cross channels (channels innermost): each walk is
+    compiled apart, so that a layout compiles only its own."""
+    _, _, r0, r1, _, n, _ = _walk(bounds, geometry, strides)
+    _forward_across(x, z, y, geometry, strides, r0, r1, n, mean, scale, shift, flags)
 
 
 @helper
@@ -561,10 +698,16 @@ def item_backward(x, dy, y, gi, gz, geometry, strides, k_dy, k_x, k_c, flags, bo
     masked) over the work item ``bounds`` (the coefficients tiled as ``tiled`` does).
     ``flags``: use x (all but eval), mask, write gi, write gz. Data slots: x, dy, y, gi,
     gz."""
-    c0, c1, r0, r1, across, n, s = _walk(bounds, geometry, strides)
-    if across:
-        _backward_across(x, dy, y, gi, gz, geometry, strides, r0, r1, n, k_dy, k_x, k_c, flags)
-        return
+    if geometry[3]:
+        item_backward_across(x, dy, y, gi, gz, geometry, strides, k_dy, k_x, k_c, flags, bounds)
+    else:
+        item_backward_along(x, dy, y, gi, gz, geometry, strides, k_dy, k_x, k_c, flags, bounds)
+
+
+@jit
+def item_backward_along(x, dy, y, gi, gz, geometry, strides, k_dy, k_x, k_c, flags, bounds):
+    """``item_backward`` where runs stay in one channel."""
+    c0, c1, r0, r1, _, n, s = _walk(bounds, geometry, strides)
     for r in range(r0, r1):
         o = _row_offsets(r, geometry, strides)
         for c in range(c0, c1):
@@ -576,6 +719,14 @@ def item_backward(x, dy, y, gi, gz, geometry, strides, k_dy, k_x, k_c, flags, bo
                 o[4] + c * strides[4, 0],
             )
             _backward_along(x, dy, y, gi, gz, oc, s, n, k_dy[c], k_x[c], k_c[c], flags)
+
+
+@jit
+def item_backward_across(x, dy, y, gi, gz, geometry, strides, k_dy, k_x, k_c, flags, bounds):
+    """``item_backward`` where runs cross channels (channels innermost): each walk is
+    compiled apart, so that a layout compiles only its own."""
+    _, _, r0, r1, _, n, _ = _walk(bounds, geometry, strides)
+    _backward_across(x, dy, y, gi, gz, geometry, strides, r0, r1, n, k_dy, k_x, k_c, flags)
 
 
 # --- the passes ----------------------------------------------------------------------------
@@ -724,11 +875,30 @@ def training_outputs(stats, old, at, channel_args, count, momentum, updates):
     store_channels(mean, at[0], channel_args[2, 0], channel_args[2, 1])
     store_channels(invstd, at[1], channel_args[3, 0], channel_args[3, 1])
     if updates[0]:
-        running = (1.0 - momentum) * old[0] + momentum * mean
+        running = _blend(old[0], mean, 1.0, momentum)
         store_channels(running, at[2], channel_args[4, 0], channel_args[4, 1])
     if updates[1]:
-        running = (1.0 - momentum) * old[1] + momentum * var * (count / (count - 1))
+        running = _blend(old[1], var, count / (count - 1), momentum)
         store_channels(running, at[3], channel_args[5, 0], channel_args[5, 1])
+
+
+@helper
+def _blend(old, new, factor, momentum):
+    """``(1 - momentum)*old + momentum*factor*new``, a loop (array expressions cost
+    seconds to compile on first use)."""
+    out = np.empty(old.size)
+    for c in range(old.size):
+        out[c] = (1.0 - momentum) * old[c] + momentum * (new[c] * factor)
+    return out
+
+
+@helper
+def _product(a, b):
+    """``a * b`` elementwise, a loop (see ``_blend``)."""
+    out = np.empty(a.size)
+    for c in range(a.size):
+        out[c] = a[c] * b[c]
+    return out
 
 
 @jit
@@ -767,7 +937,7 @@ def forward_training(
     item_sums(x, x[:0], x[:0], geometry, strides, tiled(shift, tile), sums, whole)
     count = geometry[1] * geometry[2] * tile
     mean, var, invstd = training_statistics(folded(sums, channels), shift, count, eps)
-    coefficients = tiled(mean, tile), tiled(w * invstd, tile), tiled(b, tile)
+    coefficients = tiled(mean, tile), tiled(_product(w, invstd), tile), tiled(b, tile)
     item_forward(x, z, y, geometry, strides, *coefficients, (add_z, relu), whole)
     at = (sm_at, si_at, rm_at, rv_at)
     old = (old_mean, old_var)
@@ -781,7 +951,10 @@ def inference_coefficients(w_at, b_at, rm_at, rv_at, channel_args, channels, eps
     b = load_channels(b_at, channel_args[1, 0], channel_args[1, 1], channels)
     mean = load_channels(rm_at, channel_args[2, 0], channel_args[2, 1], channels)
     var = load_channels(rv_at, channel_args[3, 0], channel_args[3, 1], channels)
-    return mean, w / np.sqrt(var + eps), b
+    scale = np.empty(channels)
+    for c in range(channels):
+        scale[c] = w[c] / np.sqrt(var[c] + eps)
+    return mean, scale, b
 
 
 @jit

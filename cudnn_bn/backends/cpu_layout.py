@@ -21,7 +21,7 @@ import numpy as np
 from ..tensor import TensorDesc
 
 ROW_DIMS = 4  # an (N, C, D, H, W) input has at most four non-channel axes
-TILE_VALUES = 64  # a tiled run has at most this many values (when C is smaller)
+TILE_VALUES = 256  # a tiled run has at most this many values (when C is smaller)
 SLOTS = 5  # data tensors of a pass, at most (the backward's x, dy, y, grad_input, grad_z)
 # Columns of ``Layout.strides``: channel, inner, then one per row dimension.
 STRIDE_COLUMNS = 2 + ROW_DIMS
