@@ -92,6 +92,20 @@ def test_options_equal_in_python_key_different_plans(good, bad):
         cudnn_bn.batch_norm_forward_training(x, w, b, None, None, momentum=bad)
 
 
+def test_an_output_mask_given_as_a_list_is_taken_as_its_tuple_is():
+    """``check_output_mask`` takes a list; the plan's key once could not hash one (found by
+    the fuzzer) and refused it as an "unhashable option"."""
+    x, dy, w, b = problem()
+    _, gx_ref, _, gb_ref = torch_training(x, dy, w, b)
+    for _ in range(2):  # a miss, then a hit
+        gx, gw, gb = cudnn_bn.batch_norm_backward(
+            x, dy, w, None, None, output_mask=[True, False, True]
+        )
+        close(gx, gx_ref)
+        close(gb, gb_ref)
+        assert gw is None
+
+
 # --- out= --------------------------------------------------------------------------------------
 
 

@@ -136,13 +136,16 @@ def _constant(kind: Any, like: Any, device_id: int, value: float, desc: TensorDe
 
 
 _PLAIN = frozenset((float, str, type(None)))
+_SEQUENCES = frozenset((tuple, list))
 
 
-def typed(values: tuple) -> tuple:
+def typed(values: tuple | list) -> tuple:
     """Options as part of a key: values of any type but float, str and None tagged with it,
-    so that ``True``, ``1`` and ``1.0`` (equal in Python) key different plans."""
+    so that ``True``, ``1`` and ``1.0`` (equal in Python) key different plans; tuples and
+    lists (an ``output_mask``) as tuples of their typed items."""
     return tuple(
-        v if type(v) in _PLAIN else (type(v), typed(v) if type(v) is tuple else v) for v in values
+        v if type(v) in _PLAIN else (type(v), typed(v) if type(v) in _SEQUENCES else v)
+        for v in values
     )
 
 
