@@ -305,6 +305,19 @@ def test_dlpack_1_0_capsules_are_read_and_flags_honoured():
         assert running.kwargs[-1]["copy"] is False  # written: the producer is asked not to copy
 
 
+def test_a_capsule_on_another_device_than_its_producer_says_is_refused():
+    """``__dlpack_device__`` said CPU, the capsule CUDA: the call on the CPU once read the
+    capsule's pointer (device memory, on a GPU machine) with its host kernels (found by the
+    array fuzzer)."""
+    x, dy, w, _ = problem()
+    lying = Versioned(dy)
+    lying._managed.dl_tensor.device.device_type = 2  # kDLCUDA
+    with pytest.raises(InfiniError, match="grad_output") as caught:
+        cudnn_bn.batch_norm_backward(x, lying, w, None, None)
+    assert caught.value.status == Status.BAD_PARAM
+    assert "__dlpack_device__" in str(caught.value)
+
+
 def test_a_producer_that_must_copy_a_written_operand_is_refused():
     x, _, w, b = problem()
 
