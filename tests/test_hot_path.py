@@ -216,6 +216,24 @@ def test_batched_is_one_call_equal_to_each_problem_alone():
         close(got[2][i], gb)
 
 
+@pytest.mark.parametrize("data_kind", ["torch", "numpy"])
+def test_batched_takes_operands_of_numpy_and_torch_mixed_as_the_array_api_does(data_kind):
+    """torch data with a NumPy weight (or the reverse), which ``batch_norm_backward`` takes:
+    the batched pass once copied a NumPy weight into a torch tensor with ``[...] =`` and
+    raised INTERNAL_ERROR (found by the array fuzzer)."""
+    xb, dyb, _, _ = problem((2, 4, C, 3))
+    w = np.random.default_rng(1).uniform(0.5, 1.5, C)
+    data = (torch.tensor(xb), torch.tensor(dyb)) if data_kind == "torch" else (xb, dyb)
+    weight = w if data_kind == "torch" else torch.tensor(w)
+    got = cudnn_bn.batch_norm_backward_batched(*data, weight, None, None)
+    assert all(isinstance(g, type(data[0])) for g in got)
+    for i in range(2):
+        _, gx, gw, gb = torch_training(xb[i], dyb[i], w, np.zeros(C))
+        close(got[0][i], gx)
+        close(got[1][i], gw)
+        close(got[2][i], gb)
+
+
 BAD_EMPTY_BATCHES = {
     "grad_output shape": dict(grad_output=np.zeros((0, 4, C, 1))),
     "grad_output dtype": dict(grad_output=np.zeros((0, 4, C, 5), np.float32)),

@@ -12,10 +12,12 @@ any other batch.
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
+
 from ..arrays import NUMPY, TORCH, Operand, common_place, operand
 from ..arrays.cuda_interface import is_cupy
 from ..backends.host import host_array
-from ..enums import Status
+from ..enums import DataType, Status
 from ..errors import InfiniError
 from ..ops.batch_norm_backward import parse_fusion
 from ..ops.validation import check_eps, check_output_mask
@@ -29,8 +31,17 @@ _DATA = ("input", "grad_output", "output")
 _PER_CHANNEL = ("weight", "running_mean", "running_var", "saved_mean", "saved_invstd", "bias")
 
 
-def _native(op: Operand, array: Any) -> Any:
-    """An array of ``op``'s own library over ``op``'s memory (no copy)."""
+def _native(op: Operand, array: Any, kind: Any) -> Any:
+    """An array over ``op``'s memory (no copy) of its own library, or on the host of the
+    input's library ``kind``: the copies below assign one into the other with ``[...] =``,
+    which torch cannot do from a NumPy array."""
+    if op.kind is NUMPY and kind is TORCH:
+        import torch
+
+        view = host_array(op.ptr, op.desc)  # only read
+        if op.desc.dtype == DataType.BF16:
+            return torch.from_numpy(view.view(np.uint16)).view(torch.bfloat16)
+        return torch.from_numpy(view)
     if op.kind is NUMPY:
         return host_array(op.ptr, op.desc, readonly=bool(op.readonly))
     if op.kind is TORCH or is_cupy(op.owner):
@@ -40,13 +51,13 @@ def _native(op: Operand, array: Any) -> Any:
     return cupy.asarray(array)
 
 
-def _fold(op: Operand, array: Any, made: Callable[[TensorDesc], Any]) -> Any:
+def _fold(op: Operand, array: Any, kind: Any, made: Callable[[TensorDesc], Any]) -> Any:
     """``(B, N, C, ...)`` data as ``(N, B*C, ...)``: a view where B's stride is C channel
     strides, else a copy into a new packed ``(N, B, C, ...)`` array. NumPy, CuPy and torch
     share the methods used (``swapaxes``, ``reshape``, ``[...] =``)."""
     x = op.desc
     batch, n, channels, rest = x.shape[0], x.shape[1], x.shape[2], x.shape[3:]
-    swapped = _native(op, array).swapaxes(0, 1)
+    swapped = _native(op, array, kind).swapaxes(0, 1)
     if x.strides[0] != channels * x.strides[2]:
         copy = made(TensorDesc.contiguous(x.dtype, (n, batch, channels, *rest)))
         copy[...] = swapped
@@ -54,10 +65,10 @@ def _fold(op: Operand, array: Any, made: Callable[[TensorDesc], Any]) -> Any:
     return swapped.reshape(n, batch * channels, *rest)
 
 
-def _tile(op: Operand, array: Any, batch: int, made: Callable[[TensorDesc], Any]) -> Any:
+def _tile(op: Operand, array: Any, kind: Any, batch: int, made: Callable[[TensorDesc], Any]) -> Any:
     """A per-channel operand for every problem, ``(B*C,)``: rows of a ``(B, C)`` one, or a
     shared ``(C,)`` one repeated."""
-    native = _native(op, array)
+    native = _native(op, array, kind)
     if op.desc.ndim == 2:
         return native.reshape(-1) if op.desc.is_contiguous() else _copy(native, op, made)
     tiled = made(TensorDesc.contiguous(op.desc.dtype, (batch, *op.desc.shape)))
@@ -152,8 +163,10 @@ def batch_norm_backward_batched(
         return kind.allocator(input, desc)()[0]
 
     with kind.scope(input, call_on, device_id):
-        folded = {n: _fold(ops[n], present[n], made) for n in _DATA if n in ops}
-        folded |= {n: _tile(ops[n], present[n], batch, made) for n in _PER_CHANNEL if n in ops}
+        folded = {n: _fold(ops[n], present[n], kind, made) for n in _DATA if n in ops}
+        folded |= {
+            n: _tile(ops[n], present[n], kind, batch, made) for n in _PER_CHANNEL if n in ops
+        }
         grads = batch_norm_backward(
             folded["input"],
             folded["grad_output"],
