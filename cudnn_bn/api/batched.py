@@ -34,11 +34,13 @@ _PER_CHANNEL = ("weight", "running_mean", "running_var", "saved_mean", "saved_in
 def _native(op: Operand, array: Any, kind: Any) -> Any:
     """An array over ``op``'s memory (no copy) of its own library, or on the host of the
     input's library ``kind``: the copies below assign one into the other with ``[...] =``,
-    which torch cannot do from a NumPy array."""
+    which torch cannot do from a NumPy array (nor view negative strides: those are copied)."""
     if op.kind is NUMPY and kind is TORCH:
         import torch
 
         view = host_array(op.ptr, op.desc)  # only read
+        if any(s < 0 for s in view.strides):
+            view = view.copy()
         if op.desc.dtype == DataType.BF16:
             return torch.from_numpy(view.view(np.uint16)).view(torch.bfloat16)
         return torch.from_numpy(view)
