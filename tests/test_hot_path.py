@@ -224,7 +224,8 @@ def test_batched_takes_operands_of_numpy_and_torch_mixed_as_the_array_api_does(d
     xb, dyb, _, _ = problem((2, 4, C, 3))
     w = np.random.default_rng(1).uniform(0.5, 1.5, C)
     data = (torch.tensor(xb), torch.tensor(dyb)) if data_kind == "torch" else (xb, dyb)
-    weight = w[::-1].copy()[::-1] if data_kind == "torch" else torch.tensor(w)  # reversed
+    reversed_w, graph_w = w[::-1].copy()[::-1], torch.tensor(w, requires_grad=True)
+    weight = reversed_w if data_kind == "torch" else graph_w
     got = cudnn_bn.batch_norm_backward_batched(*data, weight, None, None)
     assert all(isinstance(g, type(data[0])) for g in got)
     for i in range(2):

@@ -17,7 +17,7 @@ import numpy as np
 from ..arrays import NUMPY, TORCH, Operand, common_place, operand
 from ..arrays.cuda_interface import is_cupy
 from ..backends.host import host_array
-from ..enums import DataType, Status
+from ..enums import DataType, Device, Status
 from ..errors import InfiniError
 from ..ops.batch_norm_backward import parse_fusion
 from ..ops.validation import check_eps, check_output_mask
@@ -32,10 +32,13 @@ _PER_CHANNEL = ("weight", "running_mean", "running_var", "saved_mean", "saved_in
 
 
 def _native(op: Operand, array: Any, kind: Any) -> Any:
-    """An array over ``op``'s memory (no copy) of its own library, or on the host of the
-    input's library ``kind``: the copies below assign one into the other with ``[...] =``,
-    which torch cannot do from a NumPy array (nor view negative strides: those are copied)."""
-    if op.kind is NUMPY and kind is TORCH:
+    """An array over ``op``'s memory in the input's library ``kind`` where the operand is on
+    the host (the copies below assign one into the other with ``[...] =``, which neither
+    NumPy, from a torch tensor that requires grad, nor torch, from a NumPy array, can do),
+    else in its own. torch views no negative strides: those are copied."""
+    if op.device == Device.CPU and kind is NUMPY:
+        return host_array(op.ptr, op.desc, readonly=bool(op.readonly))
+    if op.kind is NUMPY:  # on the host, under torch data
         import torch
 
         view = host_array(op.ptr, op.desc)  # only read
@@ -44,8 +47,6 @@ def _native(op: Operand, array: Any, kind: Any) -> Any:
         if op.desc.dtype == DataType.BF16:
             return torch.from_numpy(view.view(np.uint16)).view(torch.bfloat16)
         return torch.from_numpy(view)
-    if op.kind is NUMPY:
-        return host_array(op.ptr, op.desc, readonly=bool(op.readonly))
     if op.kind is TORCH or is_cupy(op.owner):
         return op.owner
     import cupy
