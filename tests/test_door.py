@@ -371,6 +371,26 @@ def test_a_reserve_on_another_kind_or_device_is_refused_naming_it():
         )  # fmt: skip
 
 
+def test_a_cuda_interface_input_among_host_arrays_is_refused_before_cuda(monkeypatch):
+    """The input's place alone was once found first: a CUDA array interface's pointer sent
+    CUDA a query (DEVICE_NOT_INITIALIZED here) before the host arrays beside it were seen
+    (found by the array fuzzer)."""
+    from cudnn_bn.backends import cuda
+
+    asked = []
+    monkeypatch.setattr(cuda, "_cupy", lambda: asked.append(1) or pytest.fail("CUDA asked"))
+    x, dy, w, _ = problem()
+
+    class Device:
+        @property
+        def __cuda_array_interface__(self):
+            return {"version": 3, "shape": x.shape, "typestr": "<f8", "data": (x.ctypes.data, 0)}
+
+    with pytest.raises(InfiniError, match="share one device") as caught:
+        cudnn_bn.batch_norm_backward(Device(), dy, w, None, None)
+    assert caught.value.status == Status.BAD_PARAM and not asked
+
+
 class _CudaBuffer:
     """A device buffer (DLPack CUDA device), which a host call must not take."""
 

@@ -166,10 +166,16 @@ def run(spec: Pass, arrays: dict[str, Any], raw: tuple, stream: Any) -> Any:
     like = arrays["input"]
     if like is None:
         raise InfiniError(Status.NULL_POINTER, "input is None")
+    spell = spec.spelling.get
+    placed = False  # every array's place found (device types first: no CUDA for host arrays)
     if type(like) is np.ndarray:
         device, device_id, call_on = Device.CPU, 0, 0
     else:
-        device, device_id = common_place({"input": like})
+        # A producer's place may take CUDA to find (a CUDA array interface's pointer): all
+        # arrays' places are compared first, so that host arrays among them ask CUDA nothing.
+        placed = not _plain_torch(like)
+        present = {spell(n, n): a for n, a in arrays.items() if a is not None}
+        device, device_id = common_place(present if placed else {"input": like})
         call_on = call_stream(stream, like, device, device_id)
     signatures, ptrs, others = [spec.name, typed(raw)], {}, []
     for name, array in arrays.items():
@@ -189,8 +195,8 @@ def run(spec: Pass, arrays: dict[str, Any], raw: tuple, stream: Any) -> Any:
             signatures.append(None)
     described = {}
     if others:  # one device for all before any producer is asked to export
-        spell = spec.spelling.get
-        common_place({spell(n, n): a for n, a in arrays.items() if a is not None})
+        if not placed:
+            common_place({spell(n, n): a for n, a in arrays.items() if a is not None})
         consumer = None if device == Device.CPU else call_on
         for at, name in others:
             found = operand(spell(name, name), arrays[name], consumer, written=name in spec.written)
