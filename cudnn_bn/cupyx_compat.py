@@ -58,7 +58,7 @@ from .api import (
     batch_norm_forward_inference,
     batch_norm_forward_training,
 )
-from .arrays import Operand, buffer_address, check_written, operand
+from .arrays import Operand, buffer_address, check_written, common_place, operand
 from .enums import Status
 from .errors import InfiniError, raises_only_infini_errors
 from .ops.validation import check_fraction
@@ -103,12 +103,13 @@ class _Problem(NamedTuple):
 def _arrays(optional: tuple[str, ...] = (), **arrays: Any) -> dict[str, Operand]:
     """Operands of the NumPy or CuPy ``arrays``, on one device; only ``optional`` ones may
     be None (and are skipped)."""
-    found = {}
     for name, array in arrays.items():
-        if array is None and name in optional:
-            continue
-        if array is None:
+        if array is None and name not in optional:
             raise InfiniError(Status.NULL_POINTER, f"{name} is None")
+    present = {n: a for n, a in arrays.items() if a is not None}
+    common_place(present)  # device types first: host arrays among device ones ask CUDA nothing
+    found = {}
+    for name, array in present.items():
         found[name] = operand(name, array)
         if not hasattr(array, "astype") or type(array).__module__.startswith("torch"):
             raise InfiniError(

@@ -391,6 +391,29 @@ def test_a_cuda_interface_input_among_host_arrays_is_refused_before_cuda(monkeyp
     assert caught.value.status == Status.BAD_PARAM and not asked
 
 
+def test_cupyx_compat_refuses_a_cuda_interface_among_host_arrays_before_cuda(monkeypatch):
+    """``cupyx_compat`` described its arrays one by one, so a CUDA array interface asked
+    CUDA where its pointer lives before the host arrays beside it were seen (found by the
+    array fuzzer)."""
+    from cudnn_bn import cupyx_compat
+    from cudnn_bn.backends import cuda
+
+    asked = []
+    monkeypatch.setattr(cuda, "_cupy", lambda: asked.append(1) or pytest.fail("CUDA asked"))
+    x, _, w, b = problem()
+
+    class Device:
+        @property
+        def __cuda_array_interface__(self):
+            return {"version": 3, "shape": (C,), "typestr": "<f8", "data": (w.ctypes.data, 0)}
+
+    with pytest.raises(InfiniError, match="share one device") as caught:
+        cupyx_compat.batch_normalization_forward_inference(
+            x, w, b, Device(), np.ones(C), 1e-5, True, cupyx_compat.CUDNN_BATCHNORM_SPATIAL
+        )
+    assert caught.value.status == Status.BAD_PARAM and not asked
+
+
 class _CudaBuffer:
     """A device buffer (DLPack CUDA device), which a host call must not take."""
 
