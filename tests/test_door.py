@@ -118,6 +118,16 @@ def test_malformed_array_interfaces_are_refused_naming_the_argument(case):
     assert "grad_output" in str(caught.value) and words in str(caught.value)
 
 
+def test_a_typestr_that_is_not_a_string_is_refused():
+    """``np.dtype(None)`` is float64: a typestr of None was read as "<f8" whatever the
+    data held (found by the array fuzzer). The protocol's typestr is a string."""
+    x, dy, w, _ = problem()
+    lying = Interface(shape=dy.shape, typestr=None, data=(dy.ctypes.data, False))
+    with pytest.raises(InfiniError, match=r"grad_output.*typestr None") as caught:
+        cudnn_bn.batch_norm_backward(x, lying, w, None, None)
+    assert caught.value.status == Status.BAD_TENSOR_DTYPE
+
+
 def test_torch_sparse_and_nested_tensors_are_refused_naming_them():
     x, dy, w, _ = problem()
     sparse = torch.tensor(dy).to_sparse()
