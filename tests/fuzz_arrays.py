@@ -196,8 +196,8 @@ def draw_problem(draw) -> Problem:
             args[name], marks[name] = draw(produce(typed))
         else:
             args[name] = arrange(value, form, dtype)
-    for name in ("weight", "bias"):  # affine=False
-        if draw(st.integers(0, 5)) == 0:
+    for name in ("weight", "bias"):  # affine=False, now and then
+        if draw(st.sampled_from([False] * 5 + [True])):
             args[name] = None
             marks.pop(name, None)
     if not clean and draw(st.integers(0, 7)) == 0:
@@ -469,6 +469,12 @@ def attempt(p: Problem, must_refuse: str = "") -> None:
     COUNTS[f"calls_{entry}"] += 1
     for m in marks.values():
         COUNTS[f"form_{m.lie}"] += 1
+    COUNTS["n_zero"] += p.shape[0] == 0
+    COUNTS["b_zero"] += entry == "batched" and p.scalars["batch"] == 0
+    COUNTS["affine_false"] += args["weight"] is None or args["bias"] is None
+    COUNTS["clean"] += p.clean
+    if p.out_form is not None:
+        COUNTS[f"out_{p.out_form}"] += 1
     before = {n: snapshot(a, marks.get(n)) for n, a in every.items()}
     numpy_reads = entry == "fold"  # computed by NumPy's own arithmetic
     values = {
@@ -524,7 +530,8 @@ def attempt(p: Problem, must_refuse: str = "") -> None:
         )
         if unwritable:
             raise violation("wrong", f"{entry} wrote {name}, which cannot be written in place")
-    missing = [n for n in USES[entry] if values[n] is None and args[n] is not None]
+    read_or_written = dict.fromkeys(USES[entry] + WRITTEN.get(entry, ()))
+    missing = [n for n in read_or_written if values[n] is None and args[n] is not None]
     if missing:
         lies = {n: marks[n].lie for n in missing if n in marks}
         raise violation("wrong", f"{entry} accepted {missing} that are not float arrays {lies}")
@@ -594,13 +601,13 @@ def _needs_weight(p: Problem) -> bool:
     return p.entry not in AFFINE_OPTIONAL and (p.args["weight"] is None or p.args["bias"] is None)
 
 
-def twin(p: Problem) -> str:
+def twin(p: Problem, draw) -> str:
     """``p`` made into a call with the same signature as the one just made, but for one
     property every call must still check: a read-only written operand, a misaligned one,
     overlapping written operands, True for a number. Returns what must be refused."""
     names = [n for n in USES[p.entry] if type(p.args[n]) is np.ndarray and p.args[n].size]
     if p.twin == "misaligned" and names:
-        name = names[0]
+        name = draw(st.sampled_from(names))
         a = p.args[name]
         raw = np.frombuffer(bytearray(a.nbytes + 1), np.uint8)[1:]
         moved = raw.view(a.dtype).reshape(a.shape)
@@ -636,7 +643,7 @@ def fuzz(data) -> None:
     attempt(p)
     if p.twin:
         COUNTS[f"twin_{p.twin}"] += 1
-        attempt(p, twin(p))
+        attempt(p, twin(p, data.draw))
 
 
 def after_run() -> None:
