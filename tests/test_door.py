@@ -249,6 +249,20 @@ def test_torch_subclasses_get_torch_outputs():
     np.testing.assert_allclose(got[0].numpy(), torch_backward(x, dy, w)[0], rtol=1e-10, atol=1e-12)
 
 
+def test_fold_conv_bn_takes_a_numpy_matrix_as_the_array_it_holds():
+    """``np.matrix``'s ``*`` is a matrix product: folding a 2-D matrix weight once raised
+    INTERNAL_ERROR (found by the array fuzzer)."""
+    rng = np.random.default_rng(5)
+    weight, mean, var = rng.standard_normal((4, C)), rng.standard_normal(C), np.ones(C)
+    bn_weight, bn_bias = rng.uniform(0.5, 1.5, C), rng.standard_normal(C)
+    want = cudnn_bn.fold_conv_bn(weight, None, bn_weight, bn_bias, mean, var, 1e-5, transpose=True)
+    got = cudnn_bn.fold_conv_bn(
+        np.asmatrix(weight), None, bn_weight, bn_bias, mean, var, 1e-5, transpose=True
+    )
+    for ours, ref in zip(got, want, strict=True):
+        np.testing.assert_allclose(np.asarray(ours), ref, rtol=1e-12)
+
+
 # --- DLPack 1.0: flags and lifetime (issue 19, finding 6) -----------------------------------
 
 
