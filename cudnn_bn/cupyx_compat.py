@@ -58,7 +58,7 @@ from .api import (
     batch_norm_forward_inference,
     batch_norm_forward_training,
 )
-from .arrays import Operand, buffer_address, check_written, common_place, operand
+from .arrays import Operand, check_written, common_place, operand
 from .enums import Status
 from .errors import InfiniError, raises_only_infini_errors
 from .ops.validation import check_fraction
@@ -210,8 +210,9 @@ _backward_api = raises_only_infini_errors(
 
 
 def _write(target: Any, flat: Any, problem: _Problem) -> None:
-    """Store ``flat`` (cuDNN's order) into ``target`` unless it already is its memory."""
-    if buffer_address("target", target) != buffer_address("flat", flat):
+    """Store ``flat`` (cuDNN's order) into ``target`` (of any strides) unless it already is
+    its memory."""
+    if operand("target", target).byte_range != operand("flat", flat).byte_range:
         target[...] = problem.undo_param(flat, tuple(target.shape))
 
 

@@ -438,6 +438,27 @@ def test_cupyx_compat_refuses_a_cuda_interface_among_host_arrays_before_cuda(mon
     assert caught.value.status == Status.BAD_PARAM and not asked
 
 
+def test_cupyx_compat_writes_a_strided_running_var_after_a_packed_running_mean():
+    """The running statistics were written back one by one, each first described as "one
+    packed buffer": a strided running_var was refused (BAD_TENSOR_STRIDES) after
+    running_mean had been updated (found by the array fuzzer)."""
+    from cudnn_bn import cupyx_compat
+
+    x, _, w, b = problem()
+    running_mean, wide = np.zeros(C), np.ones(2 * C)
+    running_var = wide[::2]
+    cupyx_compat.batch_normalization_forward_training(
+        x, w, b, running_mean, running_var, None, None, 1e-5, 0.9, True,
+        cupyx_compat.CUDNN_BATCHNORM_SPATIAL, False,
+    )  # fmt: skip
+    xt = torch.tensor(x)
+    want_mean, want_var = torch.zeros(C, dtype=torch.float64), torch.ones(C, dtype=torch.float64)
+    torch.nn.functional.batch_norm(xt, want_mean, want_var, training=True, momentum=0.1)
+    np.testing.assert_allclose(running_mean, want_mean.numpy(), rtol=1e-10, atol=1e-12)
+    np.testing.assert_allclose(running_var, want_var.numpy(), rtol=1e-10, atol=1e-12)
+    assert (wide[1::2] == 1).all()
+
+
 class _CudaBuffer:
     """A device buffer (DLPack CUDA device), which a host call must not take."""
 
