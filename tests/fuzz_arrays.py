@@ -476,17 +476,7 @@ def attempt(p: Problem, must_refuse: str = "") -> None:
     if p.out_form is not None:
         COUNTS[f"out_{p.out_form}"] += 1
     before = {n: snapshot(a, marks.get(n)) for n, a in every.items()}
-    numpy_reads = entry == "fold"  # computed by NumPy's own arithmetic
-    values = {
-        n: f64(a)
-        if n not in marks
-        else (
-            marks[n].numpy_truth
-            if numpy_reads and marks[n].numpy_truth is not None
-            else marks[n].truth
-        )
-        for n, a in args.items()
-    }
+    values = {n: f64(a) if n not in marks else _reads(marks[n], entry) for n, a in args.items()}
     touched = Tripwire.touched
     host = [
         n for n in USES[entry]
@@ -575,6 +565,15 @@ def attempt(p: Problem, must_refuse: str = "") -> None:
             continue
         close(g, w, tol, f"{entry} result {i}", any_shape=cupy13)
     COUNTS["results_checked"] += 1
+
+
+def _reads(marks: Marks, entry: str) -> np.ndarray | None:
+    """The values a correct reader takes from a drawn form now (a twin call sees what the
+    first one wrote), None where it must refuse it; ``fold`` computes by NumPy's own
+    arithmetic, which reads what NumPy reads (a big-endian array)."""
+    if entry == "fold" and marks.numpy_truth is not None:
+        return marks.numpy_truth
+    return None if marks.truth is None else marks.now()
 
 
 def _refused(
