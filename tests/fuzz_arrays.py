@@ -103,8 +103,8 @@ def snapshot(a, marks: Marks | None = None) -> object:
     NumPy buffer under it."""
     if marks is not None:
         return snapshot(marks.backing)
-    if isinstance(a, torch.Tensor):
-        return a.detach().numpy().tobytes()
+    if isinstance(a, torch.Tensor):  # a view's values, whatever its lazy bits
+        return a.detach().resolve_neg().resolve_conj().numpy().tobytes()
     if isinstance(a, np.ndarray):
         root = a
         while isinstance(root.base, np.ndarray):
@@ -117,7 +117,7 @@ def f64(a) -> np.ndarray | None:
     """``a``'s values, packed in float64, if it is a NumPy array or torch tensor of a float
     dtype (packed: torch 2.13's CPU backward misreads mixed layouts, see ``fuzz_capi.py``)."""
     if isinstance(a, torch.Tensor) and a.dtype.is_floating_point:
-        return np.array(a.detach().numpy(), np.float64, order="C")
+        return np.array(a.detach().resolve_neg().numpy(), np.float64, order="C")
     if isinstance(a, np.ndarray) and a.dtype.kind == "f":
         return np.array(a, np.float64, order="C")
     return None

@@ -385,6 +385,7 @@ class DLPackProducer:
             shape=shape, strides=None if lie == "strides_null" else strides, byte_offset=offset,
         )  # fmt: skip
         flags = {"read_only": READ_ONLY, "is_copied": IS_COPIED}.get(lie, 0) | (IS_COPIED * copy)
+        flags |= READ_ONLY * (not a.flags.writeable)  # as NumPy 2 marks its read-only arrays
         if self.style == "versioned":
             managed = DLManagedTensorVersioned(
                 2 if lie == "major" else 1, 0, None, None, flags, tensor
@@ -431,6 +432,8 @@ def dlpack(draw, a: np.ndarray) -> Any:
         lie = "none"  # DLPack 1.0's flags and keywords
     if lie == "strides_null" and not a.flags.c_contiguous:
         lie = "none"  # packed strides it would read: a lie nothing can tell
+    if style != "versioned" and not a.flags.writeable:
+        a = np.array(a)  # a legacy capsule cannot say read-only: NumPy exports none
     device = (2, 0) if lie == "device_cuda" else (1, 0)
     producer = {"versioned": Versioned, "legacy": Legacy, "bare": Bare}[style](
         a, style, lie, device
