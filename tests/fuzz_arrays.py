@@ -118,8 +118,8 @@ def f64(a) -> np.ndarray | None:
     dtype (packed: torch 2.13's CPU backward misreads mixed layouts, see ``fuzz_capi.py``)."""
     if isinstance(a, torch.Tensor) and a.dtype.is_floating_point:
         return np.array(a.detach().resolve_neg().numpy(), np.float64, order="C")
-    if isinstance(a, np.ndarray) and a.dtype.kind == "f":
-        return np.array(a, np.float64, order="C")
+    if isinstance(a, np.ndarray) and (a.dtype.kind == "f" or a.dtype.name == "bfloat16"):
+        return np.array(a, np.float64, order="C")  # ml_dtypes' bfloat16 is of kind "V"
     return None
 
 
