@@ -62,7 +62,7 @@ from .api import (
     batch_norm_forward_inference,
     batch_norm_forward_training,
 )
-from .arrays import TORCH, Operand, buffer_address, check_written, operand
+from .arrays import TORCH, Operand, check_written, common_place, operand
 from .enums import Status
 from .errors import InfiniError, raises_only_infini_errors
 from .ops.validation import check_fraction
@@ -115,12 +115,13 @@ class _Problem(NamedTuple):
 def _arrays(optional: tuple[str, ...] = (), **arrays: Any) -> dict[str, Operand]:
     """Operands of the NumPy or CuPy ``arrays``, on one device; only ``optional`` ones may
     be None (and are skipped)."""
-    found = {}
     for name, array in arrays.items():
-        if array is None and name in optional:
-            continue
-        if array is None:
+        if array is None and name not in optional:
             raise InfiniError(Status.NULL_POINTER, f"{name} is None")
+    present = {n: a for n, a in arrays.items() if a is not None}
+    common_place(present)  # device types first: host arrays among device ones ask CUDA nothing
+    found = {}
+    for name, array in present.items():
         found[name] = operand(name, array)
         if found[name].kind is TORCH or not hasattr(array, "astype"):
             raise InfiniError(
@@ -233,8 +234,9 @@ _backward_api = raises_only_infini_errors(
 
 
 def _write(target: Any, flat: Any, problem: _Problem) -> None:
-    """Store ``flat`` (cuDNN's order) into ``target`` unless it already is its memory."""
-    if buffer_address("target", target) != buffer_address("flat", flat):
+    """Store ``flat`` (cuDNN's order) into ``target`` (of any strides) unless it already is
+    its memory."""
+    if operand("target", target).byte_range != operand("flat", flat).byte_range:
         target[...] = problem.undo_param(flat, tuple(target.shape))
 
 

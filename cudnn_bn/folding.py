@@ -97,6 +97,6 @@ def fold_conv_bn(
     bias = per_channel("conv_bias", conv_bias, 0.0)
     shape = [1] * conv_weight.ndim
     shape[axis] = channels
-    weight = conv_weight.astype(compute) * scale.reshape(shape)
+    weight = xp.asarray(conv_weight, dtype=compute) * scale.reshape(shape)  # no np.matrix
     out_dtype = conv_weight.dtype
     return weight.astype(out_dtype), (shift + (bias - mean) * scale).astype(out_dtype)

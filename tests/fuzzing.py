@@ -28,7 +28,9 @@ TARGETS = ("fuzz_capi", "fuzz_arrays", "fuzz_distributed")  # FUZZ_SECONDS is sh
 EXAMPLES_PER_RUN = 100
 COUNTS: Counter = Counter()  # what the examples did: calls, statuses, refusals...
 # What must never happen; the parent test asserts each count is 0.
-VIOLATIONS = ("crashes", "escapes", "undocumented_statuses", "half_writes", "leaks", "wrong")
+VIOLATIONS = (
+    "crashes", "escapes", "undocumented_statuses", "half_writes", "leaks", "wrong", "cuda_calls",
+)  # fmt: skip
 
 SETTINGS = settings(
     max_examples=EXAMPLES_PER_RUN,

@@ -118,6 +118,16 @@ def test_malformed_array_interfaces_are_refused_naming_the_argument(case):
     assert "grad_output" in str(caught.value) and words in str(caught.value)
 
 
+def test_a_typestr_that_is_not_a_string_is_refused():
+    """``np.dtype(None)`` is float64: a typestr of None was read as "<f8" whatever the
+    data held (found by the array fuzzer). The protocol's typestr is a string."""
+    x, dy, w, _ = problem()
+    lying = Interface(shape=dy.shape, typestr=None, data=(dy.ctypes.data, False))
+    with pytest.raises(InfiniError, match=r"grad_output.*typestr None") as caught:
+        cudnn_bn.batch_norm_backward(x, lying, w, None, None)
+    assert caught.value.status == Status.BAD_TENSOR_DTYPE
+
+
 def test_torch_sparse_and_nested_tensors_are_refused_naming_them():
     x, dy, w, _ = problem()
     sparse = torch.tensor(dy).to_sparse()
@@ -239,6 +249,20 @@ def test_torch_subclasses_get_torch_outputs():
     np.testing.assert_allclose(got[0].numpy(), torch_backward(x, dy, w)[0], rtol=1e-10, atol=1e-12)
 
 
+def test_fold_conv_bn_takes_a_numpy_matrix_as_the_array_it_holds():
+    """``np.matrix``'s ``*`` is a matrix product: folding a 2-D matrix weight once raised
+    INTERNAL_ERROR (found by the array fuzzer)."""
+    rng = np.random.default_rng(5)
+    weight, mean, var = rng.standard_normal((4, C)), rng.standard_normal(C), np.ones(C)
+    bn_weight, bn_bias = rng.uniform(0.5, 1.5, C), rng.standard_normal(C)
+    want = cudnn_bn.fold_conv_bn(weight, None, bn_weight, bn_bias, mean, var, 1e-5, transpose=True)
+    got = cudnn_bn.fold_conv_bn(
+        np.asmatrix(weight), None, bn_weight, bn_bias, mean, var, 1e-5, transpose=True
+    )
+    for ours, ref in zip(got, want, strict=True):
+        np.testing.assert_allclose(np.asarray(ours), ref, rtol=1e-12)
+
+
 # --- DLPack 1.0: flags and lifetime (issue 19, finding 6) -----------------------------------
 
 
@@ -305,6 +329,19 @@ def test_dlpack_1_0_capsules_are_read_and_flags_honoured():
         assert running.kwargs[-1]["copy"] is False  # written: the producer is asked not to copy
 
 
+def test_a_capsule_on_another_device_than_its_producer_says_is_refused():
+    """``__dlpack_device__`` said CPU, the capsule CUDA: the call on the CPU once read the
+    capsule's pointer (device memory, on a GPU machine) with its host kernels (found by the
+    array fuzzer)."""
+    x, dy, w, _ = problem()
+    lying = Versioned(dy)
+    lying._managed.dl_tensor.device.device_type = 2  # kDLCUDA
+    with pytest.raises(InfiniError, match="grad_output") as caught:
+        cudnn_bn.batch_norm_backward(x, lying, w, None, None)
+    assert caught.value.status == Status.BAD_PARAM
+    assert "__dlpack_device__" in str(caught.value)
+
+
 def test_a_producer_that_must_copy_a_written_operand_is_refused():
     x, _, w, b = problem()
 
@@ -356,6 +393,70 @@ def test_a_reserve_on_another_kind_or_device_is_refused_naming_it():
             x, dy, w, None, None, mode="saved", saved_mean=mean, saved_invstd=invstd,
             reserve=_CudaBuffer(),
         )  # fmt: skip
+
+
+def test_a_cuda_interface_input_among_host_arrays_is_refused_before_cuda(monkeypatch):
+    """The input's place alone was once found first: a CUDA array interface's pointer sent
+    CUDA a query (DEVICE_NOT_INITIALIZED here) before the host arrays beside it were seen
+    (found by the array fuzzer)."""
+    from cudnn_bn.backends import cuda
+
+    asked = []
+    monkeypatch.setattr(cuda, "_cupy", lambda: asked.append(1) or pytest.fail("CUDA asked"))
+    x, dy, w, _ = problem()
+
+    class Device:
+        @property
+        def __cuda_array_interface__(self):
+            return {"version": 3, "shape": x.shape, "typestr": "<f8", "data": (x.ctypes.data, 0)}
+
+    with pytest.raises(InfiniError, match="share one device") as caught:
+        cudnn_bn.batch_norm_backward(Device(), dy, w, None, None)
+    assert caught.value.status == Status.BAD_PARAM and not asked
+
+
+def test_cupyx_compat_refuses_a_cuda_interface_among_host_arrays_before_cuda(monkeypatch):
+    """``cupyx_compat`` described its arrays one by one, so a CUDA array interface asked
+    CUDA where its pointer lives before the host arrays beside it were seen (found by the
+    array fuzzer)."""
+    from cudnn_bn import cupyx_compat
+    from cudnn_bn.backends import cuda
+
+    asked = []
+    monkeypatch.setattr(cuda, "_cupy", lambda: asked.append(1) or pytest.fail("CUDA asked"))
+    x, _, w, b = problem()
+
+    class Device:
+        @property
+        def __cuda_array_interface__(self):
+            return {"version": 3, "shape": (C,), "typestr": "<f8", "data": (w.ctypes.data, 0)}
+
+    with pytest.raises(InfiniError, match="share one device") as caught:
+        cupyx_compat.batch_normalization_forward_inference(
+            x, w, b, Device(), np.ones(C), 1e-5, True, cupyx_compat.CUDNN_BATCHNORM_SPATIAL
+        )
+    assert caught.value.status == Status.BAD_PARAM and not asked
+
+
+def test_cupyx_compat_writes_a_strided_running_var_after_a_packed_running_mean():
+    """The running statistics were written back one by one, each first described as "one
+    packed buffer": a strided running_var was refused (BAD_TENSOR_STRIDES) after
+    running_mean had been updated (found by the array fuzzer)."""
+    from cudnn_bn import cupyx_compat
+
+    x, _, w, b = problem()
+    running_mean, wide = np.zeros(C), np.ones(2 * C)
+    running_var = wide[::2]
+    cupyx_compat.batch_normalization_forward_training(
+        x, w, b, running_mean, running_var, None, None, 1e-5, 0.9, True,
+        cupyx_compat.CUDNN_BATCHNORM_SPATIAL, False,
+    )  # fmt: skip
+    xt = torch.tensor(x)
+    want_mean, want_var = torch.zeros(C, dtype=torch.float64), torch.ones(C, dtype=torch.float64)
+    torch.nn.functional.batch_norm(xt, want_mean, want_var, training=True, momentum=0.1)
+    np.testing.assert_allclose(running_mean, want_mean.numpy(), rtol=1e-10, atol=1e-12)
+    np.testing.assert_allclose(running_var, want_var.numpy(), rtol=1e-10, atol=1e-12)
+    assert (wide[1::2] == 1).all()
 
 
 class _CudaBuffer:

@@ -92,6 +92,20 @@ def test_options_equal_in_python_key_different_plans(good, bad):
         cudnn_bn.batch_norm_forward_training(x, w, b, None, None, momentum=bad)
 
 
+def test_an_output_mask_given_as_a_list_is_taken_as_its_tuple_is():
+    """``check_output_mask`` takes a list; the plan's key once could not hash one (found by
+    the fuzzer) and refused it as an "unhashable option"."""
+    x, dy, w, b = problem()
+    _, gx_ref, _, gb_ref = torch_training(x, dy, w, b)
+    for _ in range(2):  # a miss, then a hit
+        gx, gw, gb = cudnn_bn.batch_norm_backward(
+            x, dy, w, None, None, output_mask=[True, False, True]
+        )
+        close(gx, gx_ref)
+        close(gb, gb_ref)
+        assert gw is None
+
+
 # --- out= --------------------------------------------------------------------------------------
 
 
@@ -215,6 +229,25 @@ def test_batched_is_one_call_equal_to_each_problem_alone():
     assert computes == [(4, 5 * C, 6)]  # one call: the batch folded into the channels
     for i in range(5):
         _, gx, gw, gb = torch_training(xb[i], dyb[i], wb[i], np.zeros(C))
+        close(got[0][i], gx)
+        close(got[1][i], gw)
+        close(got[2][i], gb)
+
+
+@pytest.mark.parametrize("data_kind", ["torch", "numpy"])
+def test_batched_takes_operands_of_numpy_and_torch_mixed_as_the_array_api_does(data_kind):
+    """torch data with a NumPy weight (or the reverse), which ``batch_norm_backward`` takes:
+    the batched pass once copied a NumPy weight into a torch tensor with ``[...] =`` and
+    raised INTERNAL_ERROR (found by the array fuzzer)."""
+    xb, dyb, _, _ = problem((2, 4, C, 3))
+    w = np.random.default_rng(1).uniform(0.5, 1.5, C)
+    data = (torch.tensor(xb), torch.tensor(dyb)) if data_kind == "torch" else (xb, dyb)
+    reversed_w, graph_w = w[::-1].copy()[::-1], torch.tensor(w, requires_grad=True)
+    weight = reversed_w if data_kind == "torch" else graph_w
+    got = cudnn_bn.batch_norm_backward_batched(*data, weight, None, None)
+    assert all(isinstance(g, type(data[0])) for g in got)
+    for i in range(2):
+        _, gx, gw, gb = torch_training(xb[i], dyb[i], w, np.zeros(C))
         close(got[0][i], gx)
         close(got[1][i], gw)
         close(got[2][i], gb)

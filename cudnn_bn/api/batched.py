@@ -9,6 +9,7 @@ problem at once; the results are views of that call's outputs shaped ``(B, N, C,
 any other batch.
 """
 
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -16,7 +17,7 @@ import numpy as np
 from ..arrays import NUMPY, TORCH, Operand, common_place, operand
 from ..arrays.cuda_interface import is_cupy
 from ..backends.host import host_array
-from ..enums import Status
+from ..enums import DataType, Device, Status
 from ..errors import InfiniError
 from ..ops.batch_norm_backward import parse_fusion
 from ..ops.validation import check_eps, check_output_mask
@@ -30,50 +31,56 @@ _DATA = ("input", "grad_output", "output")
 _PER_CHANNEL = ("weight", "running_mean", "running_var", "saved_mean", "saved_invstd", "bias")
 
 
-def _native(op: Operand, array: Any) -> Any:
-    """An array of ``op``'s own library over ``op``'s memory (no copy)."""
-    if isinstance(array, np.ndarray) or op.kind is TORCH or is_cupy(op.owner):
-        return op.owner if op.owner is not None else array
-    if op.kind is NUMPY:
+def _native(op: Operand, array: Any, kind: Any) -> Any:
+    """An array over ``op``'s memory in the input's library ``kind`` where the operand is on
+    the host (the copies below assign one into the other with ``[...] =``, which neither
+    NumPy, from a torch tensor that requires grad, nor torch, from a NumPy array, can do),
+    else in its own. torch views no negative strides: those are copied."""
+    if op.device == Device.CPU and kind is NUMPY:
         return host_array(op.ptr, op.desc, readonly=bool(op.readonly))
+    if op.kind is NUMPY:  # on the host, under torch data
+        import torch
+
+        view = host_array(op.ptr, op.desc)  # only read
+        if any(s < 0 for s in view.strides):
+            view = view.copy()
+        if op.desc.dtype == DataType.BF16:
+            return torch.from_numpy(view.view(np.uint16)).view(torch.bfloat16)
+        return torch.from_numpy(view)
+    if op.kind is TORCH or is_cupy(op.owner):
+        return op.owner
     import cupy
 
     return cupy.asarray(array)
 
 
-def _made(op: Operand, array: Any, desc: TensorDesc) -> Any:
-    """A new array for ``desc`` from ``op``'s own library (the operands may be of several
-    kinds on the CPU: NumPy beside torch)."""
-    return op.kind.allocator(array, desc)()[0]
-
-
-def _fold(op: Operand, array: Any) -> Any:
+def _fold(op: Operand, array: Any, kind: Any, made: Callable[[TensorDesc], Any]) -> Any:
     """``(B, N, C, ...)`` data as ``(N, B*C, ...)``: a view where B's stride is C channel
     strides, else a copy into a new packed ``(N, B, C, ...)`` array. NumPy, CuPy and torch
     share the methods used (``swapaxes``, ``reshape``, ``[...] =``)."""
     x = op.desc
     batch, n, channels, rest = x.shape[0], x.shape[1], x.shape[2], x.shape[3:]
-    swapped = _native(op, array).swapaxes(0, 1)
+    swapped = _native(op, array, kind).swapaxes(0, 1)
     if x.strides[0] != channels * x.strides[2]:
-        copy = _made(op, array, TensorDesc.contiguous(x.dtype, (n, batch, channels, *rest)))
+        copy = made(TensorDesc.contiguous(x.dtype, (n, batch, channels, *rest)))
         copy[...] = swapped
         swapped = copy
     return swapped.reshape(n, batch * channels, *rest)
 
 
-def _tile(op: Operand, array: Any, batch: int) -> Any:
+def _tile(op: Operand, array: Any, kind: Any, batch: int, made: Callable[[TensorDesc], Any]) -> Any:
     """A per-channel operand for every problem, ``(B*C,)``: rows of a ``(B, C)`` one, or a
     shared ``(C,)`` one repeated."""
-    native = _native(op, array)
+    native = _native(op, array, kind)
     if op.desc.ndim == 2:
-        return native.reshape(-1) if op.desc.is_contiguous() else _copy(native, op, array)
-    tiled = _made(op, array, TensorDesc.contiguous(op.desc.dtype, (batch, *op.desc.shape)))
+        return native.reshape(-1) if op.desc.is_contiguous() else _copy(native, op, made)
+    tiled = made(TensorDesc.contiguous(op.desc.dtype, (batch, *op.desc.shape)))
     tiled[...] = native
     return tiled.reshape(-1)
 
 
-def _copy(native: Any, op: Operand, array: Any) -> Any:
-    copy = _made(op, array, TensorDesc.contiguous(op.desc.dtype, op.desc.shape))
+def _copy(native: Any, op: Operand, made: Callable[[TensorDesc], Any]) -> Any:
+    copy = made(TensorDesc.contiguous(op.desc.dtype, op.desc.shape))
     copy[...] = native
     return copy.reshape(-1)
 
@@ -153,9 +160,16 @@ def batch_norm_backward_batched(
     consumer = None if device.name == "CPU" else call_on
     ops = {n: operand(n, a, consumer) for n, a in present.items()}
     batch, channels = _check_shapes(ops)
-    with ops["input"].kind.scope(input, call_on, device_id):
-        folded = {n: _fold(ops[n], present[n]) for n in _DATA if n in ops}
-        folded |= {n: _tile(ops[n], present[n], batch) for n in _PER_CHANNEL if n in ops}
+    kind = ops["input"].kind
+
+    def made(desc: TensorDesc) -> Any:
+        return kind.allocator(input, desc)()[0]
+
+    with kind.scope(input, call_on, device_id):
+        folded = {n: _fold(ops[n], present[n], kind, made) for n in _DATA if n in ops}
+        folded |= {
+            n: _tile(ops[n], present[n], kind, batch, made) for n in _PER_CHANNEL if n in ops
+        }
         grads = batch_norm_backward(
             folded["input"],
             folded["grad_output"],

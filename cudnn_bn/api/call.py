@@ -136,13 +136,16 @@ def _constant(kind: Any, like: Any, device_id: int, value: float, desc: TensorDe
 
 
 _PLAIN = frozenset((float, str, type(None)))
+_SEQUENCES = frozenset((tuple, list))
 
 
-def typed(values: tuple) -> tuple:
+def typed(values: tuple | list) -> tuple:
     """Options as part of a key: values of any type but float, str and None tagged with it,
-    so that ``True``, ``1`` and ``1.0`` (equal in Python) key different plans."""
+    so that ``True``, ``1`` and ``1.0`` (equal in Python) key different plans; tuples and
+    lists (an ``output_mask``) as tuples of their typed items."""
     return tuple(
-        v if type(v) in _PLAIN else (type(v), typed(v) if type(v) is tuple else v) for v in values
+        v if type(v) in _PLAIN else (type(v), typed(v) if type(v) in _SEQUENCES else v)
+        for v in values
     )
 
 
@@ -185,10 +188,16 @@ def run(spec: Pass, arrays: dict[str, Any], raw: tuple, stream: Any) -> Any:
     like = arrays["input"]
     if like is None:
         raise InfiniError(Status.NULL_POINTER, "input is None")
+    spell = spec.spelling.get
+    placed = False  # every array's place found (device types first: no CUDA for host arrays)
     if type(like) is np.ndarray:
         device, device_id, call_on = Device.CPU, 0, 0
     else:
-        device, device_id = common_place({"input": like})
+        # A producer's place may take CUDA to find (a CUDA array interface's pointer): all
+        # arrays' places are compared first, so that host arrays among them ask CUDA nothing.
+        placed = not _plain_torch(like)
+        present = {spell(n, n): a for n, a in arrays.items() if a is not None}
+        device, device_id = common_place(present if placed else {"input": like})
         call_on = call_stream(stream, like, device, device_id)
     signatures, ptrs, others = [spec.name, typed(raw)], {}, []
     for name, array in arrays.items():
@@ -212,8 +221,8 @@ def run(spec: Pass, arrays: dict[str, Any], raw: tuple, stream: Any) -> Any:
             signatures.append(None)
     described = {}
     if others:  # one device for all before any producer is asked to export
-        spell = spec.spelling.get
-        common_place({spell(n, n): a for n, a in arrays.items() if a is not None})
+        if not placed:
+            common_place({spell(n, n): a for n, a in arrays.items() if a is not None})
         consumer = None if device == Device.CPU else call_on
         for at, name in others:
             found = operand(spell(name, name), arrays[name], consumer, written=name in spec.written)

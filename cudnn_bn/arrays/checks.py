@@ -34,6 +34,19 @@ def numpy_data_type(name: str, dtype: np.dtype) -> DataType:
     return found
 
 
+def typestr_dtype(name: str, protocol: str, typestr: Any) -> np.dtype:
+    """The dtype of an array interface's ``typestr``, a string such as ``"<f4"`` (NumPy
+    would read None as float64); BAD_TENSOR_DTYPE naming ``name`` otherwise."""
+    try:
+        if not isinstance(typestr, str):
+            raise TypeError("not a string")
+        return np.dtype(typestr)
+    except (TypeError, ValueError) as exc:
+        raise InfiniError(
+            Status.BAD_TENSOR_DTYPE, f"{name}.{protocol} has typestr {typestr!r}: {exc}"
+        ) from None
+
+
 def _is_bfloat16(dtype: np.dtype) -> bool:
     """ml_dtypes' bfloat16 (typestr ``<V2``: only its scalar type names it)."""
     return dtype.itemsize == 2 and getattr(dtype.type, "__name__", "") == "bfloat16"

@@ -13,7 +13,7 @@ import numpy as np
 
 from ..enums import Device, Status
 from ..errors import InfiniError
-from .checks import described, element_strides, integers, numpy_data_type
+from .checks import described, element_strides, integers, numpy_data_type, typestr_dtype
 from .operand import Operand
 
 
@@ -102,13 +102,7 @@ def from_cuda_interface(name: str, array: Any, stream: int | None, kind: Any) ->
     producer's."""
     iface = _interface(name, array)
     shape = integers(name, "shape", iface["shape"])
-    try:
-        dtype = np.dtype(iface["typestr"])
-    except (TypeError, ValueError) as exc:
-        raise InfiniError(
-            Status.BAD_TENSOR_DTYPE,
-            f"{name}.__cuda_array_interface__ has typestr {iface['typestr']!r}: {exc}",
-        ) from None
+    dtype = typestr_dtype(name, "__cuda_array_interface__", iface["typestr"])
     # CuPy 14's bfloat16 has typestr "<V2": the array's own dtype names it.
     own = getattr(array, "dtype", None)
     if isinstance(own, np.dtype) and own.itemsize == dtype.itemsize and dtype.kind == "V":

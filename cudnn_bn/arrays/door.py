@@ -55,7 +55,16 @@ def operand(name: str, array: Any, stream: int | None = None, *, written: bool =
     if hasattr(array, "__cuda_array_interface__"):
         return from_cuda_interface(name, array, stream, CUPY)
     if hasattr(array, "__dlpack__"):  # JAX, NumPy 2 and other producers
-        return from_dlpack(name, array, stream, written, _DLPACK_KINDS)
+        found = from_dlpack(name, array, stream, written, _DLPACK_KINDS)
+        if hasattr(array, "__dlpack_device__"):  # the place the call was planned for
+            said = place(name, array)
+            if said != (found.device, found.device_id):
+                raise InfiniError(
+                    Status.BAD_PARAM,
+                    f"{name}'s DLPack capsule is on {found.device.name}:{found.device_id} but "
+                    f"its __dlpack_device__() says {said[0].name}:{said[1]}",
+                )
+        return found
     raise _not_an_array(name, array)
 
 

@@ -15,7 +15,7 @@ import numpy as np
 from ..enums import Device, Status
 from ..errors import InfiniError
 from ..tensor import contiguous_strides
-from .checks import described, element_strides, integers, numpy_data_type
+from .checks import described, element_strides, integers, numpy_data_type, typestr_dtype
 from .operand import Operand, byte_extent
 
 # PyArrayObject's data pointer is the first field after the object header
@@ -93,13 +93,7 @@ def from_array_interface(name: str, obj: Any, kind: Any) -> Operand:
     """Any object with ``__array_interface__`` (not an ndarray)."""
     iface = _interface(name, obj)
     shape = integers(name, "shape", iface["shape"])
-    try:
-        dtype = np.dtype(iface["typestr"])
-    except (TypeError, ValueError) as exc:
-        raise InfiniError(
-            Status.BAD_TENSOR_DTYPE,
-            f"{name}.__array_interface__ has typestr {iface['typestr']!r}: {exc}",
-        ) from None
+    dtype = typestr_dtype(name, "__array_interface__", iface["typestr"])
     # ml_dtypes' bfloat16 has typestr "<V2": the object's own dtype names it.
     own = getattr(obj, "dtype", None)
     if isinstance(own, np.dtype) and own.itemsize == dtype.itemsize and dtype.kind == "V":
