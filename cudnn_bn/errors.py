@@ -129,8 +129,10 @@ def raised_by_caller(exc: BaseException) -> bool:
         return False
     while tb.tb_next is not None:
         tb = tb.tb_next
-    filename = os.path.abspath(tb.tb_frame.f_code.co_filename)
-    return not filename.startswith((_PACKAGE, *_LIBRARIES)) and not filename.startswith("<")
+    filename = tb.tb_frame.f_code.co_filename
+    if not os.path.isabs(filename):  # "<string>", or a compiled module's source (.pyx)
+        return False
+    return not os.path.abspath(filename).startswith((_PACKAGE, *_LIBRARIES))
 
 
 def raises_only_infini_errors(

@@ -467,3 +467,19 @@ class _CudaBuffer:
 
     def __dlpack__(self, **kwargs):
         raise AssertionError("a buffer on another device must not be exported")
+
+
+def test_a_cuda_error_is_an_infini_error_where_every_array_claims_cuda():
+    """Every operand on a CUDA device of a machine without one: CuPy's runtime error, raised
+    from a compiled (Cython) frame, is this package's to translate, not the caller's."""
+
+    class OnDevice:
+        def __dlpack_device__(self):
+            return 2, 0
+
+        def __dlpack__(self, **kwargs):
+            raise AssertionError("nothing is exported before the stream is known")
+
+    with pytest.raises(InfiniError) as caught:
+        cudnn_bn.batch_norm_forward_inference(OnDevice(), None, None, None, None)
+    assert caught.value.status in (Status.DEVICE_NOT_INITIALIZED, Status.DEVICE_NOT_FOUND)

@@ -64,7 +64,8 @@ class on_device:
 def current_stream(device_id: int) -> int:
     """CuPy's current stream on ``device_id`` (each device has its own), as a
     ``cudaStream_t`` address."""
-    return _cupy().cuda.get_current_stream(device_id).ptr
+    cuda = _cupy().cuda
+    return _runtime_call("cudaGetDevice", lambda: cuda.get_current_stream(device_id).ptr)
 
 
 def pointer_device(ptr: int) -> int:
