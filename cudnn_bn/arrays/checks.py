@@ -34,6 +34,28 @@ def numpy_data_type(name: str, dtype: np.dtype) -> DataType:
     return found
 
 
+def interface_layout(
+    name: str, protocol: str, iface: dict, producer: Any
+) -> tuple[DataType, tuple[int, ...], tuple[int, ...]]:
+    """``(dtype, shape, element strides)`` of an array interface (NumPy's or the
+    CUDA one, which share these keys). A ``"<V2"`` typestr is named by the producer's own
+    dtype where it has one (ml_dtypes' bfloat16 in NumPy and CuPy 14)."""
+    shape = integers(name, "shape", iface["shape"])
+    dtype = typestr_dtype(name, protocol, iface["typestr"])
+    own = getattr(producer, "dtype", None)
+    if isinstance(own, np.dtype) and own.itemsize == dtype.itemsize and dtype.kind == "V":
+        dtype = own
+    data_type = numpy_data_type(name, dtype)  # before the strides are read in its items
+    raw_strides = iface.get("strides")
+    strides = element_strides(
+        name,
+        shape,
+        None if raw_strides is None else integers(name, "strides", raw_strides),
+        dtype.itemsize,
+    )
+    return data_type, shape, strides
+
+
 def typestr_dtype(name: str, protocol: str, typestr: Any) -> np.dtype:
     """The dtype of an array interface's ``typestr``, a string such as ``"<f4"`` (NumPy
     would read None as float64); BAD_TENSOR_DTYPE naming ``name`` otherwise."""

@@ -13,7 +13,7 @@ import numpy as np
 
 from ..enums import Device, Status
 from ..errors import InfiniError
-from .checks import described, element_strides, integers, numpy_data_type, typestr_dtype
+from .checks import described, element_strides, interface_layout, numpy_data_type
 from .operand import Operand
 
 
@@ -101,20 +101,7 @@ def from_cuda_interface(name: str, array: Any, stream: int | None, kind: Any) ->
     """Any ``__cuda_array_interface__`` object; ``stream`` (the call's) waits for the
     producer's."""
     iface = _interface(name, array)
-    shape = integers(name, "shape", iface["shape"])
-    dtype = typestr_dtype(name, "__cuda_array_interface__", iface["typestr"])
-    # CuPy 14's bfloat16 has typestr "<V2": the array's own dtype names it.
-    own = getattr(array, "dtype", None)
-    if isinstance(own, np.dtype) and own.itemsize == dtype.itemsize and dtype.kind == "V":
-        dtype = own
-    data_type = numpy_data_type(name, dtype)
-    raw_strides = iface.get("strides")
-    strides = element_strides(
-        name,
-        shape,
-        None if raw_strides is None else integers(name, "strides", raw_strides),
-        dtype.itemsize,
-    )
+    data_type, shape, strides = interface_layout(name, "__cuda_array_interface__", iface, array)
     ptr, readonly = _data(name, iface)
     producer = _stream(name, iface)
     desc = described(name, data_type, shape, strides, ptr)

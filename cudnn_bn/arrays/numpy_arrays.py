@@ -15,7 +15,7 @@ import numpy as np
 from ..enums import Device, Status
 from ..errors import InfiniError
 from ..tensor import contiguous_strides
-from .checks import described, element_strides, integers, numpy_data_type, typestr_dtype
+from .checks import described, element_strides, interface_layout, numpy_data_type
 from .operand import Operand, byte_extent
 
 # PyArrayObject's data pointer is the first field after the object header
@@ -92,20 +92,7 @@ def _buffer_view(name: str, owner: Any, iface: dict) -> np.ndarray:
 def from_array_interface(name: str, obj: Any, kind: Any) -> Operand:
     """Any object with ``__array_interface__`` (not an ndarray)."""
     iface = _interface(name, obj)
-    shape = integers(name, "shape", iface["shape"])
-    dtype = typestr_dtype(name, "__array_interface__", iface["typestr"])
-    # ml_dtypes' bfloat16 has typestr "<V2": the object's own dtype names it.
-    own = getattr(obj, "dtype", None)
-    if isinstance(own, np.dtype) and own.itemsize == dtype.itemsize and dtype.kind == "V":
-        dtype = own
-    data_type = numpy_data_type(name, dtype)  # before NumPy reads the strides in its items
-    raw_strides = iface.get("strides")
-    strides = element_strides(
-        name,
-        shape,
-        None if raw_strides is None else integers(name, "strides", raw_strides),
-        dtype.itemsize,
-    )
+    data_type, shape, strides = interface_layout(name, "__array_interface__", iface, obj)
     data = iface.get("data")
     buffer = None
     if data is None or not isinstance(data, tuple):
