@@ -320,9 +320,9 @@ class DLManagedTensorVersioned(ctypes.Structure):
     ]  # fmt: skip
 
 
-_new_capsule = ctypes.pythonapi.PyCapsule_New
-_new_capsule.restype = ctypes.py_object
-_new_capsule.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p]
+new_capsule = ctypes.pythonapi.PyCapsule_New
+new_capsule.restype = ctypes.py_object
+new_capsule.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p]
 READ_ONLY, IS_COPIED = 1, 2
 DLPACK_LIES = (
     "none", "none", "none", "strides_null", "byte_offset", "no_device_method", "read_only",
@@ -397,7 +397,7 @@ class DLPackProducer:
         self.exports.append((a, shape, strides, managed))
         if lie == "not_capsule":
             return "capsule"
-        return _new_capsule(
+        return new_capsule(
             ctypes.addressof(managed), b"used_" + name if lie == "used_capsule" else name, None
         )
 

@@ -11,6 +11,15 @@ import ml_dtypes
 import numpy as np
 import pytest
 import torch
+from producers import (  # dlpack.h v1.0, written out from the header
+    IS_COPIED,
+    READ_ONLY,
+    DLDataType,
+    DLDevice,
+    DLManagedTensorVersioned,
+    DLTensor,
+    new_capsule,
+)
 
 import cudnn_bn
 from cudnn_bn import InfiniError, Status
@@ -266,35 +275,6 @@ def test_fold_conv_bn_takes_a_numpy_matrix_as_the_array_it_holds():
 # --- DLPack 1.0: flags and lifetime (issue 19, finding 6) -----------------------------------
 
 
-class DLDevice(ctypes.Structure):  # dlpack.h v1.0, written out here from the header
-    _fields_ = [("device_type", ctypes.c_int32), ("device_id", ctypes.c_int32)]
-
-
-class DLDataType(ctypes.Structure):
-    _fields_ = [("code", ctypes.c_uint8), ("bits", ctypes.c_uint8), ("lanes", ctypes.c_uint16)]
-
-
-class DLTensor(ctypes.Structure):
-    _fields_ = [
-        ("data", ctypes.c_void_p), ("device", DLDevice), ("ndim", ctypes.c_int32),
-        ("dtype", DLDataType), ("shape", ctypes.POINTER(ctypes.c_int64)),
-        ("strides", ctypes.POINTER(ctypes.c_int64)), ("byte_offset", ctypes.c_uint64),
-    ]  # fmt: skip
-
-
-class DLManagedTensorVersioned(ctypes.Structure):
-    _fields_ = [
-        ("major", ctypes.c_uint32), ("minor", ctypes.c_uint32), ("manager_ctx", ctypes.c_void_p),
-        ("deleter", ctypes.c_void_p), ("flags", ctypes.c_uint64), ("dl_tensor", DLTensor),
-    ]  # fmt: skip
-
-
-_new_capsule = ctypes.pythonapi.PyCapsule_New
-_new_capsule.restype = ctypes.py_object
-_new_capsule.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p]
-READ_ONLY, IS_COPIED = 1, 2
-
-
 class Versioned:
     """A DLPack 1.0 producer of ``array``'s memory with ``flags``; counts live exports."""
 
@@ -314,7 +294,7 @@ class Versioned:
 
     def __dlpack__(self, *, stream=None, max_version=None, copy=None):
         self.kwargs.append(dict(stream=stream, max_version=max_version, copy=copy))
-        return _new_capsule(ctypes.addressof(self._managed), b"dltensor_versioned", None)
+        return new_capsule(ctypes.addressof(self._managed), b"dltensor_versioned", None)
 
 
 def test_dlpack_1_0_capsules_are_read_and_flags_honoured():
