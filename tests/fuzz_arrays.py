@@ -409,7 +409,7 @@ def expected(entry: str, v: dict, s: dict, c: int) -> list:
         ]
     if entry == "backward":
         want = [g if m else None for g, m in zip(want, s["output_mask"], strict=True)]
-    if "weight" in absent and entry in AFFINE_OPTIONAL:
+    if "weight" in absent and entry in ("backward", "backward_saved", "batched"):
         want[1] = None  # as torch: no gradient for an absent weight
     return want
 
@@ -581,20 +581,15 @@ def _reads(marks: Marks, entry: str) -> np.ndarray | None:
 def _refused(
     p: Problem, exc: BaseException, every: dict, before: dict, touched: int, host: list
 ) -> None:
-    """A failed call: nothing written, no CUDA for host arrays, and a clean problem refused
-    only for an empty batch."""
+    """A failed call: nothing written, no CUDA for host arrays, and no clean problem refused
+    (an empty batch included: every pass takes N = 0 and B = 0)."""
     for name, a in every.items():
         if snapshot(a, p.marks.get(name)) != before[name]:
             raise violation("half_writes", f"{p.entry} failed ({exc}) but changed {name}") from exc
     if Tripwire.touched != touched and host:
         raise violation("cuda_calls", f"{p.entry} touched CUDA with host arrays {host}: {exc}")
-    if p.clean and p.out_form in (None, "good") and not p.twin:
-        empty = p.shape[0] == 0 or (p.entry == "batched" and p.scalars["batch"] == 0)
-        # N = 0 and B = 0: until the empty-batch support (issue 16, finding 14) is merged a
-        # pass may refuse them with BAD_TENSOR_SHAPE; then tighten this to torch's result only.
-        shape_refused = getattr(exc, "status", None) == Status.BAD_TENSOR_SHAPE
-        if not (empty and shape_refused) and not _needs_weight(p):
-            raise violation("wrong", f"{p.entry} refused a clean problem: {exc!r}") from exc
+    if p.clean and p.out_form in (None, "good") and not p.twin and not _needs_weight(p):
+        raise violation("wrong", f"{p.entry} refused a clean problem: {exc!r}") from exc
 
 
 def _needs_weight(p: Problem) -> bool:

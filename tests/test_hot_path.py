@@ -284,3 +284,13 @@ def test_batched_operands_of_several_kinds_are_folded_each_by_its_own_library():
         _, gx, gw, _ = torch_training(xb[i], dyb[i], w, np.zeros(C))
         close(got[0][i], gx)
         close(got[1][i], gw)
+
+
+def test_an_empty_batch_of_problems_gives_empty_results():
+    """B = 0, the problem otherwise good: empty results shaped as a batch's (found by the
+    array fuzzer: the fold made a problem of no channels, which the operators refuse)."""
+    x = np.zeros((0, 4, C, 5))
+    gx, gw, gb = cudnn_bn.batch_norm_backward_batched(x, x, np.ones(C), None, None)
+    assert gx.shape == x.shape and gw.shape == gb.shape == (0, C)
+    _, gw, _ = cudnn_bn.batch_norm_backward_batched(x, x, None, None, None)
+    assert gw is None

@@ -19,11 +19,12 @@ from ..arrays.cuda_interface import is_cupy
 from ..backends.host import host_array
 from ..enums import DataType, Device, Status
 from ..errors import InfiniError
-from ..ops.batch_norm_backward import parse_fusion
+from ..ops.batch_norm_backward import parse_fusion, validate_tensors
 from ..ops.validation import check_eps, check_output_mask
-from ..problems import Fusion
+from ..problems import BackwardTensors, Fusion
 from ..tensor import TensorDesc
 from .backward import batch_norm_backward, statistics
+from .outputs import packed_like, statistics_dtype
 from .spelling import array_api
 from .streams import call_stream
 
@@ -108,6 +109,39 @@ def _check_shapes(ops: dict[str, Operand]) -> tuple[int, int]:
     return batch, channels
 
 
+def _no_problems(
+    ops: dict[str, Operand], made: Callable[[TensorDesc], Any], mask: tuple, wants_z: bool
+) -> tuple[Any, ...]:
+    """B = 0: the operator's own checks on one problem's layout (data ``(N, C, ...)``,
+    per-channel ``(C,)``), then empty results shaped as a batch's."""
+    one = {
+        n: TensorDesc(op.desc.dtype, op.desc.shape[1:], op.desc.strides[1:])
+        if n in _DATA or op.desc.ndim == 2
+        else op.desc
+        for n, op in ops.items()
+    }
+    x = one["input"]
+    w = one.get("weight") or TensorDesc.contiguous(statistics_dtype(x), x.shape[1:2])
+    per_channel = TensorDesc.contiguous(w.dtype, w.shape)
+    saved = "saved_mean" in one
+    validate_tensors(
+        BackwardTensors(
+            packed_like(x), per_channel, per_channel, x, one["grad_output"], w,
+            one.get("saved_mean" if saved else "running_mean"),
+            one.get("saved_invstd" if saved else "running_var"),
+            one.get("output"), one.get("bias"), packed_like(x) if wants_z else None,
+        )
+    )  # fmt: skip
+    batch_shape = ops["input"].desc.shape
+    data = made(TensorDesc.contiguous(x.dtype, batch_shape))
+    grads = [made(TensorDesc.contiguous(w.dtype, (0, *w.shape))) for _ in range(2)]
+    wanted = (mask[0], mask[1] and "weight" in ops, mask[2])
+    results = [g if m else None for g, m in zip((data, *grads), wanted, strict=True)]
+    return (
+        (*results, made(TensorDesc.contiguous(x.dtype, batch_shape))) if wants_z else tuple(results)
+    )
+
+
 @array_api
 def batch_norm_backward_batched(
     input: Any,
@@ -165,6 +199,9 @@ def batch_norm_backward_batched(
     def made(desc: TensorDesc) -> Any:
         return kind.allocator(input, desc)()[0]
 
+    if batch == 0:  # nothing to compute: checked as one problem, empty results
+        with kind.scope(input, call_on, device_id):
+            return _no_problems(ops, made, check_output_mask(output_mask), wants_z)
     with kind.scope(input, call_on, device_id):
         folded = {n: _fold(ops[n], present[n], kind, made) for n in _DATA if n in ops}
         folded |= {
