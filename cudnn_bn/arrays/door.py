@@ -113,23 +113,3 @@ def common_place(arrays: dict[str, Any]) -> tuple[Device, int]:
         raise InfiniError(Status.BAD_PARAM, f"arrays must share one device; got {where}")
     device, device_id = next(iter(places.values()))
     return device, device_id or 0
-
-
-def byte_buffer(name: str, buffer: Any, stream: int | None = None) -> Operand | None:
-    """A byte buffer such as a reserve space (None for None): any element type, packed."""
-    if buffer is None:
-        return None
-    found = operand(name, buffer, stream)
-    if not found.desc.is_contiguous():
-        raise InfiniError(
-            Status.BAD_TENSOR_STRIDES,
-            f"{name} must be one packed buffer; got strides "
-            f"{found.desc.strides} for shape {found.desc.shape}",
-        )
-    return found
-
-
-def buffer_address(name: str, buffer: Any) -> tuple[int, int]:
-    """``(address, bytes)`` of a packed buffer (``(0, 0)`` for None)."""
-    found = byte_buffer(name, buffer)
-    return (0, 0) if found is None else (found.ptr, found.nbytes)

@@ -32,10 +32,6 @@ class Operand:
         return (self.kind, self.device, self.device_id, self.desc, self.readonly)
 
     @property
-    def nbytes(self) -> int:
-        return self.desc.numel * ITEMSIZE[self.desc.dtype]
-
-    @property
     def byte_range(self) -> tuple[int, int]:
         """``[first, end)`` bytes its elements lie in (empty for no elements)."""
         low, high = byte_extent(self.desc)
