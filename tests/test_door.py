@@ -18,6 +18,7 @@ from producers import (  # dlpack.h v1.0, written out from the header
     DLDevice,
     DLManagedTensorVersioned,
     DLTensor,
+    NumpyDLPack,
     new_capsule,
 )
 
@@ -230,22 +231,9 @@ class Subclass(torch.Tensor):
     """A user's subclass of torch.Tensor."""
 
 
-class CpuDLPack:
-    """A CPU DLPack producer (NumPy 2's own ``__dlpack__``), as another library exports it."""
-
-    def __init__(self, array):
-        self.array = array
-
-    def __dlpack__(self, **kwargs):
-        return self.array.__dlpack__(**kwargs)
-
-    def __dlpack_device__(self):
-        return self.array.__dlpack_device__()
-
-
 def test_cpu_dlpack_producers_get_numpy_outputs():
     x, dy, w, _ = problem()
-    got = cudnn_bn.batch_norm_backward(CpuDLPack(x), CpuDLPack(dy), w, None, None)
+    got = cudnn_bn.batch_norm_backward(NumpyDLPack(x), NumpyDLPack(dy), w, None, None)
     assert all(type(g) is np.ndarray for g in got)
     np.testing.assert_allclose(got[0], torch_backward(x, dy, w)[0], rtol=1e-10, atol=1e-12)
 
