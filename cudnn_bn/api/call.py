@@ -54,8 +54,8 @@ class Built:
 
 class Pass(Protocol):
     """One array-API pass: its name, the operands it writes in place, how callers spell its
-    operands, how it validates its options, builds a problem's operator, runs it on
-    pointers, and makes its return value."""
+    operands, how it validates its options, builds a problem's operator (with the argument
+    template ``Plan.launch`` fills), and makes its return value."""
 
     name: str
     written: frozenset[str]
@@ -67,8 +67,6 @@ class Pass(Protocol):
         self, handle: Handle, descs: dict[str, TensorDesc | None], options: tuple
     ) -> Built: ...
 
-    def launch(self, plan: "Plan", ptrs: dict[str, int], workspace: int, stream: int) -> None: ...
-
     def result(self, plan: "Plan", arrays: dict[str, Any], made: dict[str, Any]) -> Any: ...
 
 
@@ -77,8 +75,6 @@ class Plan:
     """A problem's plan: everything its calls share, built once (``call``'s docstring)."""
 
     descriptor: Any
-    device: Device
-    device_id: int
     kind: Any
     allocators: dict[str, Allocator]
     constants: dict[str, int]
@@ -288,8 +284,6 @@ def _build(
     names = list(ops)
     return Plan(
         built.descriptor,
-        device,
-        device_id,
         kind,
         allocators,
         constants,
