@@ -268,26 +268,39 @@ class FakeDescriptor:
         self.closed.append(self.name)
 
 
-def test_descriptor_cache_evicts_least_recently_used_and_closes_it():
+class FakePlan:
+    def __init__(self, name: str, closed: list[str]) -> None:
+        self.descriptor = FakeDescriptor(name, closed)
+
+
+def test_descriptor_cache_evicts_the_entry_unused_longest_and_closes_it():
+    """CLOCK: an entry used since the last eviction outlives one that was not; an evicted
+    entry closes once nothing holds it, the entry just added is never the one evicted."""
     closed: list[str] = []
     cache = DescriptorCache(capacity=2)
     built: list[str] = []
 
-    def get(key: str) -> FakeDescriptor:
-        with cache.lease(key, lambda: built.append(key) or FakeDescriptor(key, closed)) as found:
-            return found
+    def get(key: str) -> FakePlan:
+        found = cache.get(key)
+        if found is None:
+            built.append(key)
+            found = cache.add(key, FakePlan(key, closed))
+        return found
 
     a = get("a")
     get("b")
-    assert get("a") is a  # a hit; "b" is now the least recently used
+    assert get("a") is a  # a hit; "b" is unused since it was added
+    del a
     get("c")
     assert closed == ["b"] and len(cache) == 2
-    assert get("a") is a and get("c").name == "c"
-    get("b")  # built again
+    held = get("c")  # "c" used, "a" not since its second chance
+    get("b")  # built again; "a" goes
     assert closed == ["b", "a"]
-    assert built == ["a", "b", "c", "b"]
+    assert get("c") is held and built == ["a", "b", "c", "b"]
     cache.clear()
-    assert sorted(closed) == ["a", "b", "b", "c"] and len(cache) == 0
+    assert closed == ["b", "a", "b"]  # "c" is still held
+    del held
+    assert closed == ["b", "a", "b", "c"] and len(cache) == 0
 
 
 def test_descriptor_cache_evicts_real_descriptors(monkeypatch):

@@ -3,7 +3,7 @@
 Eight threads run the array API (backward, training and inference forward, on problems of
 different shapes so that a cache of capacity 2 keeps evicting) and the C API's whole cycle,
 with a one-microsecond switch interval; every result is checked against PyTorch in float64.
-The cache's own contract is checked with stand-in descriptors: none is closed while leased,
+The cache's own contract is checked with stand-in descriptors: none is closed while in use,
 every one built is closed exactly once, and two threads building one key share one.
 """
 
@@ -108,27 +108,37 @@ class Fake:
         registry.append(self)
 
     def use(self) -> None:
-        assert not self.closed, "a leased descriptor was closed"
+        assert not self.closed, "a descriptor in use was closed"
         time.sleep(0)
 
     def __exit__(self, *exc_info: object) -> None:
         self.closed += 1
 
 
-def test_leased_descriptors_are_closed_only_after_their_last_use():
+class FakePlan:
+    def __init__(self, registry: list) -> None:
+        self.descriptor = Fake(registry)
+
+
+def _get(cache: DescriptorCache, key: object, build) -> FakePlan:
+    return cache.get(key) or cache.add(key, build())
+
+
+def test_descriptors_in_use_are_closed_only_after_their_last_use():
     cache, built = DescriptorCache(capacity=1), []
     errors: list[BaseException] = []
 
-    def build() -> Fake:
+    def build() -> FakePlan:
         time.sleep(0.0005)  # widen the window in which two threads build one key
-        return Fake(built)
+        return FakePlan(built)
 
     def work(index: int) -> None:
         try:
             for round_ in range(200):
-                with cache.lease((index + round_) % 3, build) as descriptor:
-                    descriptor.use()
-                    descriptor.use()
+                plan = _get(cache, (index + round_) % 3, build)
+                plan.descriptor.use()
+                plan.descriptor.use()
+                del plan
         except BaseException as exc:
             errors.append(exc)
 
@@ -145,36 +155,33 @@ def test_leased_descriptors_are_closed_only_after_their_last_use():
     assert not errors, repr(errors[0])
     cache.clear()
     assert [d.closed for d in built] == [1] * len(built)  # none leaked, none closed twice
-    assert not cache._leases and not cache._evicted
 
 
 def test_two_builders_of_one_key_share_the_first():
     cache, built = DescriptorCache(capacity=4), []
     first_building, second_done = threading.Event(), threading.Event()
 
-    def slow() -> Fake:
+    def slow() -> FakePlan:
         first_building.set()
         second_done.wait(5)
-        return Fake(built)
+        return FakePlan(built)
 
-    def get(build) -> Fake:
-        with cache.lease("k", build) as found:
-            return found
-
-    holder: list[Fake] = []
-    thread = threading.Thread(target=lambda: holder.append(get(slow)))
+    holder: list[FakePlan] = []
+    thread = threading.Thread(target=lambda: holder.append(_get(cache, "k", slow)))
     thread.start()
     first_building.wait(5)
-    second = get(lambda: Fake(built))
+    second = _get(cache, "k", lambda: FakePlan(built))
     second_done.set()
     thread.join()
     assert holder[0] is second and len(cache) == 1
     assert [d.closed for d in built] == [0, 1]  # the slower copy is closed, not leaked
 
 
-def test_clear_while_leased_closes_on_release():
+def test_clear_while_in_use_closes_after_the_last_use():
     cache, built = DescriptorCache(), []
-    with cache.lease("k", lambda: Fake(built)) as descriptor:
-        cache.clear()
-        descriptor.use()
+    plan = _get(cache, "k", lambda: FakePlan(built))
+    cache.clear()
+    plan.descriptor.use()
+    descriptor = plan.descriptor
+    del plan
     assert descriptor.closed == 1 and len(cache) == 0

@@ -9,8 +9,8 @@ from ..ops.validation import check_eps, check_flag, check_output_mask
 from ..problems import BackwardTensors, Fusion, Mode
 from ..runtime import Handle
 from ..tensor import ITEMSIZE, TensorDesc
-from .call import Built, Plan, run
-from .outputs import absent_parameter, named_outputs, packed_like
+from .call import Built, run
+from .outputs import absent_parameter, out_arrays, packed_like
 from .spelling import array_api
 
 GRADIENTS = ("grad_input", "grad_weight", "grad_bias", "grad_z")
@@ -22,11 +22,21 @@ class Backward:
     a fused forward's output and bias, a reserve; writes the ``out=`` arrays given."""
 
     name = "backward"
+    names = (
+        "input",
+        "grad_output",
+        "weight",
+        *_STATISTICS,
+        "output",
+        "bias",
+        "reserve",
+        *GRADIENTS,
+    )
     written = frozenset(GRADIENTS)
     spelling: ClassVar[dict[str, str]] = {g: f"out[{i}]" for i, g in enumerate(GRADIENTS)}
 
     def options(self, raw: tuple, arrays: dict[str, Any]) -> tuple:
-        mode, eps, fusion, mask, persistent, check_overflow = raw
+        mode, eps, fusion, mask, persistent, check_overflow, _ = raw
         return (
             statistics(mode, *(arrays[n] for n in _STATISTICS)),
             check_eps(eps),
@@ -96,29 +106,24 @@ class Backward:
         reserve = descs["reserve"]
         if reserve is not None and not reserve.is_contiguous():
             raise InfiniError(Status.BAD_TENSOR_STRIDES, "reserve must be one packed buffer")
-        written = [g if m else "" for g, m in zip(GRADIENTS, wanted, strict=True)]
-        keywords = dict(output="output", bias="bias", grad_z=written[3], reserve="reserve")
-        keywords["reserve_size"] = _nbytes(reserve)
+        pointers = {g: g if m else None for g, m in zip(GRADIENTS, wanted, strict=True)}
+        if saved:
+            pointers |= {"running_mean": "saved_mean", "running_var": "saved_invstd"}
         returns = tuple(
             g if m and not (g == "grad_weight" and descs["weight"] is None) else None
             for g, m in zip(GRADIENTS, wanted, strict=True)
         )
-        arguments = (*written[:3], "input", "grad_output", "weight", *_statistics(saved))
         return Built(
             descriptor,
-            arguments,
-            keywords,
+            pointers,
             outputs,
             returns[:4] if wants_z else returns[:3],
             constants,
+            reserve_size=_nbytes(reserve),
         )
 
-    def result(self, plan: Plan, arrays: dict[str, Any], made: dict[str, Any]) -> tuple:
-        return plan.returned(arrays, made)
-
-
-def _statistics(saved: bool) -> tuple[str, str]:
-    return ("saved_mean", "saved_invstd") if saved else ("running_mean", "running_var")
+    def result(self, returned: tuple) -> tuple:
+        return returned
 
 
 def _nbytes(desc: TensorDesc | None) -> int:
@@ -195,18 +200,22 @@ def batch_norm_backward(
     (``cudnnQueryRuntimeError``) and warns with a ``RuntimeWarning`` if cuDNN reports a
     numerical overflow, as CuPy 13's ``debug`` did.
     """
-    arrays = dict(
-        input=input,
-        grad_output=grad_output,
-        weight=weight,
-        running_mean=running_mean,
-        running_var=running_var,
-        saved_mean=saved_mean,
-        saved_invstd=saved_invstd,
-        output=output,
-        bias=bias,
-        reserve=reserve,
-        **named_outputs(out, GRADIENTS, optional=1),
+    arrays = (
+        input,
+        grad_output,
+        weight,
+        running_mean,
+        running_var,
+        saved_mean,
+        saved_invstd,
+        output,
+        bias,
+        reserve,
+        *out_arrays(out, GRADIENTS, optional=1),
     )
-    raw = (mode, eps, fusion, output_mask, persistent, check_overflow)
+    mask_types = None  # a plan is keyed by the mask's items' types too (options_key)
+    if type(output_mask) in (tuple, list):
+        output_mask = tuple(output_mask)
+        mask_types = tuple(map(type, output_mask))
+    raw = (mode, eps, fusion, output_mask, persistent, check_overflow, mask_types)
     return run(BACKWARD, arrays, raw, stream)

@@ -3,20 +3,24 @@
 A call reads each array's signature (everything the door checks except its address) and its
 data pointer. Exact ndarrays, CuPy arrays and plain torch tensors are read from a few
 attributes; every other producer goes through the door (``arrays.operand``) on every call.
-The pass, its validated options and the signatures key a ``Plan``, built on a miss by the
-full path: the door on every operand, one device for all, the rules for arrays written in place, the
-operator's validation and descriptor, output layouts, workspace and reserve sizes, constants
-standing in for an absent weight or bias. A hit re-checks only what depends on addresses
-(alignment, overlap of written operands), allocates the outputs and launches; so an operand
-that differs in any checked property is a different key, and no check is skipped.
+The pass, its options (with their types) and the signatures key a ``Plan``, built on a miss
+by the full path: the door on every operand, one device for all, the rules for arrays
+written in place, the operator's validation and descriptor, output layouts, workspace and
+reserve sizes, constants standing in for an absent weight or bias, and the operator's
+launch with its size checks made (``OperatorDescriptor.launcher``). A hit re-checks only
+what depends on addresses (each attribute-read operand non-NULL and aligned, no written
+operand overlapping another), resolves the stream, allocates the outputs and launches: an
+operand that differs in any checked property is a different key, so no check is skipped.
 
-Plans live in ``descriptor_cache`` and are used under a lease: eviction by another thread
-never closes a descriptor a call is using.
+Plans live in ``descriptor_cache``, looked up without a lock; a plan's descriptor closes when
+its last reference goes, so eviction by another thread never closes a descriptor that a
+call is using.
 """
 
 import sys
 import threading
 from dataclasses import dataclass, field
+from operator import itemgetter
 from typing import Any, Protocol
 
 import numpy as np
@@ -37,27 +41,28 @@ descriptor_cache = DescriptorCache()
 
 @dataclass
 class Built:
-    """What a pass builds for one problem: its operator descriptor; the argument template
-    of its ``compute`` (operand names, whose pointers a call fills in, and sizes) after the
-    workspace and before the stream, and as keywords; the layouts of the outputs the call
-    allocates; the constants standing in for absent operands (``name -> (value, layout)``);
-    whether it fills a reserve; what it returns (operand names, None for a None)."""
+    """What a pass builds for one problem: its operator descriptor; which operand fills each
+    field of the operator's pointer tuple where it is not the field's namesake (None: NULL);
+    the layouts of the outputs the call allocates; what it returns (operand names, None for
+    a None); the constants standing in for absent operands (``name -> (value, layout)``);
+    whether it fills a reserve; the size of a reserve the caller gives."""
 
     descriptor: Any
-    arguments: tuple[str | int, ...]
-    keywords: dict[str, str | int]
+    pointers: dict[str, str | None]
     outputs: dict[str, TensorDesc]
     returns: tuple[str | None, ...]
     constants: dict[str, tuple[float, TensorDesc]] = field(default_factory=dict)
     reserve: bool = False
+    reserve_size: int | None = None
 
 
 class Pass(Protocol):
-    """One array-API pass: its name, the operands it writes in place, how callers spell its
-    operands, how it validates its options, builds a problem's operator (with the argument
-    template ``Plan.launch`` fills), and makes its return value."""
+    """One array-API pass: its name, its operands in the order its calls give them, those it
+    writes in place, how callers spell them, how it validates its options, builds a problem's
+    operator, and makes its return value from the values ``Plan.returns`` picks."""
 
     name: str
+    names: tuple[str, ...]
     written: frozenset[str]
     spelling: dict[str, str]
 
@@ -67,54 +72,84 @@ class Pass(Protocol):
         self, handle: Handle, descs: dict[str, TensorDesc | None], options: tuple
     ) -> Built: ...
 
-    def result(self, plan: "Plan", arrays: dict[str, Any], made: dict[str, Any]) -> Any: ...
+    def result(self, returned: tuple) -> Any: ...
 
 
-@dataclass
+@dataclass(eq=False)
 class Plan:
-    """A problem's plan: everything its calls share, built once (``call``'s docstring)."""
+    """A problem's plan: everything its calls share, built once (the module docstring).
 
+    A call's values are its operands' pointers (in ``Pass.names`` order), then those of
+    the arrays it allocates (``outputs``, then a reserve), then ``tail`` (constants' pointers
+    and a NULL); ``pick`` takes the operator's pointer tuple from them. Its objects are its
+    arrays, then the allocated ones, then a None; ``returns`` picks the results from them."""
+
+    spec: Any
     descriptor: Any
+    device: Device
+    device_id: int
     kind: Any
-    allocators: dict[str, Allocator]
-    constants: dict[str, int]
-    # (name, item size) of operands read by attributes: their alignment is re-checked.
-    aligned: tuple[tuple[str, int], ...]
-    # (written, other, written's byte extent, other's, their descs): re-checked for overlap.
-    overlaps: tuple[tuple[str, str, int, int, int, int, TensorDesc, TensorDesc], ...]
-    arguments: tuple[str | int, ...]
-    keywords: dict[str, str | int]
-    returns: tuple[str | None, ...]
+    outputs: tuple[Allocator, ...]
+    reserve_size: int  # bytes of reserve the call allocates (0: none)
     workspace_size: int
+    tail: tuple[int, ...]
+    pick: Any
+    returns: Any
+    launch: Any
+    # Pointers of the operands read by attributes, with elements, by item size: each must
+    # be non-NULL and aligned (``(pick, p -> p % item size)``).
+    aligned: tuple[tuple[Any, Any], ...]
+    # (written, other, low, high): the operands' bytes meet where low < written's pointer
+    # - other's < high; then ``overlap`` of their descs (the last two) decides.
+    overlaps: tuple[tuple[int, int, int, int, TensorDesc, TensorDesc], ...]
+    used: bool = True  # descriptor_cache's CLOCK bit
 
-    def check(self, ptrs: dict[str, int], arrays: dict[str, Any], spelling: dict[str, str]) -> None:
-        """What depends on addresses: alignment, and no written operand overlapping another."""
-        for name, itemsize in self.aligned:
-            if ptrs[name] % itemsize:
-                operand(spelling.get(name, name), arrays[name])  # raises, naming it
-        for written, other, w_low, w_high, o_low, o_high, w_desc, o_desc in self.overlaps:
+    def __call__(self, arrays: tuple, ptrs: list[int], like: Any, stream: Any) -> Any:
+        """Run the plan on one call's arrays and pointers; returns ``spec.result``."""
+        for pick, modulo in self.aligned:
+            addresses = pick(ptrs)
+            if 0 in addresses or any(map(modulo, addresses)):
+                self._refuse_misaligned(arrays, ptrs)
+        for written, other, low, high, w_desc, o_desc in self.overlaps:
             w, o = ptrs[written], ptrs[other]
-            meet = w + w_low < o + o_high and o + o_low < w + w_high
-            if meet and overlap(w_desc, w, o_desc, o):
-                raise refuse_overlap(spelling.get(written, written), spelling.get(other, other))
+            if low < w - o < high and overlap(w_desc, w, o_desc, o):
+                names, spelling = self.spec.names, self.spec.spelling
+                raise refuse_overlap(
+                    spelling.get(names[written], names[written]),
+                    spelling.get(names[other], names[other]),
+                )
+        if self.device == Device.CPU:
+            return self._run(arrays, ptrs, like, 0)
+        call_on = call_stream(stream, like, self.device, self.device_id)
+        with self.kind.scope(like, call_on, self.device_id):
+            return self._run(arrays, ptrs, like, call_on)
 
-    def launch(self, ptrs: dict[str, int], workspace: int, stream: int) -> None:
-        """The operator's ``compute`` on this call's pointers, by the argument template."""
-        fill = ptrs.get
-        self.descriptor.compute(
-            workspace,
-            self.workspace_size,
-            *[fill(a, 0) if a.__class__ is str else a for a in self.arguments],
+    def _refuse_misaligned(self, arrays: tuple, ptrs: list[int]) -> None:
+        """The door's error for the first operand found NULL or misaligned."""
+        for pick, modulo in self.aligned:
+            for at in pick(range(len(arrays))):
+                if not ptrs[at] or modulo(ptrs[at]):
+                    name = self.spec.names[at]
+                    operand(self.spec.spelling.get(name, name), arrays[at])  # raises
+
+    def _run(self, arrays: tuple, ptrs: list[int], like: Any, stream: int) -> Any:
+        made = []
+        for allocate in self.outputs:
+            array, ptr = allocate()
+            made.append(array)
+            ptrs.append(ptr)
+        if self.reserve_size:
+            array, ptr = self.kind.scratch(like, self.reserve_size)
+            made.append(array)
+            ptrs.append(ptr)
+        workspace = self.kind.scratch(like, self.workspace_size) if self.workspace_size else None
+        ptrs.extend(self.tail)
+        self.launch(
+            tuple.__new__(self.descriptor.pointers, self.pick(ptrs)),
+            0 if workspace is None else workspace[1],
             stream,
-            **{k: fill(a, 0) if a.__class__ is str else a for k, a in self.keywords.items()},
         )
-
-    def returned(self, arrays: dict[str, Any], made: dict[str, Any]) -> tuple:
-        """What the pass returns: the arrays the call made, or was given, by name."""
-        return tuple(None if n is None else made.get(n, arrays.get(n)) for n in self.returns)
-
-    def __exit__(self, *exc_info: object) -> None:
-        self.descriptor.__exit__(*exc_info)
+        return self.spec.result(self.returns((*arrays, *made, None)))
 
 
 # Constants standing in for an absent weight (ones) or bias (zeros), one per kind, device,
@@ -129,36 +164,6 @@ def _constant(kind: Any, like: Any, device_id: int, value: float, desc: TensorDe
         if key not in _constants:
             _constants[key] = kind.constant(like, value, desc)
         return _constants[key][1]
-
-
-_PLAIN = frozenset((float, str, type(None)))
-_SEQUENCES = frozenset((tuple, list))
-
-
-def typed(values: tuple | list) -> tuple:
-    """Options as part of a key: values of any type but float, str and None tagged with it,
-    so that ``True``, ``1`` and ``1.0`` (equal in Python) key different plans; tuples and
-    lists (an ``output_mask``) as tuples of their typed items."""
-    return tuple(
-        v if type(v) in _PLAIN else (type(v), typed(v) if type(v) in _SEQUENCES else v)
-        for v in values
-    )
-
-
-class Key:
-    """A plan's key, hashed once: a call's cache look-up and its move to the front would each
-    hash the nested tuple again (tuples do not keep their hash)."""
-
-    __slots__ = ("hashed", "values")
-
-    def __init__(self, values: tuple) -> None:
-        self.values, self.hashed = values, hash(values)
-
-    def __hash__(self) -> int:
-        return self.hashed
-
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, Key) and self.values == other.values
 
 
 def _cupy_array_type() -> Any:
@@ -178,101 +183,110 @@ def _plain_torch(array: Any) -> bool:
     )
 
 
-def run(spec: Pass, arrays: dict[str, Any], raw: tuple, stream: Any) -> Any:
-    """Run pass ``spec`` on ``arrays`` (by operand name; None for absent ones) with the
-    caller's ``raw`` options; returns ``spec.result``."""
-    like = arrays["input"]
+def options_key(raw: tuple) -> tuple:
+    """Options as part of a key, with their types: ``True``, ``1`` and ``1.0`` are equal in
+    Python but may validate differently, so they key different plans."""
+    return raw, tuple(map(type, raw))
+
+
+def run(spec: Pass, arrays: tuple, raw: tuple, stream: Any) -> Any:
+    """Run pass ``spec`` on ``arrays`` (in ``spec.names`` order; None for absent ones) with
+    the caller's ``raw`` options (hashable, each typed by ``options_key``); returns
+    ``spec.result``."""
+    like = arrays[0]
     if like is None:
         raise InfiniError(Status.NULL_POINTER, "input is None")
-    spell = spec.spelling.get
-    placed = False  # every array's place found (device types first: no CUDA for host arrays)
-    if type(like) is np.ndarray:
-        device, device_id, call_on = Device.CPU, 0, 0
-    else:
-        # A producer's place may take CUDA to find (a CUDA array interface's pointer): all
-        # arrays' places are compared first, so that host arrays among them ask CUDA nothing.
-        placed = not _plain_torch(like)
-        present = {spell(n, n): a for n, a in arrays.items() if a is not None}
-        device, device_id = common_place(present if placed else {"input": like})
-        call_on = call_stream(stream, like, device, device_id)
-    signatures, ptrs, others = [spec.name, typed(raw)], {}, []
-    for name, array in arrays.items():
-        if array is None:
-            signatures.append(None)
-            continue
+    signatures, ptrs, others = [spec, options_key(raw)], [], []
+    cupy_array = None
+    for array in arrays:
         kind = type(array)
         if kind is np.ndarray:
             signatures.append(
                 (kind, array.dtype, array.shape, array.strides, array.flags.writeable)
             )
-            ptrs[name] = ndarray_data(array)
+            ptrs.append(ndarray_data(array))
+        elif array is None:
+            signatures.append(None)
+            ptrs.append(0)
         elif _plain_torch(array):
             signatures.append((kind, array.dtype, array.shape, array.stride(), array.device))
-            ptrs[name] = array.data_ptr()
-        elif kind is _cupy_array_type():
+            ptrs.append(array.data_ptr())
+        elif kind is (cupy_array or (cupy_array := _cupy_array_type())):
             signatures.append((kind, array.dtype, array.shape, array.strides, array.device.id))
-            ptrs[name] = array.data.ptr
+            ptrs.append(array.data.ptr)
         else:
-            others.append((len(signatures), name))
+            others.append(len(ptrs))
             signatures.append(None)
-    described = {}
-    if others:  # one device for all before any producer is asked to export
-        if not placed:
-            common_place({spell(n, n): a for n, a in arrays.items() if a is not None})
-        consumer = None if device == Device.CPU else call_on
-        for at, name in others:
-            found = operand(spell(name, name), arrays[name], consumer, written=name in spec.written)
-            described[name], ptrs[name], signatures[at] = found, found.ptr, found.signature
+            ptrs.append(0)
+    described: dict[int, Operand] = {}
+    if others:  # one device for all, and the stream, before any producer is asked to export
+        device, device_id = common_place(_present(spec, arrays))
+        consumer = None if device == Device.CPU else call_stream(stream, like, device, device_id)
+        for at in others:
+            name = spec.names[at]
+            found = operand(
+                spec.spelling.get(name, name), arrays[at], consumer, written=name in spec.written
+            )
+            described[at], ptrs[at], signatures[at + 2] = found, found.ptr, found.signature
     try:
-        key = Key(tuple(signatures))
+        key = tuple(signatures)
+        plan = descriptor_cache.get(key)
     except TypeError:  # an unhashable option: its validation says which
-        spec.options(raw, arrays)
+        spec.options(raw, dict(zip(spec.names, arrays, strict=True)))
         raise InfiniError(Status.BAD_PARAM, f"unhashable option among {raw!r}") from None
+    if plan is None:
+        plan = descriptor_cache.add(key, _build(spec, arrays, raw, described, stream))
+    return plan(arrays, ptrs, like, stream)
 
-    def build() -> Plan:
-        return _build(spec, arrays, spec.options(raw, arrays), described, like, call_on)
 
-    with descriptor_cache.lease(key, build) as plan:
-        plan.check(ptrs, arrays, spec.spelling)
-        with plan.kind.scope(like, call_on, device_id):
-            made = {}
-            for name, allocate in plan.allocators.items():
-                made[name], ptrs[name] = allocate()
-            ptrs.update(plan.constants)
-            _workspace, workspace = plan.kind.scratch(like, plan.workspace_size)
-            plan.launch(ptrs, workspace, call_on)
-    return spec.result(plan, arrays, made)
+def _aligned(descs: dict[int, TensorDesc]) -> tuple[tuple[Any, Any], ...]:
+    """``Plan.aligned`` for the operands at these indices (those with elements)."""
+    sizes: dict[int, list[int]] = {}
+    for at, desc in descs.items():
+        if desc.numel:
+            sizes.setdefault(ITEMSIZE[desc.dtype], []).append(at)
+    return tuple((_picker(ats), size.__rmod__) for size, ats in sizes.items())
+
+
+def _picker(indices: list[int]) -> Any:
+    """A function taking the items at ``indices`` of a sequence, as a tuple."""
+    if len(indices) == 1:
+        (index,) = indices
+        return lambda values: (values[index],)
+    return itemgetter(*indices)
+
+
+def _present(spec: Pass, arrays: tuple) -> dict[str, Any]:
+    """The arrays given, by the names their callers know them by."""
+    spell = spec.spelling.get
+    return {spell(n, n): a for n, a in zip(spec.names, arrays, strict=True) if a is not None}
 
 
 def _build(
-    spec: Pass,
-    arrays: dict[str, Any],
-    options: tuple,
-    described: dict[str, Operand],
-    like: Any,
-    call_on: int,
+    spec: Pass, arrays: tuple, raw: tuple, described: dict[int, Operand], stream: Any
 ) -> Plan:
-    """The full path for a new problem (``call``'s docstring); raises before anything is
+    """The full path for a new problem (the module docstring); raises before anything is
     cached or written."""
-    spelled = {n: spec.spelling.get(n, n) for n in arrays}
-    present = {spelled[n]: a for n, a in arrays.items() if a is not None}
-    device, device_id = common_place(present)
+    names = spec.names
+    by_name = dict(zip(names, arrays, strict=True))
+    options = spec.options(raw, by_name)
+    device, device_id = common_place(_present(spec, arrays))
+    like = arrays[0]
+    call_on = call_stream(stream, like, device, device_id)
     consumer = None if device == Device.CPU else call_on
+    spelled = {n: spec.spelling.get(n, n) for n in names}
     ops = {
-        n: described.get(n) or operand(spelled[n], a, consumer, written=n in spec.written)
-        for n, a in arrays.items()
+        n: described.get(at) or operand(spelled[n], a, consumer, written=n in spec.written)
+        for at, (n, a) in enumerate(by_name.items())
         if a is not None
     }
     written = {spelled[n]: op for n, op in ops.items() if n in spec.written}
     check_written(written, {spelled[n]: op for n, op in ops.items() if n not in spec.written})
     kind = ops["input"].kind
-    built = spec.build(
-        Handle(device, device_id), {n: ops[n].desc if n in ops else None for n in arrays}, options
-    )
-    allocators = {n: kind.allocator(like, desc) for n, desc in built.outputs.items()}
-    if built.reserve:
-        size = built.descriptor.reserve_size
-        allocators["reserve"] = lambda: kind.scratch(like, size)
+    handle = Handle(device, device_id)
+    built = spec.build(handle, {n: ops[n].desc if n in ops else None for n in names}, options)
+    descriptor = built.descriptor
+    reserve_size = descriptor.reserve_size if built.reserve else 0
     constants = {}
     if built.constants:
         with kind.scope(like, call_on, device_id):
@@ -280,22 +294,45 @@ def _build(
                 n: _constant(kind, like, device_id, value, desc)
                 for n, (value, desc) in built.constants.items()
             }
+    # Where each value of a call lies (the Plan docstring).
+    made = [*built.outputs, *(["reserve"] if reserve_size else [])]
+    at = {n: i for i, n in enumerate(names) if n in ops}
+    at |= {n: len(names) + i for i, n in enumerate([*made, *constants])}
+    null = len(names) + len(made) + len(constants)  # the tail's last value: 0
+    pick = _picker([at.get(built.pointers.get(f, f), null) for f in descriptor.pointers._fields])
+    none = len(names) + len(made)  # names with no value (None, an empty reserve) are None
+    returns = _picker([at.get(n, none) for n in built.returns])
+    index = {n: i for i, n in enumerate(names)}
     extents = {n: byte_extent(op.desc) for n, op in ops.items()}
-    names = list(ops)
-    return Plan(
-        built.descriptor,
+    present = list(ops)
+    plan = Plan(
+        spec,
+        descriptor,
+        device,
+        device_id,
         kind,
-        allocators,
-        constants,
-        tuple((n, ITEMSIZE[op.desc.dtype]) for n, op in ops.items() if n not in described),
-        tuple(  # each written operand against every other one (each pair once)
-            (w, o, *extents[w], *extents[o], ops[w].desc, ops[o].desc)
-            for i, w in enumerate(names)
-            if w in spec.written
-            for o in names[i + 1 :] + [n for n in names[:i] if n not in spec.written]
+        tuple(kind.allocator(like, desc) for desc in built.outputs.values()),
+        reserve_size,
+        descriptor.workspace_size,
+        (*constants.values(), 0),
+        pick,
+        returns,
+        descriptor.launcher(
+            descriptor.workspace_size, built.reserve_size, built.reserve_size is not None
         ),
-        built.arguments,
-        built.keywords,
-        built.returns,
-        built.descriptor.workspace_size,
+        _aligned({index[n]: op.desc for n, op in ops.items() if index[n] not in described}),
+        tuple(  # each written operand against every other one (each pair once)
+            (
+                index[w],
+                index[o],
+                extents[o][0] - extents[w][1],
+                extents[o][1] - extents[w][0],
+                ops[w].desc,
+                ops[o].desc,
+            )
+            for i, w in enumerate(present)
+            if w in spec.written
+            for o in present[i + 1 :] + [n for n in present[:i] if n not in spec.written]
+        ),
     )
+    return plan

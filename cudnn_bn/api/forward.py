@@ -11,8 +11,8 @@ from ..ops.validation import check_eps, check_flag, check_fraction
 from ..problems import ForwardInferenceTensors, ForwardTrainingTensors
 from ..runtime import Handle
 from ..tensor import TensorDesc
-from .call import Built, Plan, run
-from .outputs import absent_parameter, named_outputs, packed_like, statistics_dtype
+from .call import Built, run
+from .outputs import absent_parameter, out_arrays, packed_like, statistics_dtype
 from .spelling import array_api
 
 TRAINING_OUTPUTS = ("output", "saved_mean", "saved_invstd")
@@ -54,6 +54,7 @@ class ForwardTraining:
     """The training forward: writes the running statistics and the ``out=`` arrays."""
 
     name = "forward_training"
+    names = ("input", *_PER_CHANNEL, "z", *TRAINING_OUTPUTS)
     written = frozenset(("running_mean", "running_var", *TRAINING_OUTPUTS))
     spelling: ClassVar[dict[str, str]] = {o: f"out[{i}]" for i, o in enumerate(TRAINING_OUTPUTS)}
 
@@ -91,18 +92,18 @@ class ForwardTraining:
             check_overflow=check_overflow,
         )
         outputs = {o: made[o] for o in TRAINING_OUTPUTS if descs[o] is None}
-        arguments = ("reserve", descriptor.reserve_size, *TRAINING_OUTPUTS, "input", *_PER_CHANNEL)
         returns = (*TRAINING_OUTPUTS, "reserve")
-        return Built(descriptor, arguments, {"z": "z"}, outputs, returns, constants, reserve=True)
+        return Built(descriptor, {}, outputs, returns, constants, reserve=True)
 
-    def result(self, plan: Plan, arrays: dict[str, Any], made: dict[str, Any]) -> TrainingOutputs:
-        return TrainingOutputs(*plan.returned(arrays, made))
+    def result(self, returned: tuple) -> TrainingOutputs:
+        return TrainingOutputs(*returned)
 
 
 class ForwardInference:
     """The inference forward: writes only the ``out=`` array, if given."""
 
     name = "forward_inference"
+    names = ("input", *_PER_CHANNEL, "output")
     written = frozenset(("output",))
     spelling: ClassVar[dict[str, str]] = {"output": "out"}
 
@@ -119,11 +120,10 @@ class ForwardInference:
         )
         descriptor = BatchNormForwardInferenceDescriptor(handle, *tensors, eps=eps)
         outputs = {} if descs["output"] is not None else {"output": tensors.output}
-        arguments = ("output", "input", *_PER_CHANNEL)
-        return Built(descriptor, arguments, {}, outputs, ("output",), constants)
+        return Built(descriptor, {}, outputs, ("output",), constants)
 
-    def result(self, plan: Plan, arrays: dict[str, Any], made: dict[str, Any]) -> Any:
-        return plan.returned(arrays, made)[0]
+    def result(self, returned: tuple) -> Any:
+        return returned[0]
 
 
 FORWARD_TRAINING, FORWARD_INFERENCE = ForwardTraining(), ForwardInference()
@@ -159,14 +159,14 @@ def batch_norm_forward_training(
     preallocated outputs (None entries are allocated). ``check_overflow=True`` is
     ``batch_norm_backward``'s synchronizing debug aid.
     """
-    arrays = dict(
-        input=input,
-        weight=weight,
-        bias=bias,
-        running_mean=running_mean,
-        running_var=running_var,
-        z=z,
-        **named_outputs(out, TRAINING_OUTPUTS),
+    arrays = (
+        input,
+        weight,
+        bias,
+        running_mean,
+        running_var,
+        z,
+        *out_arrays(out, TRAINING_OUTPUTS),
     )
     raw = (eps, momentum, fusion, persistent, check_overflow)
     return run(FORWARD_TRAINING, arrays, raw, stream)
@@ -186,12 +186,5 @@ def batch_norm_forward_inference(
 ) -> Any:
     """Inference-mode batch norm with fixed statistics, as an array of ``input``'s kind
     (``out``, if given); ``weight=None``/``bias=None`` stand for 1/0."""
-    arrays = dict(
-        input=input,
-        weight=weight,
-        bias=bias,
-        running_mean=running_mean,
-        running_var=running_var,
-        output=out,
-    )
+    arrays = (input, weight, bias, running_mean, running_var, out)
     return run(FORWARD_INFERENCE, arrays, (eps,), stream)

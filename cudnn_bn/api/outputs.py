@@ -33,11 +33,11 @@ def absent_parameter(
     return TensorDesc.contiguous(given[0].dtype if given else statistics_dtype(x), (x.shape[1],))
 
 
-def named_outputs(out: Any, names: tuple[str, ...], optional: int = 0) -> dict[str, Any]:
+def out_arrays(out: Any, names: tuple[str, ...], optional: int = 0) -> tuple[Any, ...]:
     """``out=``: a tuple with one array (or None: allocate it) per output of ``names``, of
-    which the last ``optional`` may be left out."""
+    which the last ``optional`` may be left out; returned with every entry."""
     if out is None:
-        return dict.fromkeys(names)
+        return (None,) * len(names)
     shortest = len(names) - optional
     if not isinstance(out, tuple | list) or not shortest <= len(out) <= len(names):
         count = str(len(names)) if not optional else f"{shortest} to {len(names)}"
@@ -47,4 +47,4 @@ def named_outputs(out: Any, names: tuple[str, ...], optional: int = 0) -> dict[s
             f"got {type(out).__name__}"
             + (f" of length {len(out)}" if isinstance(out, tuple | list) else ""),
         )
-    return dict.fromkeys(names) | dict(zip(names, out, strict=False))
+    return (*out, *(None,) * (len(names) - len(out)))

@@ -64,14 +64,23 @@ class NumpyKind:
         """New arrays of ``desc``: allocated packed in its memory order and transposed to its
         axes (no as_strided), so a channels-last output costs what a row-major one does."""
         storage = self.storage(like, desc.dtype)
-        shape = desc.shape
-        if desc.strides == contiguous_strides(shape):
-            return lambda: _with_pointer(np.empty(shape, storage))
         if not _packed_in_some_order(desc):
             raise ValueError(f"no packed layout has strides {desc.strides}")  # a caller's bug
         order, inverse = _memory_order(desc)
-        in_order = tuple(shape[a] for a in order)
-        return lambda: _with_pointer(np.empty(in_order, storage).transpose(inverse))
+        shape = tuple(desc.shape[a] for a in order)
+        if order == tuple(range(desc.ndim)):
+
+            def allocate() -> tuple[Any, int]:
+                array = np.empty(shape, storage)
+                return array, ndarray_data(array)
+
+        else:
+
+            def allocate() -> tuple[Any, int]:
+                array = np.empty(shape, storage)
+                return array.transpose(inverse), ndarray_data(array)
+
+        return allocate
 
     def scratch(self, like: Any, nbytes: int) -> tuple[Any, int]:
         if nbytes == 0:

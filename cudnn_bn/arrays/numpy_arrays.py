@@ -8,6 +8,8 @@ NumPy itself does not check. A ``mask`` is refused: the masked values would be r
 """
 
 import ctypes
+import struct
+import sys
 from typing import Any
 
 import numpy as np
@@ -19,18 +21,22 @@ from .checks import described, element_strides, interface_layout, numpy_data_typ
 from .operand import Operand, byte_extent
 
 # PyArrayObject's data pointer is the first field after the object header
-# (``PyArrayObject_fields`` in numpy/ndarraytypes.h): read directly it costs 0.15 us, against
-# 1.2 us for ``.ctypes.data``; checked below against ``.ctypes.data`` before it is trusted.
+# (``PyArrayObject_fields`` in numpy/ndarraytypes.h): read directly, through one memoryview
+# over the address space and ``struct``, it costs 0.08 us, against 0.16 us through a ctypes
+# object and 1 us for ``.ctypes.data``; checked below against ``.ctypes.data`` before it is
+# trusted.
 _HEADER = object.__basicsize__
+_MEMORY = memoryview((ctypes.c_char * (sys.maxsize >> 1)).from_address(_HEADER)).cast("B")
+_read_pointer = struct.Struct("P").unpack_from
 _probe = np.arange(3.0)[1:]
-_read_header = ctypes.c_void_p.from_address(id(_probe) + _HEADER).value == _probe.ctypes.data
+_read_header = _read_pointer(_MEMORY, id(_probe))[0] == _probe.ctypes.data
 del _probe
 
 
 def ndarray_data(array: np.ndarray) -> int:
     """The address of ``array``'s first element (an ndarray or a subclass)."""
     if _read_header:
-        return ctypes.c_void_p.from_address(id(array) + _HEADER).value or 0
+        return _read_pointer(_MEMORY, id(array))[0]
     return array.ctypes.data
 
 

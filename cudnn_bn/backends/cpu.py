@@ -15,6 +15,8 @@ that overlaps an input any other way is computed into a scratch buffer and copie
 end, so the result is what it would be without the overlap.
 """
 
+from typing import Any
+
 import numpy as np
 
 from ..dtypes import FLOAT_TYPES
@@ -130,18 +132,25 @@ class _HostKernel:
                     break
         return found
 
-    def run_with_scratch(self, addresses: list[int], launch) -> None:
-        """``launch(addresses)``, outputs that overlap an input written through scratch."""
+    def run(self, ptrs: Any, workspace: int, stream: int) -> None:
+        """The pass on ``ptrs`` (``workspace``/``stream`` are unused), outputs that overlap
+        an input written through scratch."""
+        addresses = self.addresses(ptrs)
         clashes = self.overlapping(addresses)
         if not clashes:
-            launch(addresses)
+            self.launch(addresses, ptrs)
             return
         storage = FLOAT_TYPES[self.data[0].dtype].storage
         scratch = {o: np.empty(self.layout.spans[o], dtype=storage) for o in clashes}
-        launch([scratch[s].ctypes.data if s in scratch else a for s, a in enumerate(addresses)])
+        at = [scratch[s].ctypes.data if s in scratch else a for s, a in enumerate(addresses)]
+        self.launch(at, ptrs)
         for o, buffer in scratch.items():
             desc = self.data[o]
             host_array(addresses[o], desc)[...] = host_array(buffer.ctypes.data, desc)
+
+    def run_disjoint(self, ptrs: Any, workspace: int, stream: int) -> None:
+        """``run`` where the caller has made sure no output overlaps an input."""
+        self.launch(self.addresses(ptrs), ptrs)
 
 
 class BatchNormBackward(_HostKernel):
@@ -167,15 +176,12 @@ class BatchNormBackward(_HostKernel):
         self.flags = (*a.output_mask, fused, with_z)
         self.mode, self.eps = int(a.mode), float(a.eps)
 
-    def run(self, ptrs: BackwardPointers, workspace: int, stream: int) -> None:
-        """Compute the wanted gradients; ``workspace``/``stream`` are unused."""
-        p = ptrs
+    def addresses(self, p: BackwardPointers) -> list[int]:
         addresses = [p.input, p.grad_output, p.output, p.grad_input, p.grad_z]
-        addresses = [a if d is not None else 0 for a, d in zip(addresses, self.data, strict=True)]
-        channel = (p.weight, p.running_mean, p.running_var, p.grad_weight, p.grad_bias)
-        self.run_with_scratch(addresses, lambda at: self.launch(at, channel))
+        return [a if d is not None else 0 for a, d in zip(addresses, self.data, strict=True)]
 
-    def launch(self, at: list[int], channel: tuple[int, ...]) -> None:
+    def launch(self, at: list[int], p: BackwardPointers) -> None:
+        channel = (p.weight, p.running_mean, p.running_var, p.grad_weight, p.grad_bias)
         k, layout, chunks = cpu_kernels, self.layout, self.chunks()
         geometry, strides, args = layout.geometry, layout.strides, self.channel_args
         if chunks == 1:
@@ -226,10 +232,8 @@ class BatchNormForwardTraining(_HostKernel):
         self.flags = (*flags, t.running_mean is not None, t.running_var is not None)
         self.eps, self.momentum = float(a.eps), float(a.momentum)
 
-    def run(self, ptrs: ForwardTrainingPointers, workspace: int, stream: int) -> None:
-        p = ptrs
-        addresses = [p.input, p.z if self.data[1] is not None else 0, p.output]
-        self.run_with_scratch(addresses, lambda at: self.launch(at, p))
+    def addresses(self, p: ForwardTrainingPointers) -> list[int]:
+        return [p.input, p.z if self.data[1] is not None else 0, p.output]
 
     def launch(self, at: list[int], p: ForwardTrainingPointers) -> None:
         k, layout, chunks = cpu_kernels, self.layout, self.chunks()
@@ -280,12 +284,11 @@ class BatchNormForwardInference(_HostKernel):
         self.eps = float(attributes.eps)
         self.plain = (False, False)  # the forward's flags: no z, no ReLU
 
-    def run(self, ptrs: ForwardInferencePointers, workspace: int, stream: int) -> None:
-        p = ptrs
-        channel = (p.weight, p.bias, p.running_mean, p.running_var)
-        self.run_with_scratch([p.input, 0, p.output], lambda at: self.launch(at, channel))
+    def addresses(self, p: ForwardInferencePointers) -> list[int]:
+        return [p.input, 0, p.output]
 
-    def launch(self, at: list[int], channel: tuple[int, ...]) -> None:
+    def launch(self, at: list[int], p: ForwardInferencePointers) -> None:
+        channel = (p.weight, p.bias, p.running_mean, p.running_var)
         k, layout, chunks = cpu_kernels, self.layout, self.chunks()
         geometry, strides, args = layout.geometry, layout.strides, self.channel_args
         if chunks == 1:

@@ -62,6 +62,7 @@ class BatchNormBackwardDescriptor(OperatorDescriptor):
     """``infiniopBatchNormBackwardDescriptor_t``: validated tensors plus a built backend."""
 
     op_name = "BatchNormBackward"
+    pointers = BackwardPointers
     zeroed_when_empty = ("grad_weight", "grad_bias")
 
     def __init__(
@@ -152,9 +153,9 @@ class BatchNormBackwardDescriptor(OperatorDescriptor):
             needed.append("grad_z")
         return tuple(needed)
 
-    def uses_reserve(self, attributes: BackwardAttributes, ptrs: BackwardPointers) -> bool:
+    def uses_reserve(self, attributes: BackwardAttributes, given: bool) -> bool:
         """A fused backward needs its forward's reserve; a plain one uses it when given."""
-        return attributes.fusion != Fusion.BN or bool(ptrs.reserve)
+        return attributes.fusion != Fusion.BN or given
 
     def compute(
         self,

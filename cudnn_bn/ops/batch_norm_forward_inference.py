@@ -21,6 +21,7 @@ class BatchNormForwardInferenceDescriptor(OperatorDescriptor):
     """``infiniopBatchNormForwardInferenceDescriptor_t``."""
 
     op_name = "BatchNormForwardInference"
+    pointers = ForwardInferencePointers
 
     def __init__(
         self,

@@ -52,6 +52,7 @@ class BatchNormForwardTrainingDescriptor(OperatorDescriptor):
     """``infiniopBatchNormForwardTrainingDescriptor_t``."""
 
     op_name = "BatchNormForwardTraining"
+    pointers = ForwardTrainingPointers
 
     def __init__(
         self,

@@ -10,6 +10,7 @@ snippet that reproduces the problem.
 import dataclasses
 import enum
 import threading
+from collections.abc import Callable
 from typing import Any, ClassVar, NamedTuple, Self
 
 from ..enums import Device, Status
@@ -66,6 +67,7 @@ class OperatorDescriptor:
     """
 
     op_name: ClassVar[str]
+    pointers: ClassVar[type]  # the NamedTuple of pointers a launch takes
     zeroed_when_empty: ClassVar[tuple[str, ...]] = ()  # outputs a problem with no values zeroes
 
     def __init__(self, handle: Handle, tensors: NamedTuple, attributes: Any) -> None:
@@ -118,8 +120,9 @@ class OperatorDescriptor:
             if desc is not None
         )
 
-    def uses_reserve(self, attributes: Any, ptrs: NamedTuple) -> bool:
-        """Whether a compute with ``attributes`` checks the reserve buffer it was given."""
+    def uses_reserve(self, attributes: Any, given: bool) -> bool:
+        """Whether a compute with ``attributes`` checks the reserve buffer (``given``: its
+        pointer is not NULL)."""
         return True
 
     @property
@@ -163,21 +166,44 @@ class OperatorDescriptor:
         """
         build = self._lease()
         try:
-            self._run(build, ptrs, workspace, workspace_size, stream, reserve_size)
+            given = bool(getattr(ptrs, "reserve", 0))
+            needed = self._checked_sizes(build, workspace_size, reserve_size, given)
+            self._check_workspace(build, workspace)
+            for name in needed:
+                if not getattr(ptrs, name):
+                    raise InfiniError(Status.NULL_POINTER, f"{name} is NULL")
+            self._run(build, build.kernel.run, ptrs, workspace, stream)
         finally:
             with self._lock:
                 build.users -= 1
                 build.close_if_free()
 
-    def _run(
-        self,
-        build: Build,
-        ptrs: NamedTuple,
-        workspace: int,
-        workspace_size: int,
-        stream: int,
-        reserve_size: int | None,
-    ) -> None:
+    def launcher(
+        self, workspace_size: int, reserve_size: int | None = None, reserve: bool = False
+    ) -> Callable[[NamedTuple, int, int], None]:
+        """``launch(ptrs, workspace, stream)``: ``compute`` for a caller that owns this
+        descriptor (the array API's plans), its size checks made once, here (``reserve``:
+        whether launches give one). Each launch runs the current build's kernel at once: the
+        caller gives a non-NULL pointer for every tensor with elements, outputs that overlap
+        no input (so the CPU engine skips its overlap check), and never changes or destroys
+        the descriptor while a launch runs."""
+        build = self._live()
+        self._checked_sizes(build, workspace_size, reserve_size, reserve)
+        run = getattr(build.kernel, "run_disjoint", build.kernel.run)
+        checks_workspace = bool(build.kernel.workspace_size)
+
+        def launch(ptrs: NamedTuple, workspace: int, stream: int) -> None:
+            if checks_workspace:
+                self._check_workspace(build, workspace)
+            self._run(build, run, ptrs, workspace, stream)
+
+        return launch
+
+    def _checked_sizes(
+        self, build: Build, workspace_size: int, reserve_size: int | None, reserve: bool
+    ) -> tuple[str, ...]:
+        """The pointers a compute must be given (``build.needed``, and ``reserve`` where it is
+        checked: ``reserve`` says whether one is given), after the size checks."""
         kernel = build.kernel
         if workspace_size < kernel.workspace_size:
             raise InfiniError(
@@ -185,34 +211,38 @@ class OperatorDescriptor:
                 f"workspace_size is {workspace_size} bytes; "
                 f"this descriptor needs {kernel.workspace_size}",
             )
-        if kernel.workspace_size and not workspace:
+        if (
+            reserve_size is None
+            or not kernel.reserve_size
+            or not self.uses_reserve(build.attributes, reserve)
+        ):
+            return build.needed
+        if reserve_size < kernel.reserve_size:
             raise InfiniError(
-                Status.NULL_POINTER,
-                f"workspace is NULL but {kernel.workspace_size} bytes are needed",
+                Status.INSUFFICIENT_WORKSPACE,
+                f"reserve_size is {reserve_size} bytes; "
+                f"this descriptor needs {kernel.reserve_size}",
             )
-        if kernel.workspace_size and workspace % WORKSPACE_ALIGNMENT:
+        return (*build.needed, "reserve")
+
+    def _check_workspace(self, build: Build, workspace: int) -> None:
+        needed = build.kernel.workspace_size
+        if needed and not workspace:
+            raise InfiniError(
+                Status.NULL_POINTER, f"workspace is NULL but {needed} bytes are needed"
+            )
+        if needed and workspace % WORKSPACE_ALIGNMENT:
             raise InfiniError(
                 Status.BAD_PARAM,
                 f"workspace {workspace:#x} is not {WORKSPACE_ALIGNMENT}-byte aligned",
             )
-        needed = build.needed
-        if (
-            reserve_size is not None
-            and kernel.reserve_size
-            and self.uses_reserve(build.attributes, ptrs)
-        ):
-            if reserve_size < kernel.reserve_size:
-                raise InfiniError(
-                    Status.INSUFFICIENT_WORKSPACE,
-                    f"reserve_size is {reserve_size} bytes; "
-                    f"this descriptor needs {kernel.reserve_size}",
-                )
-            needed = (*needed, "reserve")
-        for name in needed:
-            if not getattr(ptrs, name):
-                raise InfiniError(Status.NULL_POINTER, f"{name} is NULL")
+
+    def _run(
+        self, build: Build, run: Callable, ptrs: NamedTuple, workspace: int, stream: int
+    ) -> None:
+        """``run`` (the build's kernel's), a failure described well enough to reproduce."""
         try:
-            kernel.run(ptrs, workspace, stream)
+            run(ptrs, workspace, stream)
         except InfiniError as exc:
             raise InfiniError(
                 exc.status, f"{str(exc).partition(': ')[2]}\n{self.repro(build)}"
