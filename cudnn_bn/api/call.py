@@ -317,9 +317,7 @@ def _build(
         (*constants.values(), 0),
         pick,
         returns,
-        descriptor.launcher(
-            descriptor.workspace_size, built.reserve_size, built.reserve_size is not None
-        ),
+        descriptor.launcher(descriptor.workspace_size, built.reserve_size, "reserve" in ops),
         _aligned({index[n]: op.desc for n, op in ops.items() if index[n] not in described}),
         tuple(  # each written operand against every other one (each pair once)
             (
