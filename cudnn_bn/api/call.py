@@ -121,7 +121,7 @@ class Plan:
         if self.device == Device.CPU:
             return self._run(arrays, ptrs, like, 0)
         call_on = call_stream(stream, like, self.device, self.device_id)
-        with self.kind.scope(like, call_on, self.device_id):
+        with self.kind.scope(like, call_on, self.device_id, current=stream is None):
             return self._run(arrays, ptrs, like, call_on)
 
     def _refuse_misaligned(self, arrays: tuple, ptrs: list[int]) -> None:
@@ -208,12 +208,12 @@ def run(spec: Pass, arrays: tuple, raw: tuple, stream: Any) -> Any:
         elif array is None:
             signatures.append(None)
             ptrs.append(0)
-        elif _plain_torch(array):
-            signatures.append((kind, array.dtype, array.shape, array.stride(), array.device))
-            ptrs.append(array.data_ptr())
         elif kind is (cupy_array or (cupy_array := _cupy_array_type())):
             signatures.append((kind, array.dtype, array.shape, array.strides, array.device.id))
             ptrs.append(array.data.ptr)
+        elif _plain_torch(array):
+            signatures.append((kind, array.dtype, array.shape, array.stride(), array.device))
+            ptrs.append(array.data_ptr())
         else:
             others.append(len(ptrs))
             signatures.append(None)

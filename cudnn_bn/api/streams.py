@@ -4,6 +4,7 @@ from typing import Any
 
 from ..arrays import common_place
 from ..arrays.torch_tensors import is_torch
+from ..backends.cuda import current_stream
 from ..enums import Device, Status
 from ..errors import InfiniError
 
@@ -26,8 +27,6 @@ def call_stream(stream: Any, like: Any, device: Device, device_id: int) -> int:
             import torch
 
             return torch.cuda.current_stream(like.device).cuda_stream
-        from ..backends.cuda import current_stream
-
         return current_stream(device_id)
     if isinstance(stream, int) and not isinstance(stream, bool):
         if not 0 <= stream < 1 << 64:

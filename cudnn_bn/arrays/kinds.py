@@ -9,7 +9,9 @@ allocators hand a freed block back only to allocations from the stream it was al
 (CuPy: one arena per stream; torch: "the caching allocator is aware of only the stream where
 a tensor was allocated", the ``Tensor.record_stream`` documentation), so memory written on
 the call's stream must come from it.
-"""
+
+``current`` says that the stream is the current one of the device (the caller gave none),
+so that a scope is entered only where it changes something."""
 
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
@@ -50,7 +52,9 @@ class NumpyKind:
 
     name = "numpy"
 
-    def scope(self, like: Any, stream: int, device_id: int) -> AbstractContextManager:
+    def scope(
+        self, like: Any, stream: int, device_id: int, current: bool = False
+    ) -> AbstractContextManager:
         return _ANYWHERE
 
     def storage(self, like: Any, dtype: DataType) -> np.dtype:
@@ -100,8 +104,10 @@ class TorchKind:
 
     name = "torch"
 
-    def scope(self, like: Any, stream: int, device_id: int) -> AbstractContextManager:
-        if like.device.type != "cuda":
+    def scope(
+        self, like: Any, stream: int, device_id: int, current: bool = False
+    ) -> AbstractContextManager:
+        if like.device.type != "cuda" or current:  # allocations go to like's device
             return _ANYWHERE
         import torch
 
@@ -141,19 +147,24 @@ class CupyKind:
 
     name = "cupy"
 
-    def scope(self, like: Any, stream: int, device_id: int) -> AbstractContextManager:
-        from ..backends.cuda import stream_scope
+    def scope(
+        self, like: Any, stream: int, device_id: int, current: bool = False
+    ) -> AbstractContextManager:
+        from ..backends.cuda import current_device, stream_scope
 
+        if current and current_device() == device_id:  # CuPy allocates there, on stream
+            return _ANYWHERE
         return stream_scope(stream, device_id)
 
     def allocator(self, like: Any, desc: TensorDesc) -> Allocator:
         storage = NUMPY.storage(like, desc.dtype)
         shape, strides = desc.shape, desc.strides
+        packed = strides == contiguous_strides(shape)
 
         def allocate() -> tuple[Any, int]:
             import cupy
 
-            if strides == contiguous_strides(shape):
+            if packed:
                 array = cupy.empty(shape, storage)
             else:
                 extent = sum((n - 1) * s for n, s in zip(shape, strides, strict=True)) + 1

@@ -4,8 +4,7 @@ Kept in one place so that importing ``cudnn_bn`` never imports CuPy, and so that
 without a GPU can stand in for the device (``tests/test_nvidia_arguments.py``).
 """
 
-from collections.abc import Iterator
-from contextlib import contextmanager
+import sys
 from typing import Any
 
 from .._cudnn.loader import INSTALL_HINT
@@ -14,6 +13,9 @@ from ..errors import InfiniError
 
 
 def _cupy() -> Any:
+    cupy = sys.modules.get("cupy")  # imported already: no import statement on each call
+    if cupy is not None:
+        return cupy
     try:
         import cupy
     except ImportError as exc:
@@ -122,14 +124,32 @@ def cupy_stream(stream: int, device_id: int) -> Any:
     return wrapped
 
 
-@contextmanager
-def stream_scope(stream: int, device_id: int) -> Iterator[None]:
+class stream_scope:
     """Make ``device_id`` current and the ``cudaStream_t`` ``stream`` CuPy's current stream
     on it: CuPy launches there, and its memory pool serves allocations from that stream's
     own arena (``cupy/cuda/memory.pyx`` keys arenas by the current stream), so memory the
-    block allocates is never handed out while another stream may still be using it."""
-    with on_device(device_id), cupy_stream(stream, device_id):
-        yield
+    block allocates is never handed out while another stream may still be using it. (A
+    class, not a generator: it runs on every array-API call on CuPy arrays.)"""
+
+    __slots__ = ("device", "stream")
+
+    def __init__(self, stream: int, device_id: int) -> None:
+        self.device, self.stream = on_device(device_id), (stream, device_id)
+
+    def __enter__(self) -> None:
+        self.device.__enter__()
+        try:
+            self.stream = cupy_stream(*self.stream)
+            self.stream.__enter__()
+        except BaseException:
+            self.device.__exit__(None, None, None)
+            raise
+
+    def __exit__(self, *exc_info: object) -> None:
+        try:
+            self.stream.__exit__(*exc_info)
+        finally:
+            self.device.__exit__(*exc_info)
 
 
 def wait_for(stream: int, producer: int, device_id: int) -> None:
