@@ -189,14 +189,12 @@ def options_key(raw: tuple) -> tuple:
     return raw, tuple(map(type, raw))
 
 
-def run(spec: Pass, arrays: tuple, raw: tuple, stream: Any) -> Any:
-    """Run pass ``spec`` on ``arrays`` (in ``spec.names`` order; None for absent ones) with
-    the caller's ``raw`` options (hashable, each typed by ``options_key``); returns
-    ``spec.result``."""
-    like = arrays[0]
-    if like is None:
-        raise InfiniError(Status.NULL_POINTER, "input is None")
-    signatures, ptrs, others = [spec, options_key(raw)], [], []
+def read(arrays: tuple) -> tuple[list, list[int], list[int]]:
+    """``(signatures, pointers, others)`` of ``arrays``: exact ndarrays, CuPy arrays and plain
+    torch tensors read from their attributes (a signature: type, dtype, shape, strides, and
+    writability or device), None as None and 0; the indices of any other producers in
+    ``others``, for the door (their entries None and 0 until then)."""
+    signatures, ptrs, others = [], [], []
     cupy_array = None
     for array in arrays:
         kind = type(array)
@@ -218,6 +216,18 @@ def run(spec: Pass, arrays: tuple, raw: tuple, stream: Any) -> Any:
             others.append(len(ptrs))
             signatures.append(None)
             ptrs.append(0)
+    return signatures, ptrs, others
+
+
+def run(spec: Pass, arrays: tuple, raw: tuple, stream: Any) -> Any:
+    """Run pass ``spec`` on ``arrays`` (in ``spec.names`` order; None for absent ones) with
+    the caller's ``raw`` options (hashable, each typed by ``options_key``); returns
+    ``spec.result``."""
+    like = arrays[0]
+    if like is None:
+        raise InfiniError(Status.NULL_POINTER, "input is None")
+    signatures, ptrs, others = read(arrays)
+    signatures[:0] = (spec, options_key(raw))
     described: dict[int, Operand] = {}
     if others:  # one device for all, and the stream, before any producer is asked to export
         device, device_id = common_place(_present(spec, arrays))
