@@ -293,3 +293,21 @@ def test_an_empty_batch_of_problems_gives_empty_results():
     assert gx.shape == x.shape and gw.shape == gb.shape == (0, C)
     _, gw, _ = cudnn_bn.batch_norm_backward_batched(x, x, None, None, None)
     assert gw is None
+
+
+@pytest.mark.parametrize("name", ["input", "weight"])
+def test_batched_alignment_is_checked_on_every_call(name):
+    """A repeated batched problem reuses its fold: an operand the fold copies (a shared
+    weight, contiguous data) is not seen by the backward's own checks, so the fold checks
+    the addresses itself (found by the array fuzzer)."""
+    xb, dyb, _, _ = problem((3, 4, C, 5))
+    w = np.ones(C)
+    operands = {"input": xb, "weight": w}
+    cudnn_bn.batch_norm_backward_batched(xb, dyb, w, None, None)  # the fold: aligned
+    good = operands[name]
+    raw = np.zeros(good.nbytes + 1, np.uint8)
+    shifted = np.frombuffer(raw.data, np.float64, good.size, offset=1).reshape(good.shape)
+    assert shifted.strides == good.strides and not shifted.flags.aligned
+    operands[name] = shifted
+    with pytest.raises(InfiniError, match=rf"{name}'s data .* not aligned"):
+        cudnn_bn.batch_norm_backward_batched(operands["input"], dyb, operands["weight"], None, None)

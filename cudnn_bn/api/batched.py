@@ -26,7 +26,7 @@ from ..ops.validation import check_eps, check_output_mask
 from ..problems import BackwardTensors, Fusion
 from ..tensor import TensorDesc
 from .backward import batch_norm_backward, statistics
-from .call import options_key, read
+from .call import Aligned, options_key, read
 from .outputs import packed_like, statistics_dtype
 from .spelling import array_api
 from .streams import call_stream
@@ -174,20 +174,20 @@ def batch_norm_backward_batched(
     if type(output_mask) is list:
         output_mask = tuple(output_mask)
     options = (mode, eps, output_mask, fusion, persistent, mask_types)
-    signatures, _, others = read(arrays)
+    signatures, ptrs, others = read(arrays)
     try:
         key = (options_key(options), *signatures)
         fold = None if others else _folds.get(key)
     except TypeError:  # an unhashable option: validated below
         key, fold = None, None
     if fold is not None:
-        return fold(arrays, stream)
+        return fold(arrays, stream, ptrs)
     natives, fold = _checked(arrays, options, stream)
     if key is not None and not others and natives is None:
         if len(_folds) >= _FOLDS:
             _folds.clear()
         _folds[key] = fold
-    return fold(arrays if natives is None else natives, stream)
+    return fold(arrays if natives is None else natives, stream)  # the door checked them
 
 
 _NAMES = (*_DATA, *_PER_CHANNEL)
@@ -226,7 +226,11 @@ def _checked(arrays: tuple, options: tuple, stream: Any) -> tuple[tuple | None, 
 class _Fold:
     """A checked batched problem: the layouts of its operands, where it runs, its options,
     how each operand folds (``_folding``); a call folds its arrays (each in the input's
-    library), runs one backward and unfolds the results."""
+    library), runs one backward and unfolds the results. A call with the arrays' pointers
+    checks them as the door would (an operand that is copied to fold it is not seen by the
+    backward's own checks)."""
+
+    names, spelling = _NAMES, {}  # for Aligned.check
 
     def __init__(
         self,
@@ -243,14 +247,19 @@ class _Fold:
         self.descs, self.kind, self.device, self.device_id = descs, kind, device, device_id
         (self.batch, self.channels), self.mask, self.wants_z = sizes, mask, wants_z
         self.options = options
+        self.aligned = Aligned({_NAMES.index(n): desc for n, desc in descs.items()})
         self.foldings = {}  # name -> (index in the arrays, allocator of a copy or None, shape)
         for n, desc in descs.items():
             copy, shape = _folding(n, desc, self.batch)
             allocate = None if copy is None else kind.allocator(like, copy)
             self.foldings[n] = (_NAMES.index(n), allocate, shape)
 
-    def __call__(self, natives: tuple, stream: Any) -> tuple[Any, ...]:
+    def __call__(
+        self, natives: tuple, stream: Any, ptrs: list[int] | None = None
+    ) -> tuple[Any, ...]:
         like, kind, batch = natives[0], self.kind, self.batch
+        if ptrs is not None:
+            self.aligned.check(ptrs, natives, self)
         call_on = call_stream(stream, like, self.device, self.device_id)
         mode, eps, output_mask, fusion, persistent, _ = self.options
         with kind.scope(like, call_on, self.device_id, current=stream is None):

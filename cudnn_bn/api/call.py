@@ -96,9 +96,7 @@ class Plan:
     pick: Any
     returns: Any
     launch: Any
-    # Pointers of the operands read by attributes, with elements, by item size: each must
-    # be non-NULL and aligned (``(pick, p -> p % item size)``).
-    aligned: tuple[tuple[Any, Any], ...]
+    aligned: "Aligned"  # the operands read by attributes
     # (written, other, low, high): the operands' bytes meet where low < written's pointer
     # - other's < high; then ``overlap`` of their descs (the last two) decides.
     overlaps: tuple[tuple[int, int, int, int, TensorDesc, TensorDesc], ...]
@@ -106,10 +104,7 @@ class Plan:
 
     def __call__(self, arrays: tuple, ptrs: list[int], like: Any, stream: Any) -> Any:
         """Run the plan on one call's arrays and pointers; returns ``spec.result``."""
-        for pick, modulo in self.aligned:
-            addresses = pick(ptrs)
-            if 0 in addresses or any(map(modulo, addresses)):
-                self._refuse_misaligned(arrays, ptrs)
+        self.aligned.check(ptrs, arrays, self.spec)
         for written, other, low, high, w_desc, o_desc in self.overlaps:
             w, o = ptrs[written], ptrs[other]
             if low < w - o < high and overlap(w_desc, w, o_desc, o):
@@ -123,14 +118,6 @@ class Plan:
         call_on = call_stream(stream, like, self.device, self.device_id)
         with self.kind.scope(like, call_on, self.device_id, current=stream is None):
             return self._run(arrays, ptrs, like, call_on)
-
-    def _refuse_misaligned(self, arrays: tuple, ptrs: list[int]) -> None:
-        """The door's error for the first operand found NULL or misaligned."""
-        for pick, modulo in self.aligned:
-            for at in pick(range(len(arrays))):
-                if not ptrs[at] or modulo(ptrs[at]):
-                    name = self.spec.names[at]
-                    operand(self.spec.spelling.get(name, name), arrays[at])  # raises
 
     def _run(self, arrays: tuple, ptrs: list[int], like: Any, stream: int) -> Any:
         made = []
@@ -249,13 +236,30 @@ def run(spec: Pass, arrays: tuple, raw: tuple, stream: Any) -> Any:
     return plan(arrays, ptrs, like, stream)
 
 
-def _aligned(descs: dict[int, TensorDesc]) -> tuple[tuple[Any, Any], ...]:
-    """``Plan.aligned`` for the operands at these indices (those with elements)."""
-    sizes: dict[int, list[int]] = {}
-    for at, desc in descs.items():
-        if desc.numel:
-            sizes.setdefault(ITEMSIZE[desc.dtype], []).append(at)
-    return tuple((_picker(ats), size.__rmod__) for size, ats in sizes.items())
+class Aligned:
+    """The pointers of a call (operands at these indices, those with elements) that must be
+    non-NULL and aligned to their item size: what the door checks of an address, for
+    operands read by their attributes. Grouped by item size, so a call checks each group
+    with a few C-level scans."""
+
+    def __init__(self, descs: dict[int, TensorDesc]) -> None:
+        sizes: dict[int, list[int]] = {}
+        for at, desc in descs.items():
+            if desc.numel:
+                sizes.setdefault(ITEMSIZE[desc.dtype], []).append(at)
+        self.groups = tuple((_picker(ats), size.__rmod__) for size, ats in sizes.items())
+
+    def check(self, ptrs: list[int], arrays: tuple, spec: Any) -> None:
+        """BAD_PARAM from the door, naming the first operand found NULL or misaligned
+        (``spec``: its ``names`` and ``spelling``)."""
+        for pick, modulo in self.groups:
+            addresses = pick(ptrs)
+            if 0 in addresses or any(map(modulo, addresses)):
+                for at in pick(range(len(arrays))):
+                    if not ptrs[at] or modulo(ptrs[at]):
+                        name = spec.spelling.get(spec.names[at], spec.names[at])
+                        operand(name, arrays[at])  # raises
+                        raise InfiniError(Status.BAD_PARAM, f"{name} is misaligned or NULL")
 
 
 def _picker(indices: list[int]) -> Any:
@@ -328,7 +332,7 @@ def _build(
         pick,
         returns,
         descriptor.launcher(descriptor.workspace_size, built.reserve_size, "reserve" in ops),
-        _aligned({index[n]: op.desc for n, op in ops.items() if index[n] not in described}),
+        Aligned({index[n]: op.desc for n, op in ops.items() if index[n] not in described}),
         tuple(  # each written operand against every other one (each pair once)
             (
                 index[w],
