@@ -54,6 +54,11 @@ class FakeArray:
             self._fake, self.shape[1:], self.dtype, ptr, self.device.id, self.strides[1:]
         )
 
+    def transpose(self, *axes: int) -> "FakeArray":
+        axes = tuple(axes[0]) if len(axes) == 1 and isinstance(axes[0], tuple) else axes
+        shape, strides = (tuple(values[a] for a in axes) for values in (self.shape, self.strides))
+        return FakeArray(self._fake, shape, self.dtype, self.data.ptr, self.device.id, strides)
+
     def swapaxes(self, a: int, b: int) -> "FakeArray":
         return FakeArray(
             self._fake, _swap(self.shape, a, b), self.dtype, self.data.ptr, self.device.id,
@@ -186,9 +191,6 @@ class FakeCupy(types.ModuleType):
                 fake, fake.stacks[fake.device if device_id == -1 else device_id][-1]
             ),
         )
-        self.lib = types.SimpleNamespace(
-            stride_tricks=types.SimpleNamespace(as_strided=self._as_strided)
-        )
 
     def array(self, shape, device: int = 0, dtype: Any = np.float32) -> FakeArray:
         """An input array on ``device`` (made outside any call: not logged)."""
@@ -196,16 +198,13 @@ class FakeCupy(types.ModuleType):
         self.owners[ptr] = device
         return FakeArray(self, shape, dtype, ptr, device)
 
-    def empty(self, size: int, dtype: Any) -> FakeArray:
+    def empty(self, shape: int | tuple[int, ...], dtype: Any) -> FakeArray:
         ptr = next(self._addresses)
         self.owners[ptr] = self.device
-        array = FakeArray(self, (size,), dtype, ptr, self.device)
+        shape = shape if isinstance(shape, tuple) else (shape,)
+        array = FakeArray(self, shape, dtype, ptr, self.device)
         self.log.append(("alloc", self.device, self.stacks[self.device][-1], array.nbytes, ptr))
         return array
-
-    @staticmethod
-    def _as_strided(base: FakeArray, shape, strides) -> FakeArray:
-        return FakeArray(base._fake, shape, base.dtype, base.data.ptr, base.device.id, strides)
 
     def allocations(self) -> list[tuple[int, int]]:
         """``(device, stream)`` of every allocation so far."""

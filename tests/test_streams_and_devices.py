@@ -337,3 +337,18 @@ def test_resolve_stream_is_the_call_stream_of_the_arrays_device(fake):
     assert resolve_stream(None, x) == CURRENT[1]
     assert resolve_stream(CALL_STREAM, x) == CALL_STREAM
     assert resolve_stream(None, np.zeros(SHAPE)) == 0
+
+
+def test_a_channels_last_output_is_one_packed_block_in_the_inputs_layout(fake, stub):
+    """CuPy outputs are allocated as NumPy's are: packed in the input's memory order, then
+    transposed to its axes (``kinds._in_memory_order``)."""
+    n, h, w = 2, 3, 4
+    item = np.dtype(np.float32).itemsize
+    strides = (h * w * C * item, item, w * C * item, C * item)  # NHWC
+    base = fake.array((n * C * h * w,))
+    x = FakeArray(fake, (n, C, h, w), np.float32, base.data.ptr, 0, strides)
+    per_channel = [fake.array((C,)) for _ in range(4)]
+    y = batch_norm_forward_inference(x, *per_channel)
+    assert y.shape == x.shape and y.strides == x.strides
+    blocks = [entry for entry in fake.log if entry[0] == "alloc"]
+    assert [(size, ptr) for *_, size, ptr in blocks] == [(base.nbytes, y.data.ptr)]

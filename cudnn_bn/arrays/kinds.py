@@ -38,12 +38,18 @@ def _memory_order(desc: TensorDesc) -> tuple[tuple[int, ...], tuple[int, ...]]:
     return order, inverse
 
 
-def _packed_in_some_order(desc: TensorDesc) -> bool:
-    order, _ = _memory_order(desc)
-    packed = contiguous_strides(tuple(desc.shape[a] for a in order))
-    return all(
+def _in_memory_order(desc: TensorDesc) -> tuple[tuple[int, ...], tuple[int, ...] | None]:
+    """``(shape, inverse)``: a packed layout of ``desc`` as the shape of an array allocated
+    in its memory order, and the transposition back to ``desc``'s axes (None: none needed).
+    So a channels-last output costs what a row-major one does, with no ``as_strided``."""
+    order, inverse = _memory_order(desc)
+    shape = tuple(desc.shape[a] for a in order)
+    packed = contiguous_strides(shape)
+    if not all(
         desc.shape[a] == 1 or desc.strides[a] == s for a, s in zip(order, packed, strict=True)
-    )
+    ):
+        raise ValueError(f"no packed layout has strides {desc.strides}")  # a caller's bug
+    return shape, None if order == tuple(range(desc.ndim)) else inverse
 
 
 class NumpyKind:
@@ -65,24 +71,13 @@ class NumpyKind:
         return like.dtype if own else FLOAT_TYPES[dtype].storage
 
     def allocator(self, like: Any, desc: TensorDesc) -> Allocator:
-        """New arrays of ``desc``: allocated packed in its memory order and transposed to its
-        axes (no as_strided), so a channels-last output costs what a row-major one does."""
+        """New arrays of ``desc`` (``_in_memory_order``)."""
         storage = self.storage(like, desc.dtype)
-        if not _packed_in_some_order(desc):
-            raise ValueError(f"no packed layout has strides {desc.strides}")  # a caller's bug
-        order, inverse = _memory_order(desc)
-        shape = tuple(desc.shape[a] for a in order)
-        if order == tuple(range(desc.ndim)):
+        shape, inverse = _in_memory_order(desc)
 
-            def allocate() -> tuple[Any, int]:
-                array = np.empty(shape, storage)
-                return array, ndarray_data(array)
-
-        else:
-
-            def allocate() -> tuple[Any, int]:
-                array = np.empty(shape, storage)
-                return array.transpose(inverse), ndarray_data(array)
+        def allocate() -> tuple[Any, int]:
+            array = np.empty(shape, storage)
+            return array if inverse is None else array.transpose(inverse), ndarray_data(array)
 
         return allocate
 
@@ -158,21 +153,13 @@ class CupyKind:
 
     def allocator(self, like: Any, desc: TensorDesc) -> Allocator:
         storage = NUMPY.storage(like, desc.dtype)
-        shape, strides = desc.shape, desc.strides
-        packed = strides == contiguous_strides(shape)
+        shape, inverse = _in_memory_order(desc)
 
         def allocate() -> tuple[Any, int]:
             import cupy
 
-            if packed:
-                array = cupy.empty(shape, storage)
-            else:
-                extent = sum((n - 1) * s for n, s in zip(shape, strides, strict=True)) + 1
-                base = cupy.empty(extent, storage)
-                array = cupy.lib.stride_tricks.as_strided(
-                    base, shape, tuple(s * base.itemsize for s in strides)
-                )
-            return array, array.data.ptr
+            array = cupy.empty(shape, storage)
+            return array if inverse is None else array.transpose(inverse), array.data.ptr
 
         return allocate
 
