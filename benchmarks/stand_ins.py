@@ -78,9 +78,10 @@ def forget_allocations(fake: FakeCupy) -> None:
 
 def own_share(fake: FakeCupy, call: Callable[[], object], calls: int) -> float:
     """The fraction of ``calls`` runs of ``call`` spent inside the CuPy stand-in (its arrays'
-    CUDA array interface, allocation, streams, device calls), timed round its entry points
-    (outermost entry only): the part of a device-array call that a real CuPy replaces with
-    its own. A fraction of the same runs, so that a pause of the process scales both."""
+    CUDA array interface, views and copies, allocation, streams, device calls), timed round
+    its entry points (outermost entry only): the part of a device-array call that a real
+    CuPy replaces with its own. A fraction of the same runs, so that a pause of the process
+    scales both."""
     spent, depth = [0.0], [0]
 
     def timed(function: Callable) -> Callable:
@@ -100,7 +101,8 @@ def own_share(fake: FakeCupy, call: Callable[[], object], calls: int) -> float:
     runtime = fake.cuda.runtime
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(FakeArray, "__cuda_array_interface__", property(timed(interface.fget)))
-        patch.setattr(FakeArray, "transpose", timed(FakeArray.transpose))
+        for name in ("transpose", "swapaxes", "reshape", "__setitem__"):
+            patch.setattr(FakeArray, name, timed(getattr(FakeArray, name)))
         patch.setattr(fake, "empty", timed(fake.empty))
         for name in ("__enter__", "__exit__"):
             patch.setattr(FakeStream, name, timed(getattr(FakeStream, name)))

@@ -172,7 +172,10 @@ class OperatorDescriptor:
             for name in needed:
                 if not getattr(ptrs, name):
                     raise InfiniError(Status.NULL_POINTER, f"{name} is NULL")
-            self._run(build, build.kernel.run, ptrs, workspace, stream)
+            try:
+                build.kernel.run(ptrs, workspace, stream)
+            except InfiniError as exc:
+                raise self._described(exc, build) from exc
         finally:
             with self._lock:
                 build.users -= 1
@@ -195,7 +198,10 @@ class OperatorDescriptor:
         def launch(ptrs: NamedTuple, workspace: int, stream: int) -> None:
             if checks_workspace:
                 self._check_workspace(build, workspace)
-            self._run(build, run, ptrs, workspace, stream)
+            try:
+                run(ptrs, workspace, stream)
+            except InfiniError as exc:
+                raise self._described(exc, build) from exc
 
         return launch
 
@@ -237,16 +243,9 @@ class OperatorDescriptor:
                 f"workspace {workspace:#x} is not {WORKSPACE_ALIGNMENT}-byte aligned",
             )
 
-    def _run(
-        self, build: Build, run: Callable, ptrs: NamedTuple, workspace: int, stream: int
-    ) -> None:
-        """``run`` (the build's kernel's), a failure described well enough to reproduce."""
-        try:
-            run(ptrs, workspace, stream)
-        except InfiniError as exc:
-            raise InfiniError(
-                exc.status, f"{str(exc).partition(': ')[2]}\n{self.repro(build)}"
-            ) from exc
+    def _described(self, exc: InfiniError, build: Build) -> InfiniError:
+        """A kernel's failure, described well enough to reproduce."""
+        return InfiniError(exc.status, f"{str(exc).partition(': ')[2]}\n{self.repro(build)}")
 
     def repro(self, build: Build | None = None) -> str:
         """A description of this problem precise enough to rebuild it, for bug reports."""
