@@ -15,8 +15,7 @@ object they point to, so no conversion here ever leads to a write ctypes would n
 import ctypes
 import numbers
 import operator
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from typing import Any
 
 from .enums import Status
@@ -46,13 +45,13 @@ def _bad(name: str, expected: str, value: Any) -> InfiniError:
     )
 
 
-@contextmanager
-def _refused_as(name: str, c_type: str) -> Iterator[None]:
-    """Any error the caller's object raises while it is read (its ``__index__``,
-    ``__float__``, ``_as_parameter_``...) becomes a BAD_PARAM naming the parameter, as ctypes
-    refuses what it cannot convert."""
+def _as_c(name: str, c_type: str, function: Callable[..., Any], *args: Any) -> Any:
+    """``function(*args)``, reading the caller's object for parameter ``name``: any error
+    the object raises (its ``__index__``, ``__float__``, ``_as_parameter_``...) becomes a
+    BAD_PARAM naming the parameter, as ctypes refuses what it cannot convert. (Not a context
+    manager: this runs for every argument of every C call.)"""
     try:
-        yield
+        return function(*args)
     except InfiniError:
         raise
     except (ArithmeticError, TypeError, ValueError) as exc:
@@ -242,8 +241,7 @@ def in_array(element: type, c_type: str) -> Converter:
             items = _Memory(element, host_address(address, name), None)
 
         def read(n: int) -> tuple[int, ...]:
-            with _refused_as(name, c_type):
-                return _entries(n)
+            return _as_c(name, c_type, _entries, n)
 
         def _entries(n: int) -> tuple[int, ...]:
             if isinstance(items, _Memory):
@@ -313,7 +311,6 @@ def converter(c_type: str) -> Converter:
         raise ValueError(f"no conversion for C type {c_type!r}")
 
     def refusing(value: Any, name: str) -> Any:
-        with _refused_as(name, c_type):
-            return convert(value, name)
+        return _as_c(name, c_type, convert, value, name)
 
     return refusing
