@@ -48,11 +48,18 @@ PARALLEL_MIN_VALUES = 1 << 16  # below this many values a thread hand-off costs 
 
 
 def _channel_args(descs: list[TensorDesc | None]) -> np.ndarray:
-    """(stride, dtype code) of each per-channel tensor, (1, F64) for an absent one."""
+    """(stride, dtype code) of each per-channel tensor (``CHANNEL_SLOTS`` rows), (1, F64)
+    for an absent one."""
+    descs = descs + [None] * (cpu_kernels.CHANNEL_SLOTS - len(descs))
     return np.array(
         [(1, int(DataType.F64)) if d is None else (d.strides[0], int(d.dtype)) for d in descs],
         dtype=np.int64,
     )
+
+
+def _bits(*flags: bool) -> int:
+    """The set of slots whose flag is true, as ``cpu_kernels.load_channels`` takes it."""
+    return sum(1 << slot for slot, flag in enumerate(flags) if flag)
 
 
 class _HostKernel:
@@ -64,6 +71,9 @@ class _HostKernel:
     # Slots of ``data`` (the layout's tensors) that are outputs, and those that are inputs.
     outputs: tuple[int, ...]
     inputs: tuple[int, ...]
+    # Per-channel slots read and written (bits, ``_bits``).
+    reads: int
+    writes: int = 0
 
     def __init__(self, data: list[TensorDesc | None], channel: list[TensorDesc | None]) -> None:
         self.data = data
@@ -97,22 +107,39 @@ class _HostKernel:
         spans = self.layout.spans
         return [cpu_kernels.flat(a, n, self.like) for a, n in zip(addresses, spans, strict=True)]
 
-    def tiled(self, *values: np.ndarray) -> list[np.ndarray]:
-        """Per-channel arrays as the walk sees them (``cpu_kernels.tiled``)."""
-        return [cpu_kernels.tiled(v, self.tile) for v in values]
+    def channel_inputs(self, channel: tuple[int, ...], x=None, shift_row: int = -1) -> tuple:
+        """The per-channel addresses ``channel`` as an array, the float64 table of those
+        read, and the tiled shift of the sums: ``x``'s first values when given, else row
+        ``shift_row`` (``cpu_kernels.load_channels``)."""
+        k, layout = cpu_kernels, self.layout
+        at = np.zeros(k.CHANNEL_SLOTS, dtype=np.int64)
+        at[: len(channel)] = channel
+        values = np.zeros((k.CHANNEL_SLOTS, layout.channels))
+        shift = np.empty(layout.channels * self.tile)
+        k.load_channels(at, self.channel_args, self.reads, values, shift, shift_row)
+        if x is not None:
+            k.first_values(x, layout.geometry, layout.strides, shift)
+        return at, values, shift
+
+    def channel_results(self, kind: int, at, values, sums, shift, mode: int, momentum: float):
+        """Write the per-channel results; the elementwise pass's tiled coefficients."""
+        k = cpu_kernels
+        coefficients = np.empty((3, self.layout.channels * self.tile))
+        k.channel_results(kind, sums, shift, values, self.layout.count, self.eps, momentum,
+                          mode, coefficients)  # fmt: skip
+        k.store_channels(values, at, self.channel_args, self.writes)
+        return coefficients
 
     def sums(self, x, dy, y, shift, items: list) -> np.ndarray:
         """The walk's ``item_sums`` of every work item on the engine's threads, added in
-        item order (the same sums for the same thread count), per channel."""
+        item order (the same sums for the same thread count): ``(SUMS, C * tile)``."""
         geometry, strides = self.layout.geometry, self.layout.strides
-        channels = self.layout.channels
-        partial = np.zeros((len(items), cpu_kernels.SUMS, channels * self.tile))
-        (shift,) = self.tiled(shift)
+        partial = np.zeros((len(items), cpu_kernels.SUMS, shift.size))
         cpu_pool.run(
             lambda i: self.item_sums(x, dy, y, geometry, strides, shift, partial[i], items[i]),
             len(items),
         )
-        return cpu_kernels.folded(partial.sum(axis=0), channels)
+        return partial.sum(axis=0)
 
     def overlapping(self, addresses: list[int]) -> list[int]:
         """Output slots that overlap an input other than element for element."""
@@ -164,8 +191,11 @@ class BatchNormBackward(_HostKernel):
         channel = [t.weight, t.running_mean if reads_stats else None]
         channel += [t.running_var if reads_stats else None, t.grad_weight, t.grad_bias]
         super().__init__(data, channel)
-        self.flags = (*a.output_mask, fused, with_z)
+        self.reads = _bits(True, reads_stats, reads_stats)
+        self.writes = _bits(False, False, False, *a.output_mask[1:])
         self.mode, self.eps = int(a.mode), float(a.eps)
+        # The elementwise pass's flags: use x (all modes but eval), mask, write gi, write gz.
+        self.flags = (self.mode != cpu_kernels.EVAL, fused, a.output_mask[0], with_z)
 
     def run(self, ptrs: BackwardPointers, workspace: int, stream: int) -> None:
         """Compute the wanted gradients; ``workspace``/``stream`` are unused."""
@@ -180,26 +210,24 @@ class BatchNormBackward(_HostKernel):
         geometry, strides, args = layout.geometry, layout.strides, self.channel_args
         if chunks == 1:
             k.backward(*at, *channel, self.like, geometry, strides, self.spans, args,
-                       self.mode, self.eps, self.flags, self.whole)  # fmt: skip
+                       self.reads, self.writes, self.mode, self.eps, self.flags,
+                       self.whole)  # fmt: skip
             return
-        write_gi, write_gw, write_gb, masked, write_gz = self.flags
         x, dy, y, gi, gz = self.views(at)
-        w, shift, stat = k.backward_inputs(x, geometry, strides, *channel[:3], args, self.mode)
+        train = self.mode == k.TRAIN
+        channel_at, values, shift = self.channel_inputs(channel, x if train else None, 1)
         items = layout.items(chunks)
         sums = self.sums(x, dy, y, shift, items)
-        k_dy, k_x, k_c, gw, gb = k.backward_coefficients(
-            sums, shift, stat, w, layout.count, self.mode, self.eps
+        coefficients = self.channel_results(
+            k.BACKWARD, channel_at, values, sums, shift, self.mode, 0.0
         )
-        if write_gi or write_gz:
-            apply = (self.mode != cpu_kernels.EVAL, masked, write_gi, write_gz)
-            coefficients = self.tiled(k_dy, k_x, k_c)
+        if self.flags[2] or self.flags[3]:
             cpu_pool.run(
                 lambda i: self.item_backward(
-                    x, dy, y, gi, gz, geometry, strides, *coefficients, apply, items[i]
+                    x, dy, y, gi, gz, geometry, strides, *coefficients, self.flags, items[i]
                 ),
                 len(items),
             )
-        k.backward_outputs(gw, gb, *channel[3:], args, write_gw, write_gb)
 
 
 class BatchNormForwardTraining(_HostKernel):
@@ -222,8 +250,10 @@ class BatchNormForwardTraining(_HostKernel):
             [t.input, t.z if with_z else None, t.output],
             [t.weight, t.bias, t.saved_mean, t.saved_invstd, t.running_mean, t.running_var],
         )
-        flags = (with_z, a.fusion != Fusion.BN)
-        self.flags = (*flags, t.running_mean is not None, t.running_var is not None)
+        self.flags = (with_z, a.fusion != Fusion.BN)  # the elementwise pass's: add z, ReLU
+        updates = (t.running_mean is not None, t.running_var is not None)
+        self.reads = _bits(True, True, False, False, *updates)
+        self.writes = _bits(False, False, True, True, *updates)
         self.eps, self.momentum = float(a.eps), float(a.momentum)
 
     def run(self, ptrs: ForwardTrainingPointers, workspace: int, stream: int) -> None:
@@ -234,30 +264,25 @@ class BatchNormForwardTraining(_HostKernel):
     def launch(self, at: list[int], p: ForwardTrainingPointers) -> None:
         k, layout, chunks = cpu_kernels, self.layout, self.chunks()
         geometry, strides, args = layout.geometry, layout.strides, self.channel_args
-        outputs = (p.saved_mean, p.saved_invstd, p.running_mean, p.running_var)
+        channel = (p.weight, p.bias, p.saved_mean, p.saved_invstd, p.running_mean,
+                   p.running_var)  # fmt: skip
         if chunks == 1:
-            k.forward_training(*at, p.weight, p.bias, *outputs, self.like, geometry, strides,
-                               self.spans, args, self.eps, self.momentum, self.flags,
+            k.forward_training(*at, *channel, self.like, geometry, strides, self.spans, args,
+                               self.reads, self.writes, self.eps, self.momentum, self.flags,
                                self.whole)  # fmt: skip
             return
-        add_z, relu, *updates = self.flags
-        updates = tuple(updates)
         x, z, y = self.views(at)
-        w, b, old_mean, old_var, shift = k.training_inputs(
-            x, geometry, strides, p.weight, p.bias, p.running_mean, p.running_var, args, updates
-        )
+        channel_at, values, shift = self.channel_inputs(channel, x)
         items = layout.items(chunks)
         sums = self.sums(x, x[:0], x[:0], shift, items)
-        stats = k.training_statistics(sums, shift, layout.count, self.eps)
-        coefficients = self.tiled(stats[0], w * stats[2], b)
+        coefficients = self.channel_results(
+            k.TRAINING, channel_at, values, sums, shift, k.TRAIN, self.momentum
+        )
         cpu_pool.run(
             lambda i: self.item_forward(
-                x, z, y, geometry, strides, *coefficients, (add_z, relu), items[i]
+                x, z, y, geometry, strides, *coefficients, self.flags, items[i]
             ),
             len(items),
-        )
-        k.training_outputs(
-            stats, (old_mean, old_var), outputs, args, layout.count, self.momentum, updates
         )
 
 
@@ -278,6 +303,7 @@ class BatchNormForwardInference(_HostKernel):
             [t.input, None, t.output], [t.weight, t.bias, t.running_mean, t.running_var]
         )
         self.eps = float(attributes.eps)
+        self.reads = _bits(True, True, True, True)
         self.plain = (False, False)  # the forward's flags: no z, no ReLU
 
     def run(self, ptrs: ForwardInferencePointers, workspace: int, stream: int) -> None:
@@ -290,11 +316,14 @@ class BatchNormForwardInference(_HostKernel):
         geometry, strides, args = layout.geometry, layout.strides, self.channel_args
         if chunks == 1:
             k.forward_inference(at[0], at[2], *channel, self.like, geometry, strides,
-                                self.spans, args, self.eps, self.plain, self.whole)  # fmt: skip
+                                self.spans, args, self.reads, self.eps, self.plain,
+                                self.whole)  # fmt: skip
             return
         x, _, y = self.views(at)
-        coefficients = self.tiled(
-            *k.inference_coefficients(*channel, args, layout.channels, self.eps)
+        channel_at, values, shift = self.channel_inputs(channel)
+        no_sums = np.zeros((k.SUMS, 0))
+        coefficients = self.channel_results(
+            k.INFERENCE, channel_at, values, no_sums, shift, k.EVAL, 0.0
         )
         items = layout.items(chunks)
         cpu_pool.run(

@@ -15,7 +15,8 @@ No kernel uses numba's parallel layer (OpenMP, TBB or workqueue): a forked child
 compiles in seconds. Flags are runtime arguments, not compile-time ones: each data dtype
 compiles one version of each function, and only when a call needs it (a large call:
 only its layout's walk, ``item_*_along`` or ``item_*_across``). Data tensors are
-walked as ``cpu_layout.Layout`` says, by index arithmetic on flat views.
+walked as ``cpu_layout.Layout`` says, by index arithmetic on flat views; the per-channel
+arrays a walk reads are tiled: repeated ``tile`` times (``C * tile`` values, ``cpu_layout``).
 
 F16 and BF16 have no numba type: the kernels see their bits (``uint16`` for F16, ``int16``
 for BF16, so the dtype alone picks the conversion) and convert element by element: exact
@@ -274,53 +275,72 @@ def _encode(value, dtype):
 
 
 # --- per-channel operands ------------------------------------------------------------------
+# A pass's per-channel tensors are the rows of one float64 table (``CHANNEL_SLOTS``, C):
+# one function reads them, one computes (``channel_results``), one writes them, each
+# compiled once for every pass and data dtype (a dozen small functions, each compiled apart
+# and linked again into its callers, were most of a first call's compile time).
+
+CHANNEL_SLOTS = 6  # per-channel tensors of a pass, at most (the training forward's)
 
 
 @jit
-def load_channels(address, stride, code, count):
-    """float64 copy of a ``(count,)`` tensor of dtype ``code`` with element ``stride``."""
-    out = np.empty(count, np.float64)
-    span = (count - 1) * stride + 1
-    if code == F64:
-        v64 = numba.carray(_pointer(address), (span,), np.float64)
-        for c in range(count):
-            out[c] = v64[c * stride]
-    elif code == F32:
-        v32 = numba.carray(_pointer(address), (span,), np.float32)
-        for c in range(count):
-            out[c] = v32[c * stride]
-    elif code == F16:
-        vh = numba.carray(_pointer(address), (span,), np.uint16)
-        for c in range(count):
-            out[c] = decode(vh[c * stride])
-    else:
-        vb = numba.carray(_pointer(address), (span,), np.int16)
-        for c in range(count):
-            out[c] = decode(vb[c * stride])
-    return out
+def load_channels(at, args, reads, values, shift, shift_row):
+    """float64 copies of the per-channel tensors at addresses ``at`` whose bit is set in
+    ``reads`` into their rows of ``values`` (``args``: each one's element stride and dtype
+    code); row ``shift_row`` (when not negative) also into ``shift``, tiled."""
+    count = values.shape[1]
+    for t in range(at.size):
+        if not reads >> t & 1:
+            continue
+        stride, code, out = args[t, 0], args[t, 1], values[t]
+        span = (count - 1) * stride + 1
+        if code == F64:
+            v64 = numba.carray(_pointer(at[t]), (span,), np.float64)
+            for c in range(count):
+                out[c] = v64[c * stride]
+        elif code == F32:
+            v32 = numba.carray(_pointer(at[t]), (span,), np.float32)
+            for c in range(count):
+                out[c] = v32[c * stride]
+        elif code == F16:
+            vh = numba.carray(_pointer(at[t]), (span,), np.uint16)
+            for c in range(count):
+                out[c] = decode(vh[c * stride])
+        else:
+            vb = numba.carray(_pointer(at[t]), (span,), np.int16)
+            for c in range(count):
+                out[c] = decode(vb[c * stride])
+    if shift_row >= 0:
+        for i in range(shift.size):
+            shift[i] = values[shift_row, i % count]
 
 
 @jit
-def store_channels(values, address, stride, code):
-    """Round ``values`` once to dtype ``code`` and write them with element ``stride``."""
-    count = values.size
-    span = (count - 1) * stride + 1
-    if code == F64:
-        v64 = numba.carray(_pointer(address), (span,), np.float64)
-        for c in range(count):
-            v64[c * stride] = values[c]
-    elif code == F32:
-        v32 = numba.carray(_pointer(address), (span,), np.float32)
-        for c in range(count):
-            v32[c * stride] = values[c]
-    elif code == F16:
-        vh = numba.carray(_pointer(address), (span,), np.uint16)
-        for c in range(count):
-            vh[c * stride] = encode(values[c], vh.dtype)
-    else:
-        vb = numba.carray(_pointer(address), (span,), np.int16)
-        for c in range(count):
-            vb[c * stride] = encode(values[c], vb.dtype)
+def store_channels(values, at, args, writes):
+    """Round the rows of ``values`` whose bit is set in ``writes`` once to their tensor's
+    dtype and write them (``load_channels`` in reverse)."""
+    count = values.shape[1]
+    for t in range(at.size):
+        if not writes >> t & 1:
+            continue
+        stride, code, row = args[t, 0], args[t, 1], values[t]
+        span = (count - 1) * stride + 1
+        if code == F64:
+            v64 = numba.carray(_pointer(at[t]), (span,), np.float64)
+            for c in range(count):
+                v64[c * stride] = row[c]
+        elif code == F32:
+            v32 = numba.carray(_pointer(at[t]), (span,), np.float32)
+            for c in range(count):
+                v32[c * stride] = row[c]
+        elif code == F16:
+            vh = numba.carray(_pointer(at[t]), (span,), np.uint16)
+            for c in range(count):
+                vh[c * stride] = encode(row[c], vh.dtype)
+        else:
+            vb = numba.carray(_pointer(at[t]), (span,), np.int16)
+            for c in range(count):
+                vb[c * stride] = encode(row[c], vb.dtype)
 
 
 # --- walking the data ----------------------------------------------------------------------
@@ -440,7 +460,7 @@ def _sums_across(x, dy, y, geometry, strides, r0, r1, n, shift, out):
 @jit
 def item_sums(x, dy, y, geometry, strides, shift, out, bounds):
     """Add the sums of the work item ``bounds`` to ``out`` (``(SUMS, C * tile)``, ``shift``
-    tiled the same, see ``tiled``): ``x - k``, ``(x - k)^2``, ``dy``, ``dy * (x - k)`` with
+    tiled the same): ``x - k``, ``(x - k)^2``, ``dy``, ``dy * (x - k)`` with
     ``k = shift[c]``; ``dy`` zero where ``y <= 0`` if ``y`` is not empty; with ``dy`` empty
     its sums stay zero."""
     if geometry[3]:
@@ -485,38 +505,13 @@ def item_sums_across(x, dy, y, geometry, strides, shift, out, bounds):
     _sums_across(x, dy, y, geometry, strides, r0, r1, n, shift, out)
 
 
-@helper
-def first_values(x, geometry, strides):
-    """Each channel's first value: the shift that makes a constant channel sum to zero."""
-    shift = np.empty(geometry[0])
-    for c in range(geometry[0]):
-        shift[c] = decode(x[c * strides[0, 0]])
-    return shift
-
-
 @jit
-def tiled(values, tile):
-    """``values`` repeated ``tile`` times (itself for 1): per-channel values for a run of
-    ``tile`` rows of channels."""
-    if tile == 1:
-        return values
-    n = values.size
-    out = np.empty(n * tile)
-    for i in range(n * tile):  # a loop: numba's slice assignment costs seconds to compile
-        out[i] = values[i % n]
-    return out
-
-
-@jit
-def folded(sums, channels):
-    """``(SUMS, C * tile)`` sums added up per channel: ``(SUMS, C)``."""
-    if sums.shape[1] == channels:
-        return sums
-    out = np.zeros((SUMS, channels))
-    for j in range(SUMS):
-        for i in range(sums.shape[1]):
-            out[j, i % channels] += sums[j, i]
-    return out
+def first_values(x, geometry, strides, shift):
+    """Each channel's first value, tiled, into ``shift``: the shift that makes a constant
+    channel sum to exactly zero."""
+    channels = geometry[0]
+    for i in range(shift.size):
+        shift[i] = decode(x[(i % channels) * strides[0, 0]])
 
 
 # --- pass 2: the elementwise results -------------------------------------------------------
@@ -584,7 +579,7 @@ def _forward_across(x, z, y, geometry, strides, r0, r1, n, mean, scale, shift, f
 @jit
 def item_forward(x, z, y, geometry, strides, mean, scale, shift, flags, bounds):
     """``y = relu?((x - mean)*scale + shift [+ z])`` over the work item ``bounds`` (the
-    per-channel arrays tiled as ``tiled`` does). ``flags``: add z, ReLU. Data slots: x, z,
+    per-channel arrays tiled). ``flags``: add z, ReLU. Data slots: x, z,
     y."""
     if geometry[3]:
         item_forward_across(x, z, y, geometry, strides, mean, scale, shift, flags, bounds)
@@ -695,7 +690,7 @@ def _backward_across(x, dy, y, gi, gz, geometry, strides, r0, r1, n, k_dy, k_x, 
 @jit
 def item_backward(x, dy, y, gi, gz, geometry, strides, k_dy, k_x, k_c, flags, bounds):
     """``gi = k_dy*dv + k_x*x + k_c`` and ``gz = dv`` (``dv``: dy, zero where ``y <= 0`` if
-    masked) over the work item ``bounds`` (the coefficients tiled as ``tiled`` does).
+    masked) over the work item ``bounds`` (the coefficients tiled).
     ``flags``: use x (all but eval), mask, write gi, write gz. Data slots: x, dy, y, gi,
     gz."""
     if geometry[3]:
@@ -730,64 +725,59 @@ def item_backward_across(x, dy, y, gi, gz, geometry, strides, k_dy, k_x, k_c, fl
 
 
 # --- the passes ----------------------------------------------------------------------------
-# Each pass is its inputs, its sums over every item, its coefficients, its results over
-# every item and its per-channel outputs. The whole-pass functions below run them as one
-# item in one call (small problems); the backend runs the same steps with items on threads.
+# Each pass reads its per-channel inputs, adds up its sums over every item, computes its
+# per-channel results and writes them, then its elementwise results over every item. The
+# whole-pass functions below run these as one item in one call (small problems); the
+# backend runs the same steps with items on threads.
 
 TRAIN, SAVED, EVAL, SAVED_INVSTD = 0, 1, 2, 3  # problems.Mode
+TRAINING, BACKWARD, INFERENCE = 0, 1, 2  # channel_results' kinds of pass
 
 
 @jit
-def backward_inputs(x, geometry, strides, w_at, m_at, v_at, channel_args, mode):
-    """``(weight, shift, statistic)`` in float64: the shift is the batch's first values
-    (train) or the saved/running mean; the statistic is the saved invstd or a variance."""
-    channels = geometry[0]
-    w = load_channels(w_at, channel_args[0, 0], channel_args[0, 1], channels)
-    if mode == TRAIN:
-        shift = first_values(x, geometry, strides)
-        return w, shift, shift
-    shift = load_channels(m_at, channel_args[1, 0], channel_args[1, 1], channels)
-    stat = load_channels(v_at, channel_args[2, 0], channel_args[2, 1], channels)
-    return w, shift, stat
-
-
-@jit
-def backward_coefficients(sums, shift, stat, w, count, mode, eps):
-    """``(k_dy, k_x, k_c, grad_weight, grad_bias)``: ``grad_input = k_dy*dy + k_x*x + k_c``
-    per channel."""
-    channels = w.size
-    k_dy, k_x, k_c = np.empty(channels), np.zeros(channels), np.zeros(channels)
-    gw, gb = np.empty(channels), np.empty(channels)
+def channel_results(kind, sums, shift, values, count, eps, momentum, mode, coefficients):
+    """A pass's per-channel results from its inputs (rows of ``values``, ``load_channels``)
+    and its data's ``sums`` (``(SUMS, C * tile)``, shifted by the tiled ``shift``), written
+    into ``values``' output rows, and the elementwise pass's ``coefficients`` (3, C * tile),
+    tiled. ``kind``: ``TRAINING`` (rows weight, bias, saved mean, saved invstd, running mean,
+    running var; ``y = (x - mean)*scale + bias``), ``BACKWARD`` (rows weight, statistic 0,
+    statistic 1, grad_weight, grad_bias; ``grad_input = k_dy*dy + k_x*x + k_c``, ``mode``
+    the backward's) or ``INFERENCE`` (rows weight, bias, running mean, running var). No
+    arrays are made here: each costs compile time."""
+    channels = values.shape[1]
+    w = values[0]
     for c in range(channels):
-        sum_dy, sum_dyx = sums[2, c], sums[3, c]
-        mean = shift[c]
-        if mode == TRAIN:
-            d = sums[0, c] / count
-            mean += d
-            var = sums[1, c] / count - d * d
-            if var < 0.0:  # rounding; a NaN stays NaN
-                var = 0.0
-            invstd = 1.0 / np.sqrt(var + eps)
-            sum_dyx -= d * sum_dy  # sum(dy * (x - mean))
-        elif mode == SAVED_INVSTD:
-            invstd = stat[c]
+        s0 = s1 = s2 = s3 = 0.0  # the sums of the channel's ``tile`` columns
+        for i in range(c, sums.shape[1], channels):
+            s0, s1, s2, s3 = s0 + sums[0, i], s1 + sums[1, i], s2 + sums[2, i], s3 + sums[3, i]
+        d = s0 / count
+        mean = shift[c] + d
+        var = s1 / count - d * d
+        if var < 0.0:  # rounding; a NaN stays NaN
+            var = 0.0
+        invstd = 1.0 / np.sqrt(var + eps)
+        if kind == INFERENCE:
+            k = (values[2, c], w[c] / np.sqrt(values[3, c] + eps), values[1, c])
+        elif kind == TRAINING:
+            k = (mean, w[c] * invstd, values[1, c])
+            values[2, c], values[3, c] = mean, invstd
+            values[4, c] = (1.0 - momentum) * values[4, c] + momentum * (mean * 1.0)
+            unbiased = var * (count / (count - 1))
+            values[5, c] = (1.0 - momentum) * values[5, c] + momentum * unbiased
         else:
-            invstd = 1.0 / np.sqrt(stat[c] + eps)
-        gb[c] = sum_dy
-        gw[c] = sum_dyx * invstd
-        k_dy[c] = w[c] * invstd
-        if mode != EVAL:
-            k_x[c] = -k_dy[c] * invstd * gw[c] / count
-            k_c[c] = -k_dy[c] * sum_dy / count - k_x[c] * mean
-    return k_dy, k_x, k_c, gw, gb
-
-
-@jit
-def backward_outputs(gw, gb, gw_at, gb_at, channel_args, write_gw, write_gb):
-    if write_gw:
-        store_channels(gw, gw_at, channel_args[3, 0], channel_args[3, 1])
-    if write_gb:
-        store_channels(gb, gb_at, channel_args[4, 0], channel_args[4, 1])
+            if mode == TRAIN:
+                s3 -= d * s2  # sum(dy * (x - mean))
+            else:
+                mean = shift[c]
+                stat = values[2, c]
+                invstd = stat if mode == SAVED_INVSTD else 1.0 / np.sqrt(stat + eps)
+            values[3, c], values[4, c] = s3 * invstd, s2  # grad_weight, grad_bias
+            k_dy = w[c] * invstd
+            k_x = 0.0 if mode == EVAL else -k_dy * invstd * values[3, c] / count
+            k_c = 0.0 if mode == EVAL else -k_dy * s2 / count - k_x * mean
+            k = (k_dy, k_x, k_c)
+        for i in range(c, coefficients.shape[1], channels):
+            coefficients[0, i], coefficients[1, i], coefficients[2, i] = k
 
 
 @jit
@@ -807,6 +797,8 @@ def backward(
     strides,
     spans,
     channel_args,
+    reads,
+    writes,
     mode,
     eps,
     flags,
@@ -815,90 +807,25 @@ def backward(
     """Batch-norm backward as one item (``whole``: every channel and row). Data tensors
     (x, dy, the fused forward's y, gi, gz) are walked with ``strides``' rows 0..4;
     ``channel_args`` holds (stride, dtype code) of weight, statistic 0, statistic 1,
-    grad_weight, grad_bias. ``flags``: write gi, gw, gb;
-    mask dy by ``y > 0``; write gz."""
-    write_gi, write_gw, write_gb, masked, write_gz = flags
+    grad_weight, grad_bias; ``reads``/``writes``: those read and written (bits, as
+    ``load_channels``). ``flags``: use x (all modes but eval), mask dy by ``y > 0``, write
+    gi, write gz."""
     x, dy, y = flat(x_at, spans[0], like), flat(dy_at, spans[1], like), flat(y_at, spans[2], like)
     gi, gz = flat(gi_at, spans[3], like), flat(gz_at, spans[4], like)
-    w, shift, stat = backward_inputs(x, geometry, strides, w_at, m_at, v_at, channel_args, mode)
+    at = np.array((w_at, m_at, v_at, gw_at, gb_at, 0))
     channels, tile = geometry[0], geometry[TILE]
+    values, shift = np.zeros((CHANNEL_SLOTS, channels)), np.empty(channels * tile)
+    load_channels(at, channel_args, reads, values, shift, -1 if mode == TRAIN else 1)
+    if mode == TRAIN:
+        first_values(x, geometry, strides, shift)
     sums = np.zeros((SUMS, channels * tile))
-    item_sums(x, dy, y, geometry, strides, tiled(shift, tile), sums, whole)
+    item_sums(x, dy, y, geometry, strides, shift, sums, whole)
+    k = np.empty((3, channels * tile))
     count = geometry[1] * geometry[2] * tile
-    k_dy, k_x, k_c, gw, gb = backward_coefficients(
-        folded(sums, channels), shift, stat, w, count, mode, eps
-    )
-    if write_gi or write_gz:
-        apply = (mode != EVAL, masked, write_gi, write_gz)
-        k_dy, k_x, k_c = tiled(k_dy, tile), tiled(k_x, tile), tiled(k_c, tile)
-        item_backward(x, dy, y, gi, gz, geometry, strides, k_dy, k_x, k_c, apply, whole)
-    backward_outputs(gw, gb, gw_at, gb_at, channel_args, write_gw, write_gb)
-
-
-@jit
-def training_inputs(x, geometry, strides, w_at, b_at, rm_at, rv_at, channel_args, updates):
-    """``(weight, bias, old running mean, old running var, shift)`` in float64; a running
-    statistic that ``updates`` says is not updated is empty. Every per-channel input is
-    read before anything is written."""
-    channels = geometry[0]
-    w = load_channels(w_at, channel_args[0, 0], channel_args[0, 1], channels)
-    b = load_channels(b_at, channel_args[1, 0], channel_args[1, 1], channels)
-    old_mean = old_var = np.zeros(0)
-    if updates[0]:
-        old_mean = load_channels(rm_at, channel_args[4, 0], channel_args[4, 1], channels)
-    if updates[1]:
-        old_var = load_channels(rv_at, channel_args[5, 0], channel_args[5, 1], channels)
-    return w, b, old_mean, old_var, first_values(x, geometry, strides)
-
-
-@jit
-def training_statistics(sums, shift, count, eps):
-    """The batch's ``(mean, biased variance, invstd)`` from its shifted sums."""
-    channels = shift.size
-    mean, var, invstd = np.empty(channels), np.empty(channels), np.empty(channels)
-    for c in range(channels):
-        d = sums[0, c] / count
-        mean[c] = shift[c] + d
-        var[c] = sums[1, c] / count - d * d
-        if var[c] < 0.0:  # rounding; a NaN stays NaN
-            var[c] = 0.0
-        invstd[c] = 1.0 / np.sqrt(var[c] + eps)
-    return mean, var, invstd
-
-
-@jit
-def training_outputs(stats, old, at, channel_args, count, momentum, updates):
-    """Write the saved mean and invstd, and the running statistics ``updates`` names.
-    ``stats``: mean, var, invstd; ``old``: the old running mean and var; ``at``: the
-    addresses of saved_mean, saved_invstd, running_mean, running_var."""
-    mean, var, invstd = stats
-    store_channels(mean, at[0], channel_args[2, 0], channel_args[2, 1])
-    store_channels(invstd, at[1], channel_args[3, 0], channel_args[3, 1])
-    if updates[0]:
-        running = _blend(old[0], mean, 1.0, momentum)
-        store_channels(running, at[2], channel_args[4, 0], channel_args[4, 1])
-    if updates[1]:
-        running = _blend(old[1], var, count / (count - 1), momentum)
-        store_channels(running, at[3], channel_args[5, 0], channel_args[5, 1])
-
-
-@helper
-def _blend(old, new, factor, momentum):
-    """``(1 - momentum)*old + momentum*factor*new``, a loop (array expressions cost
-    seconds to compile on first use)."""
-    out = np.empty(old.size)
-    for c in range(old.size):
-        out[c] = (1.0 - momentum) * old[c] + momentum * (new[c] * factor)
-    return out
-
-
-@helper
-def _product(a, b):
-    """``a * b`` elementwise, a loop (see ``_blend``)."""
-    out = np.empty(a.size)
-    for c in range(a.size):
-        out[c] = a[c] * b[c]
-    return out
+    channel_results(BACKWARD, sums, shift, values, count, eps, 0.0, mode, k)
+    store_channels(values, at, channel_args, writes)
+    if flags[2] or flags[3]:
+        item_backward(x, dy, y, gi, gz, geometry, strides, k[0], k[1], k[2], flags, whole)
 
 
 @jit
@@ -917,44 +844,30 @@ def forward_training(
     strides,
     spans,
     channel_args,
+    reads,
+    writes,
     eps,
     momentum,
     flags,
     whole,
 ):
     """Training forward as one item (``whole``: every channel and row): batch statistics,
-    ``y``, saved mean and invstd, running update. Data tensors: x, z, y (``strides`` rows
+    saved mean and invstd, running update, ``y``. Data tensors: x, z, y (``strides`` rows
     0..2); ``channel_args``: weight, bias, saved_mean, saved_invstd, running_mean,
-    running_var. ``flags``: add z, ReLU, update running_mean, update running_var."""
-    add_z, relu, update_mean, update_var = flags
-    updates = (update_mean, update_var)
+    running_var (``reads``/``writes`` as ``backward``'s). ``flags``: add z, ReLU."""
     x, z, y = flat(x_at, spans[0], like), flat(z_at, spans[1], like), flat(y_at, spans[2], like)
-    w, b, old_mean, old_var, shift = training_inputs(
-        x, geometry, strides, w_at, b_at, rm_at, rv_at, channel_args, updates
-    )
+    at = np.array((w_at, b_at, sm_at, si_at, rm_at, rv_at))
     channels, tile = geometry[0], geometry[TILE]
+    values, shift = np.zeros((CHANNEL_SLOTS, channels)), np.empty(channels * tile)
+    load_channels(at, channel_args, reads, values, shift, -1)
+    first_values(x, geometry, strides, shift)
     sums = np.zeros((SUMS, channels * tile))
-    item_sums(x, x[:0], x[:0], geometry, strides, tiled(shift, tile), sums, whole)
+    item_sums(x, x[:0], x[:0], geometry, strides, shift, sums, whole)
+    k = np.empty((3, channels * tile))
     count = geometry[1] * geometry[2] * tile
-    mean, var, invstd = training_statistics(folded(sums, channels), shift, count, eps)
-    coefficients = tiled(mean, tile), tiled(_product(w, invstd), tile), tiled(b, tile)
-    item_forward(x, z, y, geometry, strides, *coefficients, (add_z, relu), whole)
-    at = (sm_at, si_at, rm_at, rv_at)
-    old = (old_mean, old_var)
-    training_outputs((mean, var, invstd), old, at, channel_args, count, momentum, updates)
-
-
-@jit
-def inference_coefficients(w_at, b_at, rm_at, rv_at, channel_args, channels, eps):
-    """``(mean, scale, shift)``: ``y = (x - mean)*scale + shift`` per channel."""
-    w = load_channels(w_at, channel_args[0, 0], channel_args[0, 1], channels)
-    b = load_channels(b_at, channel_args[1, 0], channel_args[1, 1], channels)
-    mean = load_channels(rm_at, channel_args[2, 0], channel_args[2, 1], channels)
-    var = load_channels(rv_at, channel_args[3, 0], channel_args[3, 1], channels)
-    scale = np.empty(channels)
-    for c in range(channels):
-        scale[c] = w[c] / np.sqrt(var[c] + eps)
-    return mean, scale, b
+    channel_results(TRAINING, sums, shift, values, count, eps, momentum, TRAIN, k)
+    store_channels(values, at, channel_args, writes)
+    item_forward(x, z, y, geometry, strides, k[0], k[1], k[2], flags, whole)
 
 
 @jit
@@ -970,16 +883,19 @@ def forward_inference(
     strides,
     spans,
     channel_args,
+    reads,
     eps,
-    plain,
+    flags,
     whole,
 ):
     """Inference forward as one item (``whole``: every channel and row). Data tensors: x, y
-    (``strides`` rows 0, 2); ``channel_args``: weight, bias, running_mean, running_var;
-    ``plain``: the forward's flags, none set."""
+    (``strides`` rows 0, 2); ``channel_args``: weight, bias, running_mean, running_var
+    (``reads`` as ``backward``'s); ``flags``: the forward's, none set."""
     x, y = flat(x_at, spans[0], like), flat(y_at, spans[2], like)
-    channel = (w_at, b_at, rm_at, rv_at)
-    mean, scale, b = inference_coefficients(*channel, channel_args, geometry[0], eps)
-    tile = geometry[TILE]
-    mean, scale, b = tiled(mean, tile), tiled(scale, tile), tiled(b, tile)
-    item_forward(x, x, y, geometry, strides, mean, scale, b, plain, whole)
+    at = np.array((w_at, b_at, rm_at, rv_at, 0, 0))
+    channels, tile = geometry[0], geometry[TILE]
+    values, shift = np.zeros((CHANNEL_SLOTS, channels)), np.zeros(channels * tile)
+    load_channels(at, channel_args, reads, values, shift, -1)
+    k = np.empty((3, channels * tile))
+    channel_results(INFERENCE, np.zeros((SUMS, 0)), shift, values, 1, eps, 0.0, EVAL, k)
+    item_forward(x, x, y, geometry, strides, k[0], k[1], k[2], flags, whole)
