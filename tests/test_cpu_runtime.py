@@ -187,3 +187,28 @@ def test_a_layout_compiles_only_its_own_walk(tmp_path):
     child = run_child(script, NUMBA_CACHE_DIR=str(tmp_path))
     assert child.returncode == 0, child.stderr
     assert child.stdout.split()[-3:] == ["[0,", "0,", "0]"]
+
+
+def test_a_small_call_compiles_no_kernel_of_its_own(tmp_path):
+    """After large calls, small calls of the same dtype and walk compile only their
+    whole-pass functions: they call the large calls' compiled steps (the one-call passes
+    compiled a copy of every step, about 5 s per dtype)."""
+    script = PROBLEM + (
+        "from numba.core import event\n"
+        "from cudnn_bn.backends import cpu_kernels\n"
+        "compiled = set()\n"
+        "class Compiles(event.Listener):\n"
+        "    def on_start(self, ev): pass\n"
+        "    def on_end(self, ev):\n"
+        "        function = ev.data['dispatcher'].py_func\n"
+        "        if function.__module__ == cpu_kernels.__name__:\n"
+        "            compiled.add(function.__name__)\n"
+        "event.register('numba:compile', Compiles())\n"
+        "small, few = x[:2, :, :8].copy(), dy[:2, :, :8].copy()\n"  # 1024 values, NCL
+        "cudnn_bn.batch_norm_backward(small, few, w, None, None)\n"
+        "cudnn_bn.batch_norm_forward_training(small, w, b, None, None)\n"
+        "print(sorted(compiled))\n"
+    )
+    assert_printed(
+        run_child(script, NUMBA_CACHE_DIR=str(tmp_path)), "['backward', 'forward_training']"
+    )

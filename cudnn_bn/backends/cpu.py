@@ -74,6 +74,9 @@ class _HostKernel:
     # Per-channel slots read and written (bits, ``_bits``).
     reads: int
     writes: int = 0
+    # The steps a one-call pass makes (``cpu_kernels.entries``' slots), and their addresses.
+    step_slots: tuple[int, ...]
+    _steps: np.ndarray | None = None
 
     def __init__(self, data: list[TensorDesc | None], channel: list[TensorDesc | None]) -> None:
         self.data = data
@@ -101,6 +104,15 @@ class _HostKernel:
 
     def chunks(self) -> int:
         return cpu_pool.thread_count() if self.parallel else 1
+
+    def steps(self) -> np.ndarray:
+        """The addresses of the steps of a one-call pass, looked up on its first call."""
+        if self._steps is None:
+            layout = self.layout
+            self._steps = cpu_kernels.entries(
+                self.like, layout.geometry, layout.strides, self.step_slots
+            )
+        return self._steps
 
     def views(self, addresses: list[int]) -> list[np.ndarray]:
         """Flat arrays over the data slots (what the item kernels take)."""
@@ -196,6 +208,10 @@ class BatchNormBackward(_HostKernel):
         self.mode, self.eps = int(a.mode), float(a.eps)
         # The elementwise pass's flags: use x (all modes but eval), mask, write gi, write gz.
         self.flags = (self.mode != cpu_kernels.EVAL, fused, a.output_mask[0], with_z)
+        k = cpu_kernels
+        self.step_slots = (k.LOAD, k.ITEM_SUMS, k.RESULTS, k.STORE)
+        self.step_slots += (k.FIRST,) if self.mode == k.TRAIN else ()
+        self.step_slots += (k.ITEM_BACKWARD,) if a.output_mask[0] or with_z else ()
 
     def run(self, ptrs: BackwardPointers, workspace: int, stream: int) -> None:
         """Compute the wanted gradients; ``workspace``/``stream`` are unused."""
@@ -211,7 +227,7 @@ class BatchNormBackward(_HostKernel):
         if chunks == 1:
             k.backward(*at, *channel, self.like, geometry, strides, self.spans, args,
                        self.reads, self.writes, self.mode, self.eps, self.flags,
-                       self.whole)  # fmt: skip
+                       self.whole, self.steps())  # fmt: skip
             return
         x, dy, y, gi, gz = self.views(at)
         train = self.mode == k.TRAIN
@@ -254,6 +270,8 @@ class BatchNormForwardTraining(_HostKernel):
         updates = (t.running_mean is not None, t.running_var is not None)
         self.reads = _bits(True, True, False, False, *updates)
         self.writes = _bits(False, False, True, True, *updates)
+        k = cpu_kernels
+        self.step_slots = (k.FIRST, k.LOAD, k.ITEM_SUMS, k.RESULTS, k.STORE, k.ITEM_FORWARD)
         self.eps, self.momentum = float(a.eps), float(a.momentum)
 
     def run(self, ptrs: ForwardTrainingPointers, workspace: int, stream: int) -> None:
@@ -269,7 +287,7 @@ class BatchNormForwardTraining(_HostKernel):
         if chunks == 1:
             k.forward_training(*at, *channel, self.like, geometry, strides, self.spans, args,
                                self.reads, self.writes, self.eps, self.momentum, self.flags,
-                               self.whole)  # fmt: skip
+                               self.whole, self.steps())  # fmt: skip
             return
         x, z, y = self.views(at)
         channel_at, values, shift = self.channel_inputs(channel, x)
@@ -304,6 +322,7 @@ class BatchNormForwardInference(_HostKernel):
         )
         self.eps = float(attributes.eps)
         self.reads = _bits(True, True, True, True)
+        self.step_slots = (cpu_kernels.LOAD, cpu_kernels.RESULTS, cpu_kernels.ITEM_FORWARD)
         self.plain = (False, False)  # the forward's flags: no z, no ReLU
 
     def run(self, ptrs: ForwardInferencePointers, workspace: int, stream: int) -> None:
@@ -317,7 +336,7 @@ class BatchNormForwardInference(_HostKernel):
         if chunks == 1:
             k.forward_inference(at[0], at[2], *channel, self.like, geometry, strides,
                                 self.spans, args, self.reads, self.eps, self.plain,
-                                self.whole)  # fmt: skip
+                                self.whole, self.steps())  # fmt: skip
             return
         x, _, y = self.views(at)
         channel_at, values, shift = self.channel_inputs(channel)

@@ -2,13 +2,14 @@
 
 A batch-norm pass reads the per-channel operands, walks the data once for the per-channel
 sums (float64 accumulators; shifted by a per-channel value so that a constant channel sums
-to exactly zero), derives per-channel coefficients, walks the data a second time to write
-the result (one read of each operand, one write), and writes the per-channel results last.
-The walks are split into work items (a block of channels and a run of rows, or a run of
-rows with every channel when channels are innermost): ``item_sums``, ``item_forward`` and
-``item_backward`` do one item each, and release the GIL, so that the backend's own threads
-(``cpu_pool``) run items truly in parallel. A small problem is one item: ``backward``,
-``forward_training`` and ``forward_inference`` do a whole pass in one call.
+to exactly zero), derives and writes the per-channel results, and walks the data a second
+time to write the elementwise result (one read of each operand, one write). The walks are
+split into work items (a block of channels and a run of rows, or a run of rows with every
+channel when channels are innermost): ``item_sums_*``, ``item_forward_*`` and
+``item_backward_*`` do one item each (``_along`` or ``_across`` a layout's channels), and
+release the GIL, so that the backend's own threads (``cpu_pool``) run items truly in
+parallel. A small problem is one item: ``backward``, ``forward_training`` and
+``forward_inference`` do a whole pass in one call, calling the same compiled steps.
 
 No kernel uses numba's parallel layer (OpenMP, TBB or workqueue): a forked child, any
 ``NUMBA_THREADING_LAYER`` and many calling threads are all safe, and the first call
@@ -100,6 +101,39 @@ def _pointer(typingctx, address):
 def flat(address, span, like):
     """A 1-D view of ``span`` elements of ``like``'s dtype at ``address`` (no copy)."""
     return numba.carray(_pointer(address), (span,), like.dtype)
+
+
+# --- calls by address ----------------------------------------------------------------------
+# A compiled function that calls another links the callee's code into its own and compiles
+# it all again. The whole-pass functions (small problems) instead call the very kernels the
+# threaded path runs, through their C wrappers' addresses (``entry``): a small problem's
+# first call compiles only its own few lines.
+
+
+def entry(function, *args) -> int:
+    """The address of jit ``function``'s C wrapper for arguments of ``args``' numba types,
+    compiled (or loaded from the cache) if it is not yet: what ``_call`` calls."""
+    signature = tuple(numba.typeof(a) for a in args)
+    function.compile(signature)
+    result = function.overloads[signature]
+    return result.library.get_pointer_to_function(result.fndesc.llvm_cfunc_wrapper_name)
+
+
+@intrinsic
+def _call(typingctx, address, args):
+    """Call the function at ``address`` (``entry``) with the values of tuple ``args``, which
+    must have the machine types of the arguments it was compiled for; no result."""
+
+    def codegen(context, builder, signature, values):
+        arg_types = signature.args[1].types
+        function = ir.FunctionType(
+            context.get_value_type(types.none), [context.get_value_type(t) for t in arg_types]
+        )
+        pointer = builder.inttoptr(values[0], function.as_pointer())
+        builder.call(pointer, cgutils.unpack_tuple(builder, values[1], len(arg_types)))
+        return context.get_dummy_value()
+
+    return types.none(address, args), codegen
 
 
 # --- element conversions -----------------------------------------------------------------
@@ -458,20 +492,11 @@ def _sums_across(x, dy, y, geometry, strides, r0, r1, n, shift, out):
 
 
 @jit
-def item_sums(x, dy, y, geometry, strides, shift, out, bounds):
-    """Add the sums of the work item ``bounds`` to ``out`` (``(SUMS, C * tile)``, ``shift``
-    tiled the same): ``x - k``, ``(x - k)^2``, ``dy``, ``dy * (x - k)`` with
-    ``k = shift[c]``; ``dy`` zero where ``y <= 0`` if ``y`` is not empty; with ``dy`` empty
-    its sums stay zero."""
-    if geometry[3]:
-        item_sums_across(x, dy, y, geometry, strides, shift, out, bounds)
-    else:
-        item_sums_along(x, dy, y, geometry, strides, shift, out, bounds)
-
-
-@jit
 def item_sums_along(x, dy, y, geometry, strides, shift, out, bounds):
-    """``item_sums`` where runs stay in one channel."""
+    """Add the sums of the work item ``bounds`` to ``out`` (``(SUMS, C * tile)``, ``shift``
+    tiled the same) where runs stay in one channel: ``x - k``, ``(x - k)^2``, ``dy``,
+    ``dy * (x - k)`` with ``k = shift[c]``; ``dy`` zero where ``y <= 0`` if ``y`` is not
+    empty; with ``dy`` empty its sums stay zero."""
     c0, c1, r0, r1, _, n, s = _walk(bounds, geometry, strides)
     has_dy, masked = dy.size > 0, y.size > 0
     for r in range(r0, r1):
@@ -499,7 +524,7 @@ def item_sums_along(x, dy, y, geometry, strides, shift, out, bounds):
 
 @jit
 def item_sums_across(x, dy, y, geometry, strides, shift, out, bounds):
-    """``item_sums`` where runs cross channels (channels innermost): each walk is
+    """``item_sums_along`` where runs cross channels (channels innermost): each walk is
     compiled apart, so that a layout compiles only its own."""
     _, _, r0, r1, _, n, _ = _walk(bounds, geometry, strides)
     _sums_across(x, dy, y, geometry, strides, r0, r1, n, shift, out)
@@ -577,19 +602,10 @@ def _forward_across(x, z, y, geometry, strides, r0, r1, n, mean, scale, shift, f
 
 
 @jit
-def item_forward(x, z, y, geometry, strides, mean, scale, shift, flags, bounds):
-    """``y = relu?((x - mean)*scale + shift [+ z])`` over the work item ``bounds`` (the
-    per-channel arrays tiled). ``flags``: add z, ReLU. Data slots: x, z,
-    y."""
-    if geometry[3]:
-        item_forward_across(x, z, y, geometry, strides, mean, scale, shift, flags, bounds)
-    else:
-        item_forward_along(x, z, y, geometry, strides, mean, scale, shift, flags, bounds)
-
-
-@jit
 def item_forward_along(x, z, y, geometry, strides, mean, scale, shift, flags, bounds):
-    """``item_forward`` where runs stay in one channel."""
+    """``y = relu?((x - mean)*scale + shift [+ z])`` over the work item ``bounds`` (the
+    per-channel arrays tiled) where runs stay in one channel. ``flags``: add z, ReLU. Data
+    slots: x, z, y."""
     c0, c1, r0, r1, _, n, s = _walk(bounds, geometry, strides)
     for r in range(r0, r1):
         ox, oz = row_offset(r, geometry, strides[0]), row_offset(r, geometry, strides[1])
@@ -615,7 +631,7 @@ def item_forward_along(x, z, y, geometry, strides, mean, scale, shift, flags, bo
 
 @jit
 def item_forward_across(x, z, y, geometry, strides, mean, scale, shift, flags, bounds):
-    """``item_forward`` where runs cross channels (channels innermost): each walk is
+    """``item_forward_along`` where runs cross channels (channels innermost): each walk is
     compiled apart, so that a layout compiles only its own."""
     _, _, r0, r1, _, n, _ = _walk(bounds, geometry, strides)
     _forward_across(x, z, y, geometry, strides, r0, r1, n, mean, scale, shift, flags)
@@ -688,20 +704,11 @@ def _backward_across(x, dy, y, gi, gz, geometry, strides, r0, r1, n, k_dy, k_x, 
 
 
 @jit
-def item_backward(x, dy, y, gi, gz, geometry, strides, k_dy, k_x, k_c, flags, bounds):
-    """``gi = k_dy*dv + k_x*x + k_c`` and ``gz = dv`` (``dv``: dy, zero where ``y <= 0`` if
-    masked) over the work item ``bounds`` (the coefficients tiled).
-    ``flags``: use x (all but eval), mask, write gi, write gz. Data slots: x, dy, y, gi,
-    gz."""
-    if geometry[3]:
-        item_backward_across(x, dy, y, gi, gz, geometry, strides, k_dy, k_x, k_c, flags, bounds)
-    else:
-        item_backward_along(x, dy, y, gi, gz, geometry, strides, k_dy, k_x, k_c, flags, bounds)
-
-
-@jit
 def item_backward_along(x, dy, y, gi, gz, geometry, strides, k_dy, k_x, k_c, flags, bounds):
-    """``item_backward`` where runs stay in one channel."""
+    """``gi = k_dy*dv + k_x*x + k_c`` and ``gz = dv`` (``dv``: dy, zero where ``y <= 0`` if
+    masked) over the work item ``bounds`` (the coefficients tiled) where runs stay in one
+    channel. ``flags``: use x (all but eval), mask, write gi, write gz. Data slots: x, dy,
+    y, gi, gz."""
     c0, c1, r0, r1, _, n, s = _walk(bounds, geometry, strides)
     for r in range(r0, r1):
         o = _row_offsets(r, geometry, strides)
@@ -718,7 +725,7 @@ def item_backward_along(x, dy, y, gi, gz, geometry, strides, k_dy, k_x, k_c, fla
 
 @jit
 def item_backward_across(x, dy, y, gi, gz, geometry, strides, k_dy, k_x, k_c, flags, bounds):
-    """``item_backward`` where runs cross channels (channels innermost): each walk is
+    """``item_backward_along`` where runs cross channels (channels innermost): each walk is
     compiled apart, so that a layout compiles only its own."""
     _, _, r0, r1, _, n, _ = _walk(bounds, geometry, strides)
     _backward_across(x, dy, y, gi, gz, geometry, strides, r0, r1, n, k_dy, k_x, k_c, flags)
@@ -727,11 +734,38 @@ def item_backward_across(x, dy, y, gi, gz, geometry, strides, k_dy, k_x, k_c, fl
 # --- the passes ----------------------------------------------------------------------------
 # Each pass reads its per-channel inputs, adds up its sums over every item, computes its
 # per-channel results and writes them, then its elementwise results over every item. The
-# whole-pass functions below run these as one item in one call (small problems); the
-# backend runs the same steps with items on threads.
+# whole-pass functions below run these as one item in one call (small problems), calling
+# the steps by address (``entries``); the backend runs the same steps with items on threads.
 
 TRAIN, SAVED, EVAL, SAVED_INVSTD = 0, 1, 2, 3  # problems.Mode
 TRAINING, BACKWARD, INFERENCE = 0, 1, 2  # channel_results' kinds of pass
+# Slots of ``entries``: the steps a whole-pass function calls.
+FIRST, LOAD, ITEM_SUMS, RESULTS, STORE, ITEM_FORWARD, ITEM_BACKWARD = range(7)
+
+
+def entries(like, geometry, strides, steps) -> np.ndarray:
+    """The addresses (``entry``) of the steps a whole-pass function calls on data of
+    ``like``'s dtype walked as ``geometry`` says (``FIRST``...; 0 for a slot not in
+    ``steps``), compiled for the very argument types the threaded path gives them."""
+    walk = "across" if geometry[3] else "along"
+    one, two, bounds = np.zeros(1), np.zeros((1, 1)), (0, 0, 0, 0)
+    at, args = np.zeros(CHANNEL_SLOTS, np.int64), np.zeros((CHANNEL_SLOTS, 2), np.int64)
+    data = (like, like, like, geometry, strides)
+    calls = {
+        FIRST: (first_values, like, geometry, strides, one),
+        LOAD: (load_channels, at, args, 0, two, one, 0),
+        ITEM_SUMS: (globals()[f"item_sums_{walk}"], *data, one, two, bounds),
+        RESULTS: (channel_results, 0, two, one, two, 0, 0.0, 0.0, 0, two),
+        STORE: (store_channels, two, at, args, 0),
+        ITEM_FORWARD: (globals()[f"item_forward_{walk}"], *data, one, one, one, (False,) * 2,
+                       bounds),
+        ITEM_BACKWARD: (globals()[f"item_backward_{walk}"], like, like, *data, one, one, one,
+                        (False,) * 4, bounds),
+    }  # fmt: skip
+    found = np.zeros(len(calls), np.int64)
+    for slot in steps:
+        found[slot] = entry(*calls[slot])
+    return found
 
 
 @jit
@@ -803,29 +837,32 @@ def backward(
     eps,
     flags,
     whole,
+    steps,
 ):
     """Batch-norm backward as one item (``whole``: every channel and row). Data tensors
     (x, dy, the fused forward's y, gi, gz) are walked with ``strides``' rows 0..4;
     ``channel_args`` holds (stride, dtype code) of weight, statistic 0, statistic 1,
     grad_weight, grad_bias; ``reads``/``writes``: those read and written (bits, as
     ``load_channels``). ``flags``: use x (all modes but eval), mask dy by ``y > 0``, write
-    gi, write gz."""
+    gi, write gz. ``steps``: ``entries``."""
     x, dy, y = flat(x_at, spans[0], like), flat(dy_at, spans[1], like), flat(y_at, spans[2], like)
     gi, gz = flat(gi_at, spans[3], like), flat(gz_at, spans[4], like)
     at = np.array((w_at, m_at, v_at, gw_at, gb_at, 0))
     channels, tile = geometry[0], geometry[TILE]
     values, shift = np.zeros((CHANNEL_SLOTS, channels)), np.empty(channels * tile)
-    load_channels(at, channel_args, reads, values, shift, -1 if mode == TRAIN else 1)
+    _call(steps[LOAD], (at, channel_args, reads, values, shift, -1 if mode == TRAIN else 1))
     if mode == TRAIN:
-        first_values(x, geometry, strides, shift)
+        _call(steps[FIRST], (x, geometry, strides, shift))
     sums = np.zeros((SUMS, channels * tile))
-    item_sums(x, dy, y, geometry, strides, shift, sums, whole)
+    _call(steps[ITEM_SUMS], (x, dy, y, geometry, strides, shift, sums, whole))
     k = np.empty((3, channels * tile))
     count = geometry[1] * geometry[2] * tile
-    channel_results(BACKWARD, sums, shift, values, count, eps, 0.0, mode, k)
-    store_channels(values, at, channel_args, writes)
+    _call(steps[RESULTS], (BACKWARD, sums, shift, values, count, eps, 0.0, mode, k))
+    _call(steps[STORE], (values, at, channel_args, writes))
     if flags[2] or flags[3]:
-        item_backward(x, dy, y, gi, gz, geometry, strides, k[0], k[1], k[2], flags, whole)
+        coefficients = (k[0], k[1], k[2])
+        _call(steps[ITEM_BACKWARD], (x, dy, y, gi, gz, geometry, strides, *coefficients, flags,
+                                     whole))  # fmt: skip
 
 
 @jit
@@ -850,24 +887,26 @@ def forward_training(
     momentum,
     flags,
     whole,
+    steps,
 ):
     """Training forward as one item (``whole``: every channel and row): batch statistics,
     saved mean and invstd, running update, ``y``. Data tensors: x, z, y (``strides`` rows
     0..2); ``channel_args``: weight, bias, saved_mean, saved_invstd, running_mean,
-    running_var (``reads``/``writes`` as ``backward``'s). ``flags``: add z, ReLU."""
+    running_var (``reads``/``writes`` as ``backward``'s). ``flags``: add z, ReLU.
+    ``steps``: ``entries``."""
     x, z, y = flat(x_at, spans[0], like), flat(z_at, spans[1], like), flat(y_at, spans[2], like)
     at = np.array((w_at, b_at, sm_at, si_at, rm_at, rv_at))
     channels, tile = geometry[0], geometry[TILE]
     values, shift = np.zeros((CHANNEL_SLOTS, channels)), np.empty(channels * tile)
-    load_channels(at, channel_args, reads, values, shift, -1)
-    first_values(x, geometry, strides, shift)
+    _call(steps[LOAD], (at, channel_args, reads, values, shift, -1))
+    _call(steps[FIRST], (x, geometry, strides, shift))
     sums = np.zeros((SUMS, channels * tile))
-    item_sums(x, x[:0], x[:0], geometry, strides, shift, sums, whole)
+    _call(steps[ITEM_SUMS], (x, x[:0], x[:0], geometry, strides, shift, sums, whole))
     k = np.empty((3, channels * tile))
     count = geometry[1] * geometry[2] * tile
-    channel_results(TRAINING, sums, shift, values, count, eps, momentum, TRAIN, k)
-    store_channels(values, at, channel_args, writes)
-    item_forward(x, z, y, geometry, strides, k[0], k[1], k[2], flags, whole)
+    _call(steps[RESULTS], (TRAINING, sums, shift, values, count, eps, momentum, TRAIN, k))
+    _call(steps[STORE], (values, at, channel_args, writes))
+    _call(steps[ITEM_FORWARD], (x, z, y, geometry, strides, k[0], k[1], k[2], flags, whole))
 
 
 @jit
@@ -887,15 +926,18 @@ def forward_inference(
     eps,
     flags,
     whole,
+    steps,
 ):
     """Inference forward as one item (``whole``: every channel and row). Data tensors: x, y
     (``strides`` rows 0, 2); ``channel_args``: weight, bias, running_mean, running_var
-    (``reads`` as ``backward``'s); ``flags``: the forward's, none set."""
+    (``reads`` as ``backward``'s); ``flags``: the forward's, none set. ``steps``:
+    ``entries``."""
     x, y = flat(x_at, spans[0], like), flat(y_at, spans[2], like)
     at = np.array((w_at, b_at, rm_at, rv_at, 0, 0))
     channels, tile = geometry[0], geometry[TILE]
     values, shift = np.zeros((CHANNEL_SLOTS, channels)), np.zeros(channels * tile)
-    load_channels(at, channel_args, reads, values, shift, -1)
+    _call(steps[LOAD], (at, channel_args, reads, values, shift, -1))
     k = np.empty((3, channels * tile))
-    channel_results(INFERENCE, np.zeros((SUMS, 0)), shift, values, 1, eps, 0.0, EVAL, k)
-    item_forward(x, x, y, geometry, strides, k[0], k[1], k[2], flags, whole)
+    no_sums = np.zeros((SUMS, 0))
+    _call(steps[RESULTS], (INFERENCE, no_sums, shift, values, 1, eps, 0.0, EVAL, k))
+    _call(steps[ITEM_FORWARD], (x, x, y, geometry, strides, k[0], k[1], k[2], flags, whole))
