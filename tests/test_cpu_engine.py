@@ -266,9 +266,13 @@ def _channel(address: int, code: DataType) -> tuple[np.ndarray, np.ndarray]:
     return at, args
 
 
+_HALF = {DataType.F16: np.empty(0, np.uint16), DataType.BF16: np.empty(0, np.int16)}
+
+
 def _load(values: np.ndarray, code: DataType) -> np.ndarray:
     table = np.zeros((cpu_kernels.CHANNEL_SLOTS, values.size))
-    cpu_kernels.load_channels(*_channel(values.ctypes.data, code), 1, table, table[0, :0], -1)
+    at, args = _channel(values.ctypes.data, code)
+    cpu_kernels.load_channels(at, args, 1, table, table[0, :0], -1, _HALF[code])
     return table[0]
 
 
@@ -276,7 +280,7 @@ def _store(values: np.ndarray, code: DataType) -> np.ndarray:
     out = np.empty(values.size, np.uint16)
     table = np.zeros((cpu_kernels.CHANNEL_SLOTS, values.size))
     table[0] = values
-    cpu_kernels.store_channels(table, *_channel(out.ctypes.data, code), 1)
+    cpu_kernels.store_channels(table, *_channel(out.ctypes.data, code), 1, _HALF[code])
     return out
 
 

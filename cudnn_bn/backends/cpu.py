@@ -84,6 +84,7 @@ class _HostKernel:
         self.spans = np.array(self.layout.spans, dtype=np.int64)
         self.channel_args = _channel_args(channel)
         self.like = _LIKE[data[0].dtype]
+        self.half = cpu_kernels.channel_like(self.like)
         itemsize = FLOAT_TYPES[data[0].dtype].itemsize
         self.nbytes = [span * itemsize for span in self.layout.spans]
         self.parallel = self.layout.count * self.layout.channels >= PARALLEL_MIN_VALUES
@@ -128,7 +129,7 @@ class _HostKernel:
         at[: len(channel)] = channel
         values = np.zeros((k.CHANNEL_SLOTS, layout.channels))
         shift = np.empty(layout.channels * self.tile)
-        k.load_channels(at, self.channel_args, self.reads, values, shift, shift_row)
+        k.load_channels(at, self.channel_args, self.reads, values, shift, shift_row, self.half)
         if x is not None:
             k.first_values(x, layout.geometry, layout.strides, shift)
         return at, values, shift
@@ -139,7 +140,7 @@ class _HostKernel:
         coefficients = np.empty((3, self.layout.channels * self.tile))
         k.channel_results(kind, sums, shift, values, self.layout.count, self.eps, momentum,
                           mode, coefficients)  # fmt: skip
-        k.store_channels(values, at, self.channel_args, self.writes)
+        k.store_channels(values, at, self.channel_args, self.writes, self.half)
         return coefficients
 
     def sums(self, x, dy, y, shift, items: list) -> np.ndarray:
@@ -225,7 +226,7 @@ class BatchNormBackward(_HostKernel):
         k, layout, chunks = cpu_kernels, self.layout, self.chunks()
         geometry, strides, args = layout.geometry, layout.strides, self.channel_args
         if chunks == 1:
-            k.backward(*at, *channel, self.like, geometry, strides, self.spans, args,
+            k.backward(*at, *channel, self.like, self.half, geometry, strides, self.spans, args,
                        self.reads, self.writes, self.mode, self.eps, self.flags,
                        self.whole, self.steps())  # fmt: skip
             return
@@ -285,9 +286,9 @@ class BatchNormForwardTraining(_HostKernel):
         channel = (p.weight, p.bias, p.saved_mean, p.saved_invstd, p.running_mean,
                    p.running_var)  # fmt: skip
         if chunks == 1:
-            k.forward_training(*at, *channel, self.like, geometry, strides, self.spans, args,
-                               self.reads, self.writes, self.eps, self.momentum, self.flags,
-                               self.whole, self.steps())  # fmt: skip
+            k.forward_training(*at, *channel, self.like, self.half, geometry, strides,
+                               self.spans, args, self.reads, self.writes, self.eps,
+                               self.momentum, self.flags, self.whole, self.steps())  # fmt: skip
             return
         x, z, y = self.views(at)
         channel_at, values, shift = self.channel_inputs(channel, x)
@@ -334,7 +335,7 @@ class BatchNormForwardInference(_HostKernel):
         k, layout, chunks = cpu_kernels, self.layout, self.chunks()
         geometry, strides, args = layout.geometry, layout.strides, self.channel_args
         if chunks == 1:
-            k.forward_inference(at[0], at[2], *channel, self.like, geometry, strides,
+            k.forward_inference(at[0], at[2], *channel, self.like, self.half, geometry, strides,
                                 self.spans, args, self.reads, self.eps, self.plain,
                                 self.whole, self.steps())  # fmt: skip
             return

@@ -317,11 +317,19 @@ def _encode(value, dtype):
 CHANNEL_SLOTS = 6  # per-channel tensors of a pass, at most (the training forward's)
 
 
+def channel_like(like):
+    """What the per-channel functions take for data of ``like``'s dtype: a per-channel
+    tensor is F32, F64 or the data's own F16/BF16, so only half data compiles the code
+    that converts halves (float64 stands for no half type)."""
+    return like if like.dtype.itemsize == 2 else np.empty(0)
+
+
 @jit
-def load_channels(at, args, reads, values, shift, shift_row):
+def load_channels(at, args, reads, values, shift, shift_row, half):
     """float64 copies of the per-channel tensors at addresses ``at`` whose bit is set in
     ``reads`` into their rows of ``values`` (``args``: each one's element stride and dtype
-    code); row ``shift_row`` (when not negative) also into ``shift``, tiled."""
+    code, an F16/BF16 one of ``half``'s dtype, ``channel_like``); row ``shift_row`` (when
+    not negative) also into ``shift``, tiled."""
     count = values.shape[1]
     for t in range(at.size):
         if not reads >> t & 1:
@@ -336,21 +344,17 @@ def load_channels(at, args, reads, values, shift, shift_row):
             v32 = numba.carray(_pointer(at[t]), (span,), np.float32)
             for c in range(count):
                 out[c] = v32[c * stride]
-        elif code == F16:
-            vh = numba.carray(_pointer(at[t]), (span,), np.uint16)
+        else:
+            vh = numba.carray(_pointer(at[t]), (span,), half.dtype)
             for c in range(count):
                 out[c] = decode(vh[c * stride])
-        else:
-            vb = numba.carray(_pointer(at[t]), (span,), np.int16)
-            for c in range(count):
-                out[c] = decode(vb[c * stride])
     if shift_row >= 0:
         for i in range(shift.size):
             shift[i] = values[shift_row, i % count]
 
 
 @jit
-def store_channels(values, at, args, writes):
+def store_channels(values, at, args, writes, half):
     """Round the rows of ``values`` whose bit is set in ``writes`` once to their tensor's
     dtype and write them (``load_channels`` in reverse)."""
     count = values.shape[1]
@@ -367,14 +371,10 @@ def store_channels(values, at, args, writes):
             v32 = numba.carray(_pointer(at[t]), (span,), np.float32)
             for c in range(count):
                 v32[c * stride] = row[c]
-        elif code == F16:
-            vh = numba.carray(_pointer(at[t]), (span,), np.uint16)
+        else:
+            vh = numba.carray(_pointer(at[t]), (span,), half.dtype)
             for c in range(count):
                 vh[c * stride] = encode(row[c], vh.dtype)
-        else:
-            vb = numba.carray(_pointer(at[t]), (span,), np.int16)
-            for c in range(count):
-                vb[c * stride] = encode(row[c], vb.dtype)
 
 
 # --- walking the data ----------------------------------------------------------------------
@@ -748,15 +748,15 @@ def entries(like, geometry, strides, steps) -> np.ndarray:
     ``like``'s dtype walked as ``geometry`` says (``FIRST``...; 0 for a slot not in
     ``steps``), compiled for the very argument types the threaded path gives them."""
     walk = "across" if geometry[3] else "along"
-    one, two, bounds = np.zeros(1), np.zeros((1, 1)), (0, 0, 0, 0)
+    one, two, bounds, half = np.zeros(1), np.zeros((1, 1)), (0, 0, 0, 0), channel_like(like)
     at, args = np.zeros(CHANNEL_SLOTS, np.int64), np.zeros((CHANNEL_SLOTS, 2), np.int64)
     data = (like, like, like, geometry, strides)
     calls = {
         FIRST: (first_values, like, geometry, strides, one),
-        LOAD: (load_channels, at, args, 0, two, one, 0),
+        LOAD: (load_channels, at, args, 0, two, one, 0, half),
         ITEM_SUMS: (globals()[f"item_sums_{walk}"], *data, one, two, bounds),
         RESULTS: (channel_results, 0, two, one, two, 0, 0.0, 0.0, 0, two),
-        STORE: (store_channels, two, at, args, 0),
+        STORE: (store_channels, two, at, args, 0, half),
         ITEM_FORWARD: (globals()[f"item_forward_{walk}"], *data, one, one, one, (False,) * 2,
                        bounds),
         ITEM_BACKWARD: (globals()[f"item_backward_{walk}"], like, like, *data, one, one, one,
@@ -827,6 +827,7 @@ def backward(
     gw_at,
     gb_at,
     like,
+    half,
     geometry,
     strides,
     spans,
@@ -844,13 +845,13 @@ def backward(
     ``channel_args`` holds (stride, dtype code) of weight, statistic 0, statistic 1,
     grad_weight, grad_bias; ``reads``/``writes``: those read and written (bits, as
     ``load_channels``). ``flags``: use x (all modes but eval), mask dy by ``y > 0``, write
-    gi, write gz. ``steps``: ``entries``."""
+    gi, write gz. ``half``: ``channel_like(like)``; ``steps``: ``entries``."""
     x, dy, y = flat(x_at, spans[0], like), flat(dy_at, spans[1], like), flat(y_at, spans[2], like)
     gi, gz = flat(gi_at, spans[3], like), flat(gz_at, spans[4], like)
     at = np.array((w_at, m_at, v_at, gw_at, gb_at, 0))
     channels, tile = geometry[0], geometry[TILE]
     values, shift = np.zeros((CHANNEL_SLOTS, channels)), np.empty(channels * tile)
-    _call(steps[LOAD], (at, channel_args, reads, values, shift, -1 if mode == TRAIN else 1))
+    _call(steps[LOAD], (at, channel_args, reads, values, shift, -1 if mode == TRAIN else 1, half))
     if mode == TRAIN:
         _call(steps[FIRST], (x, geometry, strides, shift))
     sums = np.zeros((SUMS, channels * tile))
@@ -858,7 +859,7 @@ def backward(
     k = np.empty((3, channels * tile))
     count = geometry[1] * geometry[2] * tile
     _call(steps[RESULTS], (BACKWARD, sums, shift, values, count, eps, 0.0, mode, k))
-    _call(steps[STORE], (values, at, channel_args, writes))
+    _call(steps[STORE], (values, at, channel_args, writes, half))
     if flags[2] or flags[3]:
         coefficients = (k[0], k[1], k[2])
         _call(steps[ITEM_BACKWARD], (x, dy, y, gi, gz, geometry, strides, *coefficients, flags,
@@ -877,6 +878,7 @@ def forward_training(
     rm_at,
     rv_at,
     like,
+    half,
     geometry,
     strides,
     spans,
@@ -892,20 +894,20 @@ def forward_training(
     """Training forward as one item (``whole``: every channel and row): batch statistics,
     saved mean and invstd, running update, ``y``. Data tensors: x, z, y (``strides`` rows
     0..2); ``channel_args``: weight, bias, saved_mean, saved_invstd, running_mean,
-    running_var (``reads``/``writes`` as ``backward``'s). ``flags``: add z, ReLU.
-    ``steps``: ``entries``."""
+    running_var (``reads``/``writes``, ``half`` and ``steps`` as ``backward``'s).
+    ``flags``: add z, ReLU."""
     x, z, y = flat(x_at, spans[0], like), flat(z_at, spans[1], like), flat(y_at, spans[2], like)
     at = np.array((w_at, b_at, sm_at, si_at, rm_at, rv_at))
     channels, tile = geometry[0], geometry[TILE]
     values, shift = np.zeros((CHANNEL_SLOTS, channels)), np.empty(channels * tile)
-    _call(steps[LOAD], (at, channel_args, reads, values, shift, -1))
+    _call(steps[LOAD], (at, channel_args, reads, values, shift, -1, half))
     _call(steps[FIRST], (x, geometry, strides, shift))
     sums = np.zeros((SUMS, channels * tile))
     _call(steps[ITEM_SUMS], (x, x[:0], x[:0], geometry, strides, shift, sums, whole))
     k = np.empty((3, channels * tile))
     count = geometry[1] * geometry[2] * tile
     _call(steps[RESULTS], (TRAINING, sums, shift, values, count, eps, momentum, TRAIN, k))
-    _call(steps[STORE], (values, at, channel_args, writes))
+    _call(steps[STORE], (values, at, channel_args, writes, half))
     _call(steps[ITEM_FORWARD], (x, z, y, geometry, strides, k[0], k[1], k[2], flags, whole))
 
 
@@ -918,6 +920,7 @@ def forward_inference(
     rm_at,
     rv_at,
     like,
+    half,
     geometry,
     strides,
     spans,
@@ -930,13 +933,13 @@ def forward_inference(
 ):
     """Inference forward as one item (``whole``: every channel and row). Data tensors: x, y
     (``strides`` rows 0, 2); ``channel_args``: weight, bias, running_mean, running_var
-    (``reads`` as ``backward``'s); ``flags``: the forward's, none set. ``steps``:
-    ``entries``."""
+    (``reads``, ``half`` and ``steps`` as ``backward``'s); ``flags``: the forward's, none
+    set."""
     x, y = flat(x_at, spans[0], like), flat(y_at, spans[2], like)
     at = np.array((w_at, b_at, rm_at, rv_at, 0, 0))
     channels, tile = geometry[0], geometry[TILE]
     values, shift = np.zeros((CHANNEL_SLOTS, channels)), np.zeros(channels * tile)
-    _call(steps[LOAD], (at, channel_args, reads, values, shift, -1))
+    _call(steps[LOAD], (at, channel_args, reads, values, shift, -1, half))
     k = np.empty((3, channels * tile))
     no_sums = np.zeros((SUMS, 0))
     _call(steps[RESULTS], (INFERENCE, no_sums, shift, values, 1, eps, 0.0, EVAL, k))
