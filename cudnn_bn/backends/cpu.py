@@ -47,14 +47,12 @@ _LIKE = {
 PARALLEL_MIN_VALUES = 1 << 16  # below this many values a thread hand-off costs more than it saves
 
 
-def _channel_args(descs: list[TensorDesc | None]) -> np.ndarray:
+def _channel_args(descs: list[TensorDesc | None], x: TensorDesc) -> np.ndarray:
     """(stride, dtype code) of each per-channel tensor (``CHANNEL_SLOTS`` rows), (1, F64)
-    for an absent one."""
-    descs = descs + [None] * (cpu_kernels.CHANNEL_SLOTS - len(descs))
-    return np.array(
-        [(1, int(DataType.F64)) if d is None else (d.strides[0], int(d.dtype)) for d in descs],
-        dtype=np.int64,
-    )
+    for an absent one; the input ``x``'s first values (``FIRST_VALUES``) last."""
+    descs = descs + [None] * (cpu_kernels.FIRST_VALUES - len(descs))
+    rows = [(1, int(DataType.F64)) if d is None else (d.strides[0], int(d.dtype)) for d in descs]
+    return np.array([*rows, (x.strides[1], int(x.dtype))], dtype=np.int64)
 
 
 def _bits(*flags: bool) -> int:
@@ -82,7 +80,7 @@ class _HostKernel:
         self.data = data
         self.layout = Layout.of(data)
         self.spans = np.array(self.layout.spans, dtype=np.int64)
-        self.channel_args = _channel_args(channel)
+        self.channel_args = _channel_args(channel, data[0])
         self.like = _LIKE[data[0].dtype]
         self.half = cpu_kernels.channel_like(self.like)
         itemsize = FLOAT_TYPES[data[0].dtype].itemsize
@@ -120,18 +118,16 @@ class _HostKernel:
         spans = self.layout.spans
         return [cpu_kernels.flat(a, n, self.like) for a, n in zip(addresses, spans, strict=True)]
 
-    def channel_inputs(self, channel: tuple[int, ...], x=None, shift_row: int = -1) -> tuple:
-        """The per-channel addresses ``channel`` as an array, the float64 table of those
-        read, and the tiled shift of the sums: ``x``'s first values when given, else row
-        ``shift_row`` (``cpu_kernels.load_channels``)."""
+    def channel_inputs(self, channel: tuple[int, ...], x: int, shift_row: int = -1) -> tuple:
+        """The per-channel addresses ``channel`` (and the input's, ``x``) as an array, the
+        float64 table of those read, and row ``shift_row``, tiled: the shift of the sums
+        (``cpu_kernels.load_channels``)."""
         k, layout = cpu_kernels, self.layout
         at = np.zeros(k.CHANNEL_SLOTS, dtype=np.int64)
-        at[: len(channel)] = channel
+        at[: len(channel)], at[k.FIRST_VALUES] = channel, x
         values = np.zeros((k.CHANNEL_SLOTS, layout.channels))
         shift = np.empty(layout.channels * self.tile)
         k.load_channels(at, self.channel_args, self.reads, values, shift, shift_row, self.half)
-        if x is not None:
-            k.first_values(x, layout.geometry, layout.strides, shift)
         return at, values, shift
 
     def channel_results(self, kind: int, at, values, sums, shift, mode: int, momentum: float):
@@ -204,14 +200,14 @@ class BatchNormBackward(_HostKernel):
         channel = [t.weight, t.running_mean if reads_stats else None]
         channel += [t.running_var if reads_stats else None, t.grad_weight, t.grad_bias]
         super().__init__(data, channel)
-        self.reads = _bits(True, reads_stats, reads_stats)
+        train = int(a.mode) == cpu_kernels.TRAIN  # the sums' shift: x's first values
+        self.reads = _bits(True, reads_stats, reads_stats, False, False, False, train)
         self.writes = _bits(False, False, False, *a.output_mask[1:])
         self.mode, self.eps = int(a.mode), float(a.eps)
         # The elementwise pass's flags: use x (all modes but eval), mask, write gi, write gz.
         self.flags = (self.mode != cpu_kernels.EVAL, fused, a.output_mask[0], with_z)
         k = cpu_kernels
         self.step_slots = (k.LOAD, k.ITEM_SUMS, k.RESULTS, k.STORE)
-        self.step_slots += (k.FIRST,) if self.mode == k.TRAIN else ()
         self.step_slots += (k.ITEM_BACKWARD,) if a.output_mask[0] or with_z else ()
 
     def run(self, ptrs: BackwardPointers, workspace: int, stream: int) -> None:
@@ -231,8 +227,8 @@ class BatchNormBackward(_HostKernel):
                        self.whole, self.steps())  # fmt: skip
             return
         x, dy, y, gi, gz = self.views(at)
-        train = self.mode == k.TRAIN
-        channel_at, values, shift = self.channel_inputs(channel, x if train else None, 1)
+        shift_row = k.FIRST_VALUES if self.mode == k.TRAIN else 1
+        channel_at, values, shift = self.channel_inputs(channel, at[0], shift_row)
         items = layout.items(chunks)
         sums = self.sums(x, dy, y, shift, items)
         coefficients = self.channel_results(
@@ -269,10 +265,10 @@ class BatchNormForwardTraining(_HostKernel):
         )
         self.flags = (with_z, a.fusion != Fusion.BN)  # the elementwise pass's: add z, ReLU
         updates = (t.running_mean is not None, t.running_var is not None)
-        self.reads = _bits(True, True, False, False, *updates)
+        self.reads = _bits(True, True, False, False, *updates, True)
         self.writes = _bits(False, False, True, True, *updates)
         k = cpu_kernels
-        self.step_slots = (k.FIRST, k.LOAD, k.ITEM_SUMS, k.RESULTS, k.STORE, k.ITEM_FORWARD)
+        self.step_slots = (k.LOAD, k.ITEM_SUMS, k.RESULTS, k.STORE, k.ITEM_FORWARD)
         self.eps, self.momentum = float(a.eps), float(a.momentum)
 
     def run(self, ptrs: ForwardTrainingPointers, workspace: int, stream: int) -> None:
@@ -291,7 +287,7 @@ class BatchNormForwardTraining(_HostKernel):
                                self.momentum, self.flags, self.whole, self.steps())  # fmt: skip
             return
         x, z, y = self.views(at)
-        channel_at, values, shift = self.channel_inputs(channel, x)
+        channel_at, values, shift = self.channel_inputs(channel, at[0], k.FIRST_VALUES)
         items = layout.items(chunks)
         sums = self.sums(x, x[:0], x[:0], shift, items)
         coefficients = self.channel_results(
@@ -340,7 +336,7 @@ class BatchNormForwardInference(_HostKernel):
                                 self.whole, self.steps())  # fmt: skip
             return
         x, _, y = self.views(at)
-        channel_at, values, shift = self.channel_inputs(channel)
+        channel_at, values, shift = self.channel_inputs(channel, at[0])
         no_sums = np.zeros((k.SUMS, 0))
         coefficients = self.channel_results(
             k.INFERENCE, channel_at, values, no_sums, shift, k.EVAL, 0.0

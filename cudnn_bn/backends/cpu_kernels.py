@@ -314,7 +314,11 @@ def _encode(value, dtype):
 # compiled once for every pass and data dtype (a dozen small functions, each compiled apart
 # and linked again into its callers, were most of a first call's compile time).
 
-CHANNEL_SLOTS = 6  # per-channel tensors of a pass, at most (the training forward's)
+# Per-channel tensors of a pass, at most: the training forward's six, then the input's first
+# value of each channel (``FIRST_VALUES``: the shift that makes a constant channel sum to
+# exactly zero), read like the others, with the channel stride.
+CHANNEL_SLOTS = 7
+FIRST_VALUES = 6
 
 
 def channel_like(like):
@@ -530,15 +534,6 @@ def item_sums_across(x, dy, y, geometry, strides, shift, out, bounds):
     _sums_across(x, dy, y, geometry, strides, r0, r1, n, shift, out)
 
 
-@jit
-def first_values(x, geometry, strides, shift):
-    """Each channel's first value, tiled, into ``shift``: the shift that makes a constant
-    channel sum to exactly zero."""
-    channels = geometry[0]
-    for i in range(shift.size):
-        shift[i] = decode(x[(i % channels) * strides[0, 0]])
-
-
 # --- pass 2: the elementwise results -------------------------------------------------------
 # The plain cases (no fusion) have loops of their own, with no test inside, so that they
 # vectorize; along a channel the coefficients are scalars, across channels arrays (tiled).
@@ -740,19 +735,18 @@ def item_backward_across(x, dy, y, gi, gz, geometry, strides, k_dy, k_x, k_c, fl
 TRAIN, SAVED, EVAL, SAVED_INVSTD = 0, 1, 2, 3  # problems.Mode
 TRAINING, BACKWARD, INFERENCE = 0, 1, 2  # channel_results' kinds of pass
 # Slots of ``entries``: the steps a whole-pass function calls.
-FIRST, LOAD, ITEM_SUMS, RESULTS, STORE, ITEM_FORWARD, ITEM_BACKWARD = range(7)
+LOAD, ITEM_SUMS, RESULTS, STORE, ITEM_FORWARD, ITEM_BACKWARD = range(6)
 
 
 def entries(like, geometry, strides, steps) -> np.ndarray:
     """The addresses (``entry``) of the steps a whole-pass function calls on data of
-    ``like``'s dtype walked as ``geometry`` says (``FIRST``...; 0 for a slot not in
+    ``like``'s dtype walked as ``geometry`` says (``LOAD``...; 0 for a slot not in
     ``steps``), compiled for the very argument types the threaded path gives them."""
     walk = "across" if geometry[3] else "along"
     one, two, bounds, half = np.zeros(1), np.zeros((1, 1)), (0, 0, 0, 0), channel_like(like)
     at, args = np.zeros(CHANNEL_SLOTS, np.int64), np.zeros((CHANNEL_SLOTS, 2), np.int64)
     data = (like, like, like, geometry, strides)
     calls = {
-        FIRST: (first_values, like, geometry, strides, one),
         LOAD: (load_channels, at, args, 0, two, one, 0, half),
         ITEM_SUMS: (globals()[f"item_sums_{walk}"], *data, one, two, bounds),
         RESULTS: (channel_results, 0, two, one, two, 0, 0.0, 0.0, 0, two),
@@ -848,12 +842,11 @@ def backward(
     gi, write gz. ``half``: ``channel_like(like)``; ``steps``: ``entries``."""
     x, dy, y = flat(x_at, spans[0], like), flat(dy_at, spans[1], like), flat(y_at, spans[2], like)
     gi, gz = flat(gi_at, spans[3], like), flat(gz_at, spans[4], like)
-    at = np.array((w_at, m_at, v_at, gw_at, gb_at, 0))
+    at = np.array((w_at, m_at, v_at, gw_at, gb_at, 0, x_at))
     channels, tile = geometry[0], geometry[TILE]
     values, shift = np.zeros((CHANNEL_SLOTS, channels)), np.empty(channels * tile)
-    _call(steps[LOAD], (at, channel_args, reads, values, shift, -1 if mode == TRAIN else 1, half))
-    if mode == TRAIN:
-        _call(steps[FIRST], (x, geometry, strides, shift))
+    shift_row = FIRST_VALUES if mode == TRAIN else 1
+    _call(steps[LOAD], (at, channel_args, reads, values, shift, shift_row, half))
     sums = np.zeros((SUMS, channels * tile))
     _call(steps[ITEM_SUMS], (x, dy, y, geometry, strides, shift, sums, whole))
     k = np.empty((3, channels * tile))
@@ -897,11 +890,10 @@ def forward_training(
     running_var (``reads``/``writes``, ``half`` and ``steps`` as ``backward``'s).
     ``flags``: add z, ReLU."""
     x, z, y = flat(x_at, spans[0], like), flat(z_at, spans[1], like), flat(y_at, spans[2], like)
-    at = np.array((w_at, b_at, sm_at, si_at, rm_at, rv_at))
+    at = np.array((w_at, b_at, sm_at, si_at, rm_at, rv_at, x_at))
     channels, tile = geometry[0], geometry[TILE]
     values, shift = np.zeros((CHANNEL_SLOTS, channels)), np.empty(channels * tile)
-    _call(steps[LOAD], (at, channel_args, reads, values, shift, -1, half))
-    _call(steps[FIRST], (x, geometry, strides, shift))
+    _call(steps[LOAD], (at, channel_args, reads, values, shift, FIRST_VALUES, half))
     sums = np.zeros((SUMS, channels * tile))
     _call(steps[ITEM_SUMS], (x, x[:0], x[:0], geometry, strides, shift, sums, whole))
     k = np.empty((3, channels * tile))
@@ -936,7 +928,7 @@ def forward_inference(
     (``reads``, ``half`` and ``steps`` as ``backward``'s); ``flags``: the forward's, none
     set."""
     x, y = flat(x_at, spans[0], like), flat(y_at, spans[2], like)
-    at = np.array((w_at, b_at, rm_at, rv_at, 0, 0))
+    at = np.array((w_at, b_at, rm_at, rv_at, 0, 0, x_at))
     channels, tile = geometry[0], geometry[TILE]
     values, shift = np.zeros((CHANNEL_SLOTS, channels)), np.zeros(channels * tile)
     _call(steps[LOAD], (at, channel_args, reads, values, shift, -1, half))
