@@ -33,7 +33,7 @@ from ..problems import (
 )
 from ..tensor import TensorDesc
 from . import cpu_kernels, cpu_pool
-from .cpu_layout import Layout
+from .cpu_layout import SLOTS, Layout
 from .host import host_array
 
 # The kernels see F16 as uint16 and BF16 as int16 bits (cpu_kernels); a zero-length array
@@ -69,9 +69,17 @@ class _HostKernel:
     # Slots of ``data`` (the layout's tensors) that are outputs, and those that are inputs.
     outputs: tuple[int, ...]
     inputs: tuple[int, ...]
-    # Per-channel slots read and written (bits, ``_bits``).
+    # The pass (``cpu_kernels.channel_results``' kind), the backward's mode, the momentum.
+    kind: int
+    mode: int = cpu_kernels.TRAIN
+    momentum = 0.0
+    # Per-channel slots read and written (bits, ``_bits``); the one whose values (tiled)
+    # shift the sums (none: -1).
     reads: int
     writes: int = 0
+    shift_row: int = cpu_kernels.FIRST_VALUES
+    # The elementwise pass's flags (the forward's two, then two unset; the backward's four).
+    flags: tuple[bool, bool, bool, bool]
     # The steps a one-call pass makes (``cpu_kernels.entries``' slots), and their addresses.
     step_slots: tuple[int, ...]
     _steps: np.ndarray | None = None
@@ -79,7 +87,8 @@ class _HostKernel:
     def __init__(self, data: list[TensorDesc | None], channel: list[TensorDesc | None]) -> None:
         self.data = data
         self.layout = Layout.of(data)
-        self.spans = np.array(self.layout.spans, dtype=np.int64)
+        self.spans = np.zeros(SLOTS, dtype=np.int64)  # absent slots: empty
+        self.spans[: len(data)] = self.layout.spans
         self.channel_args = _channel_args(channel, data[0])
         self.like = _LIKE[data[0].dtype]
         self.half = cpu_kernels.channel_like(self.like)
@@ -113,29 +122,40 @@ class _HostKernel:
             )
         return self._steps
 
+    def whole_pass(self, at: list[int], channel: tuple[int, ...]) -> None:
+        """The pass as one call in this thread (``cpu_kernels.whole_pass``): ``at`` the data
+        slots' addresses, ``channel`` the per-channel tensors'."""
+        layout = self.layout
+        cpu_kernels.whole_pass(
+            self.kind, *at, *[0] * (SLOTS - len(at)), channel + (0,) * (6 - len(channel)),
+            self.like, self.half, layout.geometry, layout.strides, self.spans,
+            self.channel_args, self.reads, self.writes, self.shift_row, self.mode, self.eps,
+            self.momentum, self.flags, self.whole, self.steps(),
+        )  # fmt: skip
+
     def views(self, addresses: list[int]) -> list[np.ndarray]:
         """Flat arrays over the data slots (what the item kernels take)."""
         spans = self.layout.spans
         return [cpu_kernels.flat(a, n, self.like) for a, n in zip(addresses, spans, strict=True)]
 
-    def channel_inputs(self, channel: tuple[int, ...], x: int, shift_row: int = -1) -> tuple:
+    def channel_inputs(self, channel: tuple[int, ...], x: int) -> tuple:
         """The per-channel addresses ``channel`` (and the input's, ``x``) as an array, the
-        float64 table of those read, and row ``shift_row``, tiled: the shift of the sums
-        (``cpu_kernels.load_channels``)."""
+        float64 table of those read, and the sums' tiled shift (``shift_row``;
+        ``cpu_kernels.load_channels``)."""
         k, layout = cpu_kernels, self.layout
         at = np.zeros(k.CHANNEL_SLOTS, dtype=np.int64)
         at[: len(channel)], at[k.FIRST_VALUES] = channel, x
         values = np.zeros((k.CHANNEL_SLOTS, layout.channels))
-        shift = np.empty(layout.channels * self.tile)
-        k.load_channels(at, self.channel_args, self.reads, values, shift, shift_row, self.half)
+        shift = np.zeros(layout.channels * self.tile)
+        k.load_channels(at, self.channel_args, self.reads, values, shift, self.shift_row, self.half)
         return at, values, shift
 
-    def channel_results(self, kind: int, at, values, sums, shift, mode: int, momentum: float):
+    def channel_results(self, at, values, sums, shift):
         """Write the per-channel results; the elementwise pass's tiled coefficients."""
         k = cpu_kernels
         coefficients = np.empty((3, self.layout.channels * self.tile))
-        k.channel_results(kind, sums, shift, values, self.layout.count, self.eps, momentum,
-                          mode, coefficients)  # fmt: skip
+        k.channel_results(self.kind, sums, shift, values, self.layout.count, self.eps,
+                          self.momentum, self.mode, coefficients)  # fmt: skip
         k.store_channels(values, at, self.channel_args, self.writes, self.half)
         return coefficients
 
@@ -200,13 +220,14 @@ class BatchNormBackward(_HostKernel):
         channel = [t.weight, t.running_mean if reads_stats else None]
         channel += [t.running_var if reads_stats else None, t.grad_weight, t.grad_bias]
         super().__init__(data, channel)
-        train = int(a.mode) == cpu_kernels.TRAIN  # the sums' shift: x's first values
+        k = cpu_kernels
+        self.kind, self.mode, self.eps = k.BACKWARD, int(a.mode), float(a.eps)
+        train = self.mode == k.TRAIN  # the sums' shift: x's first values, else the mean
         self.reads = _bits(True, reads_stats, reads_stats, False, False, False, train)
         self.writes = _bits(False, False, False, *a.output_mask[1:])
-        self.mode, self.eps = int(a.mode), float(a.eps)
+        self.shift_row = k.FIRST_VALUES if train else 1
         # The elementwise pass's flags: use x (all modes but eval), mask, write gi, write gz.
-        self.flags = (self.mode != cpu_kernels.EVAL, fused, a.output_mask[0], with_z)
-        k = cpu_kernels
+        self.flags = (self.mode != k.EVAL, fused, a.output_mask[0], with_z)
         self.step_slots = (k.LOAD, k.ITEM_SUMS, k.RESULTS, k.STORE)
         self.step_slots += (k.ITEM_BACKWARD,) if a.output_mask[0] or with_z else ()
 
@@ -219,21 +240,16 @@ class BatchNormBackward(_HostKernel):
         self.run_with_scratch(addresses, lambda at: self.launch(at, channel))
 
     def launch(self, at: list[int], channel: tuple[int, ...]) -> None:
-        k, layout, chunks = cpu_kernels, self.layout, self.chunks()
-        geometry, strides, args = layout.geometry, layout.strides, self.channel_args
+        layout, chunks = self.layout, self.chunks()
+        geometry, strides = layout.geometry, layout.strides
         if chunks == 1:
-            k.backward(*at, *channel, self.like, self.half, geometry, strides, self.spans, args,
-                       self.reads, self.writes, self.mode, self.eps, self.flags,
-                       self.whole, self.steps())  # fmt: skip
+            self.whole_pass(at, channel)
             return
         x, dy, y, gi, gz = self.views(at)
-        shift_row = k.FIRST_VALUES if self.mode == k.TRAIN else 1
-        channel_at, values, shift = self.channel_inputs(channel, at[0], shift_row)
+        channel_at, values, shift = self.channel_inputs(channel, at[0])
         items = layout.items(chunks)
         sums = self.sums(x, dy, y, shift, items)
-        coefficients = self.channel_results(
-            k.BACKWARD, channel_at, values, sums, shift, self.mode, 0.0
-        )
+        coefficients = self.channel_results(channel_at, values, sums, shift)
         if self.flags[2] or self.flags[3]:
             cpu_pool.run(
                 lambda i: self.item_backward(
@@ -263,13 +279,13 @@ class BatchNormForwardTraining(_HostKernel):
             [t.input, t.z if with_z else None, t.output],
             [t.weight, t.bias, t.saved_mean, t.saved_invstd, t.running_mean, t.running_var],
         )
-        self.flags = (with_z, a.fusion != Fusion.BN)  # the elementwise pass's: add z, ReLU
+        k = cpu_kernels
+        self.kind, self.eps, self.momentum = k.TRAINING, float(a.eps), float(a.momentum)
+        self.flags = (with_z, a.fusion != Fusion.BN, False, False)  # add z, ReLU
         updates = (t.running_mean is not None, t.running_var is not None)
         self.reads = _bits(True, True, False, False, *updates, True)
         self.writes = _bits(False, False, True, True, *updates)
-        k = cpu_kernels
         self.step_slots = (k.LOAD, k.ITEM_SUMS, k.RESULTS, k.STORE, k.ITEM_FORWARD)
-        self.eps, self.momentum = float(a.eps), float(a.momentum)
 
     def run(self, ptrs: ForwardTrainingPointers, workspace: int, stream: int) -> None:
         p = ptrs
@@ -277,26 +293,21 @@ class BatchNormForwardTraining(_HostKernel):
         self.run_with_scratch(addresses, lambda at: self.launch(at, p))
 
     def launch(self, at: list[int], p: ForwardTrainingPointers) -> None:
-        k, layout, chunks = cpu_kernels, self.layout, self.chunks()
-        geometry, strides, args = layout.geometry, layout.strides, self.channel_args
+        layout, chunks = self.layout, self.chunks()
+        geometry, strides = layout.geometry, layout.strides
         channel = (p.weight, p.bias, p.saved_mean, p.saved_invstd, p.running_mean,
                    p.running_var)  # fmt: skip
         if chunks == 1:
-            k.forward_training(*at, *channel, self.like, self.half, geometry, strides,
-                               self.spans, args, self.reads, self.writes, self.eps,
-                               self.momentum, self.flags, self.whole, self.steps())  # fmt: skip
+            self.whole_pass(at, channel)
             return
         x, z, y = self.views(at)
-        channel_at, values, shift = self.channel_inputs(channel, at[0], k.FIRST_VALUES)
+        channel_at, values, shift = self.channel_inputs(channel, at[0])
         items = layout.items(chunks)
         sums = self.sums(x, x[:0], x[:0], shift, items)
-        coefficients = self.channel_results(
-            k.TRAINING, channel_at, values, sums, shift, k.TRAIN, self.momentum
-        )
+        coefficients = self.channel_results(channel_at, values, sums, shift)
+        flags = self.flags[:2]
         cpu_pool.run(
-            lambda i: self.item_forward(
-                x, z, y, geometry, strides, *coefficients, self.flags, items[i]
-            ),
+            lambda i: self.item_forward(x, z, y, geometry, strides, *coefficients, flags, items[i]),
             len(items),
         )
 
@@ -317,10 +328,11 @@ class BatchNormForwardInference(_HostKernel):
         super().__init__(
             [t.input, None, t.output], [t.weight, t.bias, t.running_mean, t.running_var]
         )
-        self.eps = float(attributes.eps)
-        self.reads = _bits(True, True, True, True)
-        self.step_slots = (cpu_kernels.LOAD, cpu_kernels.RESULTS, cpu_kernels.ITEM_FORWARD)
-        self.plain = (False, False)  # the forward's flags: no z, no ReLU
+        k = cpu_kernels
+        self.kind, self.mode, self.eps = k.INFERENCE, k.EVAL, float(attributes.eps)
+        self.reads, self.shift_row = _bits(True, True, True, True), -1
+        self.flags = (False,) * 4  # the forward's: no z, no ReLU
+        self.step_slots = (k.LOAD, k.RESULTS, k.ITEM_FORWARD)
 
     def run(self, ptrs: ForwardInferencePointers, workspace: int, stream: int) -> None:
         p = ptrs
@@ -328,23 +340,18 @@ class BatchNormForwardInference(_HostKernel):
         self.run_with_scratch([p.input, 0, p.output], lambda at: self.launch(at, channel))
 
     def launch(self, at: list[int], channel: tuple[int, ...]) -> None:
-        k, layout, chunks = cpu_kernels, self.layout, self.chunks()
-        geometry, strides, args = layout.geometry, layout.strides, self.channel_args
+        layout, chunks = self.layout, self.chunks()
+        geometry, strides = layout.geometry, layout.strides
         if chunks == 1:
-            k.forward_inference(at[0], at[2], *channel, self.like, self.half, geometry, strides,
-                                self.spans, args, self.reads, self.eps, self.plain,
-                                self.whole, self.steps())  # fmt: skip
+            self.whole_pass(at, channel)
             return
         x, _, y = self.views(at)
         channel_at, values, shift = self.channel_inputs(channel, at[0])
-        no_sums = np.zeros((k.SUMS, 0))
-        coefficients = self.channel_results(
-            k.INFERENCE, channel_at, values, no_sums, shift, k.EVAL, 0.0
-        )
+        no_sums = np.zeros((cpu_kernels.SUMS, 0))
+        coefficients = self.channel_results(channel_at, values, no_sums, shift)
         items = layout.items(chunks)
+        flags = self.flags[:2]
         cpu_pool.run(
-            lambda i: self.item_forward(
-                x, x, y, geometry, strides, *coefficients, self.plain, items[i]
-            ),
+            lambda i: self.item_forward(x, x, y, geometry, strides, *coefficients, flags, items[i]),
             len(items),
         )

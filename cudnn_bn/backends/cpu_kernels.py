@@ -8,8 +8,8 @@ split into work items (a block of channels and a run of rows, or a run of rows w
 channel when channels are innermost): ``item_sums_*``, ``item_forward_*`` and
 ``item_backward_*`` do one item each (``_along`` or ``_across`` a layout's channels), and
 release the GIL, so that the backend's own threads (``cpu_pool``) run items truly in
-parallel. A small problem is one item: ``backward``, ``forward_training`` and
-``forward_inference`` do a whole pass in one call, calling the same compiled steps.
+parallel. A small problem is one item: ``whole_pass`` does a pass in one call, calling the
+same compiled steps.
 
 No kernel uses numba's parallel layer (OpenMP, TBB or workqueue): a forked child, any
 ``NUMBA_THREADING_LAYER`` and many calling threads are all safe, and the first call
@@ -105,7 +105,7 @@ def flat(address, span, like):
 
 # --- calls by address ----------------------------------------------------------------------
 # A compiled function that calls another links the callee's code into its own and compiles
-# it all again. The whole-pass functions (small problems) instead call the very kernels the
+# it all again. The whole-pass function (small problems) instead calls the very kernels the
 # threaded path runs, through their C wrappers' addresses (``entry``): a small problem's
 # first call compiles only its own few lines.
 
@@ -729,17 +729,17 @@ def item_backward_across(x, dy, y, gi, gz, geometry, strides, k_dy, k_x, k_c, fl
 # --- the passes ----------------------------------------------------------------------------
 # Each pass reads its per-channel inputs, adds up its sums over every item, computes its
 # per-channel results and writes them, then its elementwise results over every item. The
-# whole-pass functions below run these as one item in one call (small problems), calling
+# whole-pass function below runs these as one item in one call (small problems), calling
 # the steps by address (``entries``); the backend runs the same steps with items on threads.
 
 TRAIN, SAVED, EVAL, SAVED_INVSTD = 0, 1, 2, 3  # problems.Mode
 TRAINING, BACKWARD, INFERENCE = 0, 1, 2  # channel_results' kinds of pass
-# Slots of ``entries``: the steps a whole-pass function calls.
+# Slots of ``entries``: the steps ``whole_pass`` calls.
 LOAD, ITEM_SUMS, RESULTS, STORE, ITEM_FORWARD, ITEM_BACKWARD = range(6)
 
 
 def entries(like, geometry, strides, steps) -> np.ndarray:
-    """The addresses (``entry``) of the steps a whole-pass function calls on data of
+    """The addresses (``entry``) of the steps ``whole_pass`` calls on data of
     ``like``'s dtype walked as ``geometry`` says (``LOAD``...; 0 for a slot not in
     ``steps``), compiled for the very argument types the threaded path gives them."""
     walk = "across" if geometry[3] else "along"
@@ -809,17 +809,14 @@ def channel_results(kind, sums, shift, values, count, eps, momentum, mode, coeff
 
 
 @jit
-def backward(
+def whole_pass(
+    kind,
     x_at,
-    dy_at,
+    a_at,
     y_at,
     gi_at,
     gz_at,
-    w_at,
-    m_at,
-    v_at,
-    gw_at,
-    gb_at,
+    channel,
     like,
     half,
     geometry,
@@ -828,111 +825,44 @@ def backward(
     channel_args,
     reads,
     writes,
+    shift_row,
     mode,
-    eps,
-    flags,
-    whole,
-    steps,
-):
-    """Batch-norm backward as one item (``whole``: every channel and row). Data tensors
-    (x, dy, the fused forward's y, gi, gz) are walked with ``strides``' rows 0..4;
-    ``channel_args`` holds (stride, dtype code) of weight, statistic 0, statistic 1,
-    grad_weight, grad_bias; ``reads``/``writes``: those read and written (bits, as
-    ``load_channels``). ``flags``: use x (all modes but eval), mask dy by ``y > 0``, write
-    gi, write gz. ``half``: ``channel_like(like)``; ``steps``: ``entries``."""
-    x, dy, y = flat(x_at, spans[0], like), flat(dy_at, spans[1], like), flat(y_at, spans[2], like)
-    gi, gz = flat(gi_at, spans[3], like), flat(gz_at, spans[4], like)
-    at = np.array((w_at, m_at, v_at, gw_at, gb_at, 0, x_at))
-    channels, tile = geometry[0], geometry[TILE]
-    values, shift = np.zeros((CHANNEL_SLOTS, channels)), np.empty(channels * tile)
-    shift_row = FIRST_VALUES if mode == TRAIN else 1
-    _call(steps[LOAD], (at, channel_args, reads, values, shift, shift_row, half))
-    sums = np.zeros((SUMS, channels * tile))
-    _call(steps[ITEM_SUMS], (x, dy, y, geometry, strides, shift, sums, whole))
-    k = np.empty((3, channels * tile))
-    count = geometry[1] * geometry[2] * tile
-    _call(steps[RESULTS], (BACKWARD, sums, shift, values, count, eps, 0.0, mode, k))
-    _call(steps[STORE], (values, at, channel_args, writes, half))
-    if flags[2] or flags[3]:
-        coefficients = (k[0], k[1], k[2])
-        _call(steps[ITEM_BACKWARD], (x, dy, y, gi, gz, geometry, strides, *coefficients, flags,
-                                     whole))  # fmt: skip
-
-
-@jit
-def forward_training(
-    x_at,
-    z_at,
-    y_at,
-    w_at,
-    b_at,
-    sm_at,
-    si_at,
-    rm_at,
-    rv_at,
-    like,
-    half,
-    geometry,
-    strides,
-    spans,
-    channel_args,
-    reads,
-    writes,
     eps,
     momentum,
     flags,
     whole,
     steps,
 ):
-    """Training forward as one item (``whole``: every channel and row): batch statistics,
-    saved mean and invstd, running update, ``y``. Data tensors: x, z, y (``strides`` rows
-    0..2); ``channel_args``: weight, bias, saved_mean, saved_invstd, running_mean,
-    running_var (``reads``/``writes``, ``half`` and ``steps`` as ``backward``'s).
-    ``flags``: add z, ReLU."""
-    x, z, y = flat(x_at, spans[0], like), flat(z_at, spans[1], like), flat(y_at, spans[2], like)
-    at = np.array((w_at, b_at, sm_at, si_at, rm_at, rv_at, x_at))
-    channels, tile = geometry[0], geometry[TILE]
-    values, shift = np.zeros((CHANNEL_SLOTS, channels)), np.empty(channels * tile)
-    _call(steps[LOAD], (at, channel_args, reads, values, shift, FIRST_VALUES, half))
-    sums = np.zeros((SUMS, channels * tile))
-    _call(steps[ITEM_SUMS], (x, x[:0], x[:0], geometry, strides, shift, sums, whole))
-    k = np.empty((3, channels * tile))
-    count = geometry[1] * geometry[2] * tile
-    _call(steps[RESULTS], (TRAINING, sums, shift, values, count, eps, momentum, TRAIN, k))
-    _call(steps[STORE], (values, at, channel_args, writes, half))
-    _call(steps[ITEM_FORWARD], (x, z, y, geometry, strides, k[0], k[1], k[2], flags, whole))
-
-
-@jit
-def forward_inference(
-    x_at,
-    y_at,
-    w_at,
-    b_at,
-    rm_at,
-    rv_at,
-    like,
-    half,
-    geometry,
-    strides,
-    spans,
-    channel_args,
-    reads,
-    eps,
-    flags,
-    whole,
-    steps,
-):
-    """Inference forward as one item (``whole``: every channel and row). Data tensors: x, y
-    (``strides`` rows 0, 2); ``channel_args``: weight, bias, running_mean, running_var
-    (``reads``, ``half`` and ``steps`` as ``backward``'s); ``flags``: the forward's, none
-    set."""
-    x, y = flat(x_at, spans[0], like), flat(y_at, spans[2], like)
-    at = np.array((w_at, b_at, rm_at, rv_at, 0, 0, x_at))
+    """A pass (``kind``, as ``channel_results``) as one item (``whole``: every channel and
+    row), its steps called by address (``steps``, ``entries``). Data tensors, walked with
+    ``strides``' rows 0..4: x, then dy (backward) or z (training forward), the fused
+    forward's y (backward) or y, then gi and gz (backward); an absent one's address and
+    span are 0. ``channel``: the six per-channel tensors' addresses (``channel_args``,
+    ``reads``, ``writes`` and ``shift_row`` as ``load_channels`` and ``store_channels``
+    take them; ``half``: ``channel_like(like)``). ``flags``: the forward's add z and ReLU,
+    or the backward's use x (all modes but eval), mask dy by ``y > 0``, write gi, write
+    gz."""
+    x, a, y = flat(x_at, spans[0], like), flat(a_at, spans[1], like), flat(y_at, spans[2], like)
+    gi, gz = flat(gi_at, spans[3], like), flat(gz_at, spans[4], like)
+    at = np.empty(CHANNEL_SLOTS, np.int64)
+    for t in range(len(channel)):
+        at[t] = channel[t]
+    at[FIRST_VALUES] = x_at
     channels, tile = geometry[0], geometry[TILE]
     values, shift = np.zeros((CHANNEL_SLOTS, channels)), np.zeros(channels * tile)
-    _call(steps[LOAD], (at, channel_args, reads, values, shift, -1, half))
+    _call(steps[LOAD], (at, channel_args, reads, values, shift, shift_row, half))
+    sums = np.zeros((SUMS, 0 if kind == INFERENCE else channels * tile))
+    if kind == BACKWARD:
+        _call(steps[ITEM_SUMS], (x, a, y, geometry, strides, shift, sums, whole))
+    elif kind == TRAINING:
+        _call(steps[ITEM_SUMS], (x, x[:0], x[:0], geometry, strides, shift, sums, whole))
     k = np.empty((3, channels * tile))
-    no_sums = np.zeros((SUMS, 0))
-    _call(steps[RESULTS], (INFERENCE, no_sums, shift, values, 1, eps, 0.0, EVAL, k))
-    _call(steps[ITEM_FORWARD], (x, x, y, geometry, strides, k[0], k[1], k[2], flags, whole))
+    count = geometry[1] * geometry[2] * tile
+    _call(steps[RESULTS], (kind, sums, shift, values, count, eps, momentum, mode, k))
+    if writes:
+        _call(steps[STORE], (values, at, channel_args, writes, half))
+    data = (geometry, strides, k[0], k[1], k[2])
+    if kind != BACKWARD:
+        _call(steps[ITEM_FORWARD], (x, a, y, *data, (flags[0], flags[1]), whole))
+    elif flags[2] or flags[3]:
+        _call(steps[ITEM_BACKWARD], (x, a, y, gi, gz, *data, flags, whole))
