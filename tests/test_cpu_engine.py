@@ -259,7 +259,7 @@ def test_broadcast_operands(shape, source):
 
 
 def _channel(address: int, code: DataType) -> tuple[np.ndarray, np.ndarray]:
-    """One per-channel tensor (slot 0, element stride 1) as ``load_channels`` takes it."""
+    """One per-channel tensor (slot 0, element stride 1) as ``copy_channels`` takes it."""
     at = np.zeros(cpu_kernels.CHANNEL_SLOTS, np.int64)
     args = np.tile(np.array([1, int(DataType.F64)], np.int64), (cpu_kernels.CHANNEL_SLOTS, 1))
     at[0], args[0, 1] = address, int(code)
@@ -272,7 +272,7 @@ _HALF = {DataType.F16: np.empty(0, np.uint16), DataType.BF16: np.empty(0, np.int
 def _load(values: np.ndarray, code: DataType) -> np.ndarray:
     table = np.zeros((cpu_kernels.CHANNEL_SLOTS, values.size))
     at, args = _channel(values.ctypes.data, code)
-    cpu_kernels.load_channels(at, args, 1, table, table[0, :0], -1, _HALF[code])
+    cpu_kernels.copy_channels(at, args, 1, table, table[0, :0], -1, _HALF[code], False)
     return table[0]
 
 
@@ -280,7 +280,8 @@ def _store(values: np.ndarray, code: DataType) -> np.ndarray:
     out = np.empty(values.size, np.uint16)
     table = np.zeros((cpu_kernels.CHANNEL_SLOTS, values.size))
     table[0] = values
-    cpu_kernels.store_channels(table, *_channel(out.ctypes.data, code), 1, _HALF[code])
+    at, args = _channel(out.ctypes.data, code)
+    cpu_kernels.copy_channels(at, args, 1, table, table[0, :0], -1, _HALF[code], True)
     return out
 
 

@@ -56,7 +56,7 @@ def _channel_args(descs: list[TensorDesc | None], x: TensorDesc) -> np.ndarray:
 
 
 def _bits(*flags: bool) -> int:
-    """The set of slots whose flag is true, as ``cpu_kernels.load_channels`` takes it."""
+    """The set of slots whose flag is true, as ``cpu_kernels.copy_channels`` takes it."""
     return sum(1 << slot for slot, flag in enumerate(flags) if flag)
 
 
@@ -141,13 +141,14 @@ class _HostKernel:
     def channel_inputs(self, channel: tuple[int, ...], x: int) -> tuple:
         """The per-channel addresses ``channel`` (and the input's, ``x``) as an array, the
         float64 table of those read, and the sums' tiled shift (``shift_row``;
-        ``cpu_kernels.load_channels``)."""
+        ``cpu_kernels.copy_channels``)."""
         k, layout = cpu_kernels, self.layout
         at = np.zeros(k.CHANNEL_SLOTS, dtype=np.int64)
         at[: len(channel)], at[k.FIRST_VALUES] = channel, x
         values = np.zeros((k.CHANNEL_SLOTS, layout.channels))
         shift = np.zeros(layout.channels * self.tile)
-        k.load_channels(at, self.channel_args, self.reads, values, shift, self.shift_row, self.half)
+        k.copy_channels(at, self.channel_args, self.reads, values, shift, self.shift_row,
+                        self.half, False)  # fmt: skip
         return at, values, shift
 
     def channel_results(self, at, values, sums, shift):
@@ -156,7 +157,7 @@ class _HostKernel:
         coefficients = np.empty((3, self.layout.channels * self.tile))
         k.channel_results(self.kind, sums, shift, values, self.layout.count, self.eps,
                           self.momentum, self.mode, coefficients)  # fmt: skip
-        k.store_channels(values, at, self.channel_args, self.writes, self.half)
+        k.copy_channels(at, self.channel_args, self.writes, values, shift, -1, self.half, True)
         return coefficients
 
     def sums(self, x, dy, y, shift, items: list) -> np.ndarray:
@@ -228,7 +229,7 @@ class BatchNormBackward(_HostKernel):
         self.shift_row = k.FIRST_VALUES if train else 1
         # The elementwise pass's flags: use x (all modes but eval), mask, write gi, write gz.
         self.flags = (self.mode != k.EVAL, fused, a.output_mask[0], with_z)
-        self.step_slots = (k.LOAD, k.ITEM_SUMS, k.RESULTS, k.STORE)
+        self.step_slots = (k.COPY, k.ITEM_SUMS, k.RESULTS)
         self.step_slots += (k.ITEM_BACKWARD,) if a.output_mask[0] or with_z else ()
 
     def run(self, ptrs: BackwardPointers, workspace: int, stream: int) -> None:
@@ -285,7 +286,7 @@ class BatchNormForwardTraining(_HostKernel):
         updates = (t.running_mean is not None, t.running_var is not None)
         self.reads = _bits(True, True, False, False, *updates, True)
         self.writes = _bits(False, False, True, True, *updates)
-        self.step_slots = (k.LOAD, k.ITEM_SUMS, k.RESULTS, k.STORE, k.ITEM_FORWARD)
+        self.step_slots = (k.COPY, k.ITEM_SUMS, k.RESULTS, k.ITEM_FORWARD)
 
     def run(self, ptrs: ForwardTrainingPointers, workspace: int, stream: int) -> None:
         p = ptrs
@@ -332,7 +333,7 @@ class BatchNormForwardInference(_HostKernel):
         self.kind, self.mode, self.eps = k.INFERENCE, k.EVAL, float(attributes.eps)
         self.reads, self.shift_row = _bits(True, True, True, True), -1
         self.flags = (False,) * 4  # the forward's: no z, no ReLU
-        self.step_slots = (k.LOAD, k.RESULTS, k.ITEM_FORWARD)
+        self.step_slots = (k.COPY, k.RESULTS, k.ITEM_FORWARD)
 
     def run(self, ptrs: ForwardInferencePointers, workspace: int, stream: int) -> None:
         p = ptrs

@@ -310,9 +310,10 @@ def _encode(value, dtype):
 
 # --- per-channel operands ------------------------------------------------------------------
 # A pass's per-channel tensors are the rows of one float64 table (``CHANNEL_SLOTS``, C):
-# one function reads them, one computes (``channel_results``), one writes them, each
-# compiled once for every pass and data dtype (a dozen small functions, each compiled apart
-# and linked again into its callers, were most of a first call's compile time).
+# one function reads and writes them (``copy_channels``), one computes its results
+# (``channel_results``), each compiled once for every pass and F32/F64 data (a dozen small
+# functions, each compiled apart and linked again into its callers, were most of a first
+# call's compile time).
 
 # Per-channel tensors of a pass, at most: the training forward's six, then the input's first
 # value of each channel (``FIRST_VALUES``: the shift that makes a constant channel sum to
@@ -329,56 +330,42 @@ def channel_like(like):
 
 
 @jit
-def load_channels(at, args, reads, values, shift, shift_row, half):
-    """float64 copies of the per-channel tensors at addresses ``at`` whose bit is set in
-    ``reads`` into their rows of ``values`` (``args``: each one's element stride and dtype
-    code, an F16/BF16 one of ``half``'s dtype, ``channel_like``); row ``shift_row`` (when
-    not negative) also into ``shift``, tiled."""
+def copy_channels(at, args, bits, values, shift, shift_row, half, store):
+    """Read the per-channel tensors at addresses ``at`` whose bit is set in ``bits`` into
+    their rows of ``values``, as float64, or, where ``store``, write those rows into them,
+    rounded once to their dtype (``args``: each one's element stride and dtype code; an
+    F16/BF16 one has ``half``'s dtype, ``channel_like``). Row ``shift_row`` (when not
+    negative) also into ``shift``, tiled."""
     count = values.shape[1]
     for t in range(at.size):
-        if not reads >> t & 1:
-            continue
-        stride, code, out = args[t, 0], args[t, 1], values[t]
-        span = (count - 1) * stride + 1
-        if code == F64:
-            v64 = numba.carray(_pointer(at[t]), (span,), np.float64)
-            for c in range(count):
-                out[c] = v64[c * stride]
-        elif code == F32:
-            v32 = numba.carray(_pointer(at[t]), (span,), np.float32)
-            for c in range(count):
-                out[c] = v32[c * stride]
-        else:
-            vh = numba.carray(_pointer(at[t]), (span,), half.dtype)
-            for c in range(count):
-                out[c] = decode(vh[c * stride])
-    if shift_row >= 0:
-        for i in range(shift.size):
-            shift[i] = values[shift_row, i % count]
-
-
-@jit
-def store_channels(values, at, args, writes, half):
-    """Round the rows of ``values`` whose bit is set in ``writes`` once to their tensor's
-    dtype and write them (``load_channels`` in reverse)."""
-    count = values.shape[1]
-    for t in range(at.size):
-        if not writes >> t & 1:
+        if not bits >> t & 1:
             continue
         stride, code, row = args[t, 0], args[t, 1], values[t]
         span = (count - 1) * stride + 1
         if code == F64:
             v64 = numba.carray(_pointer(at[t]), (span,), np.float64)
             for c in range(count):
-                v64[c * stride] = row[c]
+                if store:
+                    v64[c * stride] = row[c]
+                else:
+                    row[c] = v64[c * stride]
         elif code == F32:
             v32 = numba.carray(_pointer(at[t]), (span,), np.float32)
             for c in range(count):
-                v32[c * stride] = row[c]
+                if store:
+                    v32[c * stride] = row[c]
+                else:
+                    row[c] = v32[c * stride]
         else:
             vh = numba.carray(_pointer(at[t]), (span,), half.dtype)
             for c in range(count):
-                vh[c * stride] = encode(row[c], vh.dtype)
+                if store:
+                    vh[c * stride] = encode(row[c], vh.dtype)
+                else:
+                    row[c] = decode(vh[c * stride])
+    if shift_row >= 0:
+        for i in range(shift.size):
+            shift[i] = values[shift_row, i % count]
 
 
 # --- walking the data ----------------------------------------------------------------------
@@ -735,22 +722,21 @@ def item_backward_across(x, dy, y, gi, gz, geometry, strides, k_dy, k_x, k_c, fl
 TRAIN, SAVED, EVAL, SAVED_INVSTD = 0, 1, 2, 3  # problems.Mode
 TRAINING, BACKWARD, INFERENCE = 0, 1, 2  # channel_results' kinds of pass
 # Slots of ``entries``: the steps ``whole_pass`` calls.
-LOAD, ITEM_SUMS, RESULTS, STORE, ITEM_FORWARD, ITEM_BACKWARD = range(6)
+COPY, ITEM_SUMS, RESULTS, ITEM_FORWARD, ITEM_BACKWARD = range(5)
 
 
 def entries(like, geometry, strides, steps) -> np.ndarray:
     """The addresses (``entry``) of the steps ``whole_pass`` calls on data of
-    ``like``'s dtype walked as ``geometry`` says (``LOAD``...; 0 for a slot not in
+    ``like``'s dtype walked as ``geometry`` says (``COPY``...; 0 for a slot not in
     ``steps``), compiled for the very argument types the threaded path gives them."""
     walk = "across" if geometry[3] else "along"
     one, two, bounds, half = np.zeros(1), np.zeros((1, 1)), (0, 0, 0, 0), channel_like(like)
     at, args = np.zeros(CHANNEL_SLOTS, np.int64), np.zeros((CHANNEL_SLOTS, 2), np.int64)
     data = (like, like, like, geometry, strides)
     calls = {
-        LOAD: (load_channels, at, args, 0, two, one, 0, half),
+        COPY: (copy_channels, at, args, 0, two, one, 0, half, False),
         ITEM_SUMS: (globals()[f"item_sums_{walk}"], *data, one, two, bounds),
         RESULTS: (channel_results, 0, two, one, two, 0, 0.0, 0.0, 0, two),
-        STORE: (store_channels, two, at, args, 0, half),
         ITEM_FORWARD: (globals()[f"item_forward_{walk}"], *data, one, one, one, (False,) * 2,
                        bounds),
         ITEM_BACKWARD: (globals()[f"item_backward_{walk}"], like, like, *data, one, one, one,
@@ -764,7 +750,7 @@ def entries(like, geometry, strides, steps) -> np.ndarray:
 
 @jit
 def channel_results(kind, sums, shift, values, count, eps, momentum, mode, coefficients):
-    """A pass's per-channel results from its inputs (rows of ``values``, ``load_channels``)
+    """A pass's per-channel results from its inputs (rows of ``values``, ``copy_channels``)
     and its data's ``sums`` (``(SUMS, C * tile)``, shifted by the tiled ``shift``), written
     into ``values``' output rows, and the elementwise pass's ``coefficients`` (3, C * tile),
     tiled. ``kind``: ``TRAINING`` (rows weight, bias, saved mean, saved invstd, running mean,
@@ -838,10 +824,9 @@ def whole_pass(
     ``strides``' rows 0..4: x, then dy (backward) or z (training forward), the fused
     forward's y (backward) or y, then gi and gz (backward); an absent one's address and
     span are 0. ``channel``: the six per-channel tensors' addresses (``channel_args``,
-    ``reads``, ``writes`` and ``shift_row`` as ``load_channels`` and ``store_channels``
-    take them; ``half``: ``channel_like(like)``). ``flags``: the forward's add z and ReLU,
-    or the backward's use x (all modes but eval), mask dy by ``y > 0``, write gi, write
-    gz."""
+    ``reads``, ``writes`` and ``shift_row`` as ``copy_channels`` takes them; ``half``:
+    ``channel_like(like)``). ``flags``: the forward's add z and ReLU, or the backward's use
+    x (all modes but eval), mask dy by ``y > 0``, write gi, write gz."""
     x, a, y = flat(x_at, spans[0], like), flat(a_at, spans[1], like), flat(y_at, spans[2], like)
     gi, gz = flat(gi_at, spans[3], like), flat(gz_at, spans[4], like)
     at = np.empty(CHANNEL_SLOTS, np.int64)
@@ -850,7 +835,7 @@ def whole_pass(
     at[FIRST_VALUES] = x_at
     channels, tile = geometry[0], geometry[TILE]
     values, shift = np.zeros((CHANNEL_SLOTS, channels)), np.zeros(channels * tile)
-    _call(steps[LOAD], (at, channel_args, reads, values, shift, shift_row, half))
+    _call(steps[COPY], (at, channel_args, reads, values, shift, shift_row, half, False))
     sums = np.zeros((SUMS, 0 if kind == INFERENCE else channels * tile))
     if kind == BACKWARD:
         _call(steps[ITEM_SUMS], (x, a, y, geometry, strides, shift, sums, whole))
@@ -860,7 +845,7 @@ def whole_pass(
     count = geometry[1] * geometry[2] * tile
     _call(steps[RESULTS], (kind, sums, shift, values, count, eps, momentum, mode, k))
     if writes:
-        _call(steps[STORE], (values, at, channel_args, writes, half))
+        _call(steps[COPY], (at, channel_args, writes, values, shift, -1, half, True))
     data = (geometry, strides, k[0], k[1], k[2])
     if kind != BACKWARD:
         _call(steps[ITEM_FORWARD], (x, a, y, *data, (flags[0], flags[1]), whole))
