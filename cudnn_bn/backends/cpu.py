@@ -125,9 +125,9 @@ class _HostKernel:
     def whole_pass(self, at: list[int], channel: tuple[int, ...]) -> None:
         """The pass as one call in this thread (``cpu_kernels.whole_pass``): ``at`` the data
         slots' addresses, ``channel`` the per-channel tensors'."""
-        layout = self.layout
+        layout, given = self.layout, cpu_kernels.FIRST_VALUES  # per-channel tensors, at most
         cpu_kernels.whole_pass(
-            self.kind, *at, *[0] * (SLOTS - len(at)), channel + (0,) * (6 - len(channel)),
+            self.kind, *at, *[0] * (SLOTS - len(at)), channel + (0,) * (given - len(channel)),
             self.like, self.half, layout.geometry, layout.strides, self.spans,
             self.channel_args, self.reads, self.writes, self.shift_row, self.mode, self.eps,
             self.momentum, self.flags, self.whole, self.steps(),
