@@ -258,13 +258,30 @@ def test_broadcast_operands(shape, source):
     assert_close(got, want)
 
 
+def _channel(address: int, code: DataType) -> tuple[np.ndarray, np.ndarray]:
+    """One per-channel tensor (slot 0, element stride 1) as ``copy_channels`` takes it."""
+    at = np.zeros(cpu_kernels.CHANNEL_SLOTS, np.int64)
+    args = np.tile(np.array([1, int(DataType.F64)], np.int64), (cpu_kernels.CHANNEL_SLOTS, 1))
+    at[0], args[0, 1] = address, int(code)
+    return at, args
+
+
+_HALF = {DataType.F16: np.empty(0, np.uint16), DataType.BF16: np.empty(0, np.int16)}
+
+
 def _load(values: np.ndarray, code: DataType) -> np.ndarray:
-    return cpu_kernels.load_channels(values.ctypes.data, 1, int(code), values.size)
+    table = np.zeros((cpu_kernels.CHANNEL_SLOTS, values.size))
+    at, args = _channel(values.ctypes.data, code)
+    cpu_kernels.copy_channels(at, args, 1, table, table[0, :0], -1, _HALF[code], False)
+    return table[0]
 
 
 def _store(values: np.ndarray, code: DataType) -> np.ndarray:
     out = np.empty(values.size, np.uint16)
-    cpu_kernels.store_channels(values, out.ctypes.data, 1, int(code))
+    table = np.zeros((cpu_kernels.CHANNEL_SLOTS, values.size))
+    table[0] = values
+    at, args = _channel(out.ctypes.data, code)
+    cpu_kernels.copy_channels(at, args, 1, table, table[0, :0], -1, _HALF[code], True)
     return out
 
 

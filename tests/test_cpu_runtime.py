@@ -7,7 +7,9 @@
 - where no cache location is writable: every call failed with INTERNAL_ERROR ("no locator
   available"); now the kernels compile in memory, with one warning;
 - a small call does not start numba's thread pool (the training forward did, every call).
-- a large call compiles only its layout's walk (first calls compiled both).
+- a large call compiles only its layout's walk (first calls compiled both), and two
+  per-channel functions (a dozen, each compiled apart); a small call after it compiles only
+  the whole-pass function (it compiled a copy of every step, of both walks).
 
 Results are checked against the same call made serially in the same process.
 """
@@ -187,3 +189,54 @@ def test_a_layout_compiles_only_its_own_walk(tmp_path):
     child = run_child(script, NUMBA_CACHE_DIR=str(tmp_path))
     assert child.returncode == 0, child.stderr
     assert child.stdout.split()[-3:] == ["[0,", "0,", "0]"]
+
+
+COMPILES = """
+from numba.core import event
+compiled, every, depth = set(), set(), [0]
+
+class Compiles(event.Listener):
+    \"\"\"Names of the engine's functions compiled: at the top (their callees' compiles
+    are part of theirs), and at every depth.\"\"\"
+
+    def on_start(self, ev):
+        depth[0] += 1
+
+    def on_end(self, ev):
+        depth[0] -= 1
+        function = ev.data["dispatcher"].py_func
+        if function.__module__ == "cudnn_bn.backends.cpu_kernels":
+            every.add(function.__name__)
+            if not depth[0]:
+                compiled.add(function.__name__)
+
+event.register("numba:compile", Compiles())
+"""
+
+
+def test_large_calls_compile_their_walk_and_the_per_channel_steps_only(tmp_path):
+    """From an empty cache, a large backward and training forward compile the three item
+    kernels of their walk and two per-channel functions (a dozen per-channel
+    functions, compiled apart, were most of the README block's first-call time)."""
+    script = COMPILES + PROBLEM + "print(sorted(compiled))\n"
+    steps = "['channel_results', 'copy_channels', 'flat', 'item_backward_along',"
+    steps += " 'item_forward_along', 'item_sums_along']"
+    assert_printed(run_child(script, NUMBA_CACHE_DIR=str(tmp_path)), steps)
+
+
+def test_a_small_call_compiles_no_kernel_of_its_own(tmp_path):
+    """After large calls, small calls of the same dtype and walk compile only the whole-pass
+    function: it calls the large calls' compiled steps (the one-call passes compiled a copy
+    of every step, of both walks, about 5 s per dtype)."""
+    script = (
+        COMPILES
+        + PROBLEM
+        + (
+            "every.clear()\n"
+            "small, few = x[:2, :, :8].copy(), dy[:2, :, :8].copy()\n"  # 1024 values, NCL
+            "cudnn_bn.batch_norm_backward(small, few, w, None, None)\n"
+            "cudnn_bn.batch_norm_forward_training(small, w, b, None, None)\n"
+            "print(sorted(every))\n"
+        )
+    )
+    assert_printed(run_child(script, NUMBA_CACHE_DIR=str(tmp_path)), "['whole_pass']")

@@ -35,7 +35,7 @@ from ..problems import (
 )
 from ..tensor import TensorDesc
 from . import cpu_kernels, cpu_pool
-from .cpu_layout import Layout
+from .cpu_layout import SLOTS, Layout
 from .host import host_array
 
 # The kernels see F16 as uint16 and BF16 as int16 bits (cpu_kernels); a zero-length array
@@ -49,12 +49,17 @@ _LIKE = {
 PARALLEL_MIN_VALUES = 1 << 16  # below this many values a thread hand-off costs more than it saves
 
 
-def _channel_args(descs: list[TensorDesc | None]) -> np.ndarray:
-    """(stride, dtype code) of each per-channel tensor, (1, F64) for an absent one."""
-    return np.array(
-        [(1, int(DataType.F64)) if d is None else (d.strides[0], int(d.dtype)) for d in descs],
-        dtype=np.int64,
-    )
+def _channel_args(descs: list[TensorDesc | None], x: TensorDesc) -> np.ndarray:
+    """(stride, dtype code) of each per-channel tensor (``CHANNEL_SLOTS`` rows), (1, F64)
+    for an absent one; the input ``x``'s first values (``FIRST_VALUES``) last."""
+    descs = descs + [None] * (cpu_kernels.FIRST_VALUES - len(descs))
+    rows = [(1, int(DataType.F64)) if d is None else (d.strides[0], int(d.dtype)) for d in descs]
+    return np.array([*rows, (x.strides[1], int(x.dtype))], dtype=np.int64)
+
+
+def _bits(*flags: bool) -> int:
+    """The set of slots whose flag is true, as ``cpu_kernels.copy_channels`` takes it."""
+    return sum(1 << slot for slot, flag in enumerate(flags) if flag)
 
 
 class _HostKernel:
@@ -66,13 +71,29 @@ class _HostKernel:
     # Slots of ``data`` (the layout's tensors) that are outputs, and those that are inputs.
     outputs: tuple[int, ...]
     inputs: tuple[int, ...]
+    # The pass (``cpu_kernels.channel_results``' kind), the backward's mode, the momentum.
+    kind: int
+    mode: int = cpu_kernels.TRAIN
+    momentum = 0.0
+    # Per-channel slots read and written (bits, ``_bits``); the one whose values (tiled)
+    # shift the sums (none: -1).
+    reads: int
+    writes: int = 0
+    shift_row: int = cpu_kernels.FIRST_VALUES
+    # The elementwise pass's flags (the forward's two, then two unset; the backward's four).
+    flags: tuple[bool, bool, bool, bool]
+    # The steps a one-call pass makes (``cpu_kernels.entries``' slots), and their addresses.
+    step_slots: tuple[int, ...]
+    _steps: np.ndarray | None = None
 
     def __init__(self, data: list[TensorDesc | None], channel: list[TensorDesc | None]) -> None:
         self.data = data
         self.layout = Layout.of(data)
-        self.spans = np.array(self.layout.spans, dtype=np.int64)
-        self.channel_args = _channel_args(channel)
+        self.spans = np.zeros(SLOTS, dtype=np.int64)  # absent slots: empty
+        self.spans[: len(data)] = self.layout.spans
+        self.channel_args = _channel_args(channel, data[0])
         self.like = _LIKE[data[0].dtype]
+        self.half = cpu_kernels.channel_like(self.like)
         itemsize = FLOAT_TYPES[data[0].dtype].itemsize
         self.nbytes = [span * itemsize for span in self.layout.spans]
         self.parallel = self.layout.count * self.layout.channels >= PARALLEL_MIN_VALUES
@@ -94,27 +115,63 @@ class _HostKernel:
     def chunks(self) -> int:
         return cpu_pool.thread_count() if self.parallel else 1
 
+    def steps(self) -> np.ndarray:
+        """The addresses of the steps of a one-call pass, looked up on its first call."""
+        if self._steps is None:
+            layout = self.layout
+            self._steps = cpu_kernels.entries(
+                self.like, layout.geometry, layout.strides, self.step_slots
+            )
+        return self._steps
+
+    def whole_pass(self, at: list[int], channel: tuple[int, ...]) -> None:
+        """The pass as one call in this thread (``cpu_kernels.whole_pass``): ``at`` the data
+        slots' addresses, ``channel`` the per-channel tensors'."""
+        layout, given = self.layout, cpu_kernels.FIRST_VALUES  # per-channel tensors, at most
+        cpu_kernels.whole_pass(
+            self.kind, *at, *[0] * (SLOTS - len(at)), channel + (0,) * (given - len(channel)),
+            self.like, self.half, layout.geometry, layout.strides, self.spans,
+            self.channel_args, self.reads, self.writes, self.shift_row, self.mode, self.eps,
+            self.momentum, self.flags, self.whole, self.steps(),
+        )  # fmt: skip
+
     def views(self, addresses: list[int]) -> list[np.ndarray]:
         """Flat arrays over the data slots (what the item kernels take)."""
         spans = self.layout.spans
         return [cpu_kernels.flat(a, n, self.like) for a, n in zip(addresses, spans, strict=True)]
 
-    def tiled(self, *values: np.ndarray) -> list[np.ndarray]:
-        """Per-channel arrays as the walk sees them (``cpu_kernels.tiled``)."""
-        return [cpu_kernels.tiled(v, self.tile) for v in values]
+    def channel_inputs(self, channel: tuple[int, ...], x: int) -> tuple:
+        """The per-channel addresses ``channel`` (and the input's, ``x``) as an array, the
+        float64 table of those read, and the sums' tiled shift (``shift_row``;
+        ``cpu_kernels.copy_channels``)."""
+        k, layout = cpu_kernels, self.layout
+        at = np.zeros(k.CHANNEL_SLOTS, dtype=np.int64)
+        at[: len(channel)], at[k.FIRST_VALUES] = channel, x
+        values = np.zeros((k.CHANNEL_SLOTS, layout.channels))
+        shift = np.zeros(layout.channels * self.tile)
+        k.copy_channels(at, self.channel_args, self.reads, values, shift, self.shift_row,
+                        self.half, False)  # fmt: skip
+        return at, values, shift
+
+    def channel_results(self, at, values, sums, shift):
+        """Write the per-channel results; the elementwise pass's tiled coefficients."""
+        k = cpu_kernels
+        coefficients = np.empty((3, self.layout.channels * self.tile))
+        k.channel_results(self.kind, sums, shift, values, self.layout.count, self.eps,
+                          self.momentum, self.mode, coefficients)  # fmt: skip
+        k.copy_channels(at, self.channel_args, self.writes, values, shift, -1, self.half, True)
+        return coefficients
 
     def sums(self, x, dy, y, shift, items: list) -> np.ndarray:
         """The walk's ``item_sums`` of every work item on the engine's threads, added in
-        item order (the same sums for the same thread count), per channel."""
+        item order (the same sums for the same thread count): ``(SUMS, C * tile)``."""
         geometry, strides = self.layout.geometry, self.layout.strides
-        channels = self.layout.channels
-        partial = np.zeros((len(items), cpu_kernels.SUMS, channels * self.tile))
-        (shift,) = self.tiled(shift)
+        partial = np.zeros((len(items), cpu_kernels.SUMS, shift.size))
         cpu_pool.run(
             lambda i: self.item_sums(x, dy, y, geometry, strides, shift, partial[i], items[i]),
             len(items),
         )
-        return cpu_kernels.folded(partial.sum(axis=0), channels)
+        return partial.sum(axis=0)
 
     def overlapping(self, addresses: list[int]) -> list[int]:
         """Output slots that overlap an input other than element for element."""
@@ -173,8 +230,16 @@ class BatchNormBackward(_HostKernel):
         channel = [t.weight, t.running_mean if reads_stats else None]
         channel += [t.running_var if reads_stats else None, t.grad_weight, t.grad_bias]
         super().__init__(data, channel)
-        self.flags = (*a.output_mask, fused, with_z)
-        self.mode, self.eps = int(a.mode), float(a.eps)
+        k = cpu_kernels
+        self.kind, self.mode, self.eps = k.BACKWARD, int(a.mode), float(a.eps)
+        train = self.mode == k.TRAIN  # the sums' shift: x's first values, else the mean
+        self.reads = _bits(True, reads_stats, reads_stats, False, False, False, train)
+        self.writes = _bits(False, False, False, *a.output_mask[1:])
+        self.shift_row = k.FIRST_VALUES if train else 1
+        # The elementwise pass's flags: use x (all modes but eval), mask, write gi, write gz.
+        self.flags = (self.mode != k.EVAL, fused, a.output_mask[0], with_z)
+        self.step_slots = (k.COPY, k.ITEM_SUMS, k.RESULTS)
+        self.step_slots += (k.ITEM_BACKWARD,) if a.output_mask[0] or with_z else ()
 
     def addresses(self, p: BackwardPointers) -> list[int]:
         addresses = [p.input, p.grad_output, p.output, p.grad_input, p.grad_z]
@@ -182,30 +247,23 @@ class BatchNormBackward(_HostKernel):
 
     def launch(self, at: list[int], p: BackwardPointers) -> None:
         channel = (p.weight, p.running_mean, p.running_var, p.grad_weight, p.grad_bias)
-        k, layout, chunks = cpu_kernels, self.layout, self.chunks()
-        geometry, strides, args = layout.geometry, layout.strides, self.channel_args
+        layout, chunks = self.layout, self.chunks()
+        geometry, strides = layout.geometry, layout.strides
         if chunks == 1:
-            k.backward(*at, *channel, self.like, geometry, strides, self.spans, args,
-                       self.mode, self.eps, self.flags, self.whole)  # fmt: skip
+            self.whole_pass(at, channel)
             return
-        write_gi, write_gw, write_gb, masked, write_gz = self.flags
         x, dy, y, gi, gz = self.views(at)
-        w, shift, stat = k.backward_inputs(x, geometry, strides, *channel[:3], args, self.mode)
+        channel_at, values, shift = self.channel_inputs(channel, at[0])
         items = layout.items(chunks)
         sums = self.sums(x, dy, y, shift, items)
-        k_dy, k_x, k_c, gw, gb = k.backward_coefficients(
-            sums, shift, stat, w, layout.count, self.mode, self.eps
-        )
-        if write_gi or write_gz:
-            apply = (self.mode != cpu_kernels.EVAL, masked, write_gi, write_gz)
-            coefficients = self.tiled(k_dy, k_x, k_c)
+        coefficients = self.channel_results(channel_at, values, sums, shift)
+        if self.flags[2] or self.flags[3]:
             cpu_pool.run(
                 lambda i: self.item_backward(
-                    x, dy, y, gi, gz, geometry, strides, *coefficients, apply, items[i]
+                    x, dy, y, gi, gz, geometry, strides, *coefficients, self.flags, items[i]
                 ),
                 len(items),
             )
-        k.backward_outputs(gw, gb, *channel[3:], args, write_gw, write_gb)
 
 
 class BatchNormForwardTraining(_HostKernel):
@@ -228,40 +286,34 @@ class BatchNormForwardTraining(_HostKernel):
             [t.input, t.z if with_z else None, t.output],
             [t.weight, t.bias, t.saved_mean, t.saved_invstd, t.running_mean, t.running_var],
         )
-        flags = (with_z, a.fusion != Fusion.BN)
-        self.flags = (*flags, t.running_mean is not None, t.running_var is not None)
-        self.eps, self.momentum = float(a.eps), float(a.momentum)
+        k = cpu_kernels
+        self.kind, self.eps, self.momentum = k.TRAINING, float(a.eps), float(a.momentum)
+        self.flags = (with_z, a.fusion != Fusion.BN, False, False)  # add z, ReLU
+        updates = (t.running_mean is not None, t.running_var is not None)
+        self.reads = _bits(True, True, False, False, *updates, True)
+        self.writes = _bits(False, False, True, True, *updates)
+        self.step_slots = (k.COPY, k.ITEM_SUMS, k.RESULTS, k.ITEM_FORWARD)
 
     def addresses(self, p: ForwardTrainingPointers) -> list[int]:
         return [p.input, p.z if self.data[1] is not None else 0, p.output]
 
     def launch(self, at: list[int], p: ForwardTrainingPointers) -> None:
-        k, layout, chunks = cpu_kernels, self.layout, self.chunks()
-        geometry, strides, args = layout.geometry, layout.strides, self.channel_args
-        outputs = (p.saved_mean, p.saved_invstd, p.running_mean, p.running_var)
+        layout, chunks = self.layout, self.chunks()
+        geometry, strides = layout.geometry, layout.strides
+        channel = (p.weight, p.bias, p.saved_mean, p.saved_invstd, p.running_mean,
+                   p.running_var)  # fmt: skip
         if chunks == 1:
-            k.forward_training(*at, p.weight, p.bias, *outputs, self.like, geometry, strides,
-                               self.spans, args, self.eps, self.momentum, self.flags,
-                               self.whole)  # fmt: skip
+            self.whole_pass(at, channel)
             return
-        add_z, relu, *updates = self.flags
-        updates = tuple(updates)
         x, z, y = self.views(at)
-        w, b, old_mean, old_var, shift = k.training_inputs(
-            x, geometry, strides, p.weight, p.bias, p.running_mean, p.running_var, args, updates
-        )
+        channel_at, values, shift = self.channel_inputs(channel, at[0])
         items = layout.items(chunks)
         sums = self.sums(x, x[:0], x[:0], shift, items)
-        stats = k.training_statistics(sums, shift, layout.count, self.eps)
-        coefficients = self.tiled(stats[0], w * stats[2], b)
+        coefficients = self.channel_results(channel_at, values, sums, shift)
+        flags = self.flags[:2]
         cpu_pool.run(
-            lambda i: self.item_forward(
-                x, z, y, geometry, strides, *coefficients, (add_z, relu), items[i]
-            ),
+            lambda i: self.item_forward(x, z, y, geometry, strides, *coefficients, flags, items[i]),
             len(items),
-        )
-        k.training_outputs(
-            stats, (old_mean, old_var), outputs, args, layout.count, self.momentum, updates
         )
 
 
@@ -281,28 +333,29 @@ class BatchNormForwardInference(_HostKernel):
         super().__init__(
             [t.input, None, t.output], [t.weight, t.bias, t.running_mean, t.running_var]
         )
-        self.eps = float(attributes.eps)
-        self.plain = (False, False)  # the forward's flags: no z, no ReLU
+        k = cpu_kernels
+        self.kind, self.mode, self.eps = k.INFERENCE, k.EVAL, float(attributes.eps)
+        self.reads, self.shift_row = _bits(True, True, True, True), -1
+        self.flags = (False,) * 4  # the forward's: no z, no ReLU
+        self.step_slots = (k.COPY, k.RESULTS, k.ITEM_FORWARD)
 
     def addresses(self, p: ForwardInferencePointers) -> list[int]:
         return [p.input, 0, p.output]
 
     def launch(self, at: list[int], p: ForwardInferencePointers) -> None:
         channel = (p.weight, p.bias, p.running_mean, p.running_var)
-        k, layout, chunks = cpu_kernels, self.layout, self.chunks()
-        geometry, strides, args = layout.geometry, layout.strides, self.channel_args
+        layout, chunks = self.layout, self.chunks()
+        geometry, strides = layout.geometry, layout.strides
         if chunks == 1:
-            k.forward_inference(at[0], at[2], *channel, self.like, geometry, strides,
-                                self.spans, args, self.eps, self.plain, self.whole)  # fmt: skip
+            self.whole_pass(at, channel)
             return
         x, _, y = self.views(at)
-        coefficients = self.tiled(
-            *k.inference_coefficients(*channel, args, layout.channels, self.eps)
-        )
+        channel_at, values, shift = self.channel_inputs(channel, at[0])
+        no_sums = np.zeros((cpu_kernels.SUMS, 0))
+        coefficients = self.channel_results(channel_at, values, no_sums, shift)
         items = layout.items(chunks)
+        flags = self.flags[:2]
         cpu_pool.run(
-            lambda i: self.item_forward(
-                x, x, y, geometry, strides, *coefficients, self.plain, items[i]
-            ),
+            lambda i: self.item_forward(x, x, y, geometry, strides, *coefficients, flags, items[i]),
             len(items),
         )

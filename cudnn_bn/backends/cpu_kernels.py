@@ -2,20 +2,22 @@
 
 A batch-norm pass reads the per-channel operands, walks the data once for the per-channel
 sums (float64 accumulators; shifted by a per-channel value so that a constant channel sums
-to exactly zero), derives per-channel coefficients, walks the data a second time to write
-the result (one read of each operand, one write), and writes the per-channel results last.
-The walks are split into work items (a block of channels and a run of rows, or a run of
-rows with every channel when channels are innermost): ``item_sums``, ``item_forward`` and
-``item_backward`` do one item each, and release the GIL, so that the backend's own threads
-(``cpu_pool``) run items truly in parallel. A small problem is one item: ``backward``,
-``forward_training`` and ``forward_inference`` do a whole pass in one call.
+to exactly zero), derives and writes the per-channel results, and walks the data a second
+time to write the elementwise result (one read of each operand, one write). The walks are
+split into work items (a block of channels and a run of rows, or a run of rows with every
+channel when channels are innermost): ``item_sums_*``, ``item_forward_*`` and
+``item_backward_*`` do one item each (``_along`` or ``_across`` a layout's channels), and
+release the GIL, so that the backend's own threads (``cpu_pool``) run items truly in
+parallel. A small problem is one item: ``whole_pass`` does a pass in one call, calling the
+same compiled steps.
 
 No kernel uses numba's parallel layer (OpenMP, TBB or workqueue): a forked child, any
 ``NUMBA_THREADING_LAYER`` and many calling threads are all safe, and the first call
 compiles in seconds. Flags are runtime arguments, not compile-time ones: each data dtype
 compiles one version of each function, and only when a call needs it (a large call:
 only its layout's walk, ``item_*_along`` or ``item_*_across``). Data tensors are
-walked as ``cpu_layout.Layout`` says, by index arithmetic on flat views.
+walked as ``cpu_layout.Layout`` says, by index arithmetic on flat views; the per-channel
+arrays a walk reads are tiled: repeated ``tile`` times (``C * tile`` values, ``cpu_layout``).
 
 F16 and BF16 have no numba type: the kernels see their bits (``uint16`` for F16, ``int16``
 for BF16, so the dtype alone picks the conversion) and convert element by element: exact
@@ -99,6 +101,39 @@ def _pointer(typingctx, address):
 def flat(address, span, like):
     """A 1-D view of ``span`` elements of ``like``'s dtype at ``address`` (no copy)."""
     return numba.carray(_pointer(address), (span,), like.dtype)
+
+
+# --- calls by address ----------------------------------------------------------------------
+# A compiled function that calls another links the callee's code into its own and compiles
+# it all again. The whole-pass function (small problems) instead calls the very kernels the
+# threaded path runs, through their C wrappers' addresses (``entry``): a small problem's
+# first call compiles only its own few lines.
+
+
+def entry(function, *args) -> int:
+    """The address of jit ``function``'s C wrapper for arguments of ``args``' numba types,
+    compiled (or loaded from the cache) if it is not yet: what ``_call`` calls."""
+    signature = tuple(numba.typeof(a) for a in args)
+    function.compile(signature)
+    result = function.overloads[signature]
+    return result.library.get_pointer_to_function(result.fndesc.llvm_cfunc_wrapper_name)
+
+
+@intrinsic
+def _call(typingctx, address, args):
+    """Call the function at ``address`` (``entry``) with the values of tuple ``args``, which
+    must have the machine types of the arguments it was compiled for; no result."""
+
+    def codegen(context, builder, signature, values):
+        arg_types = signature.args[1].types
+        function = ir.FunctionType(
+            context.get_value_type(types.none), [context.get_value_type(t) for t in arg_types]
+        )
+        pointer = builder.inttoptr(values[0], function.as_pointer())
+        builder.call(pointer, cgutils.unpack_tuple(builder, values[1], len(arg_types)))
+        return context.get_dummy_value()
+
+    return types.none(address, args), codegen
 
 
 # --- element conversions -----------------------------------------------------------------
@@ -274,53 +309,63 @@ def _encode(value, dtype):
 
 
 # --- per-channel operands ------------------------------------------------------------------
+# A pass's per-channel tensors are the rows of one float64 table (``CHANNEL_SLOTS``, C):
+# one function reads and writes them (``copy_channels``), one computes its results
+# (``channel_results``), each compiled once for every pass and F32/F64 data (a dozen small
+# functions, each compiled apart and linked again into its callers, were most of a first
+# call's compile time).
+
+# Per-channel tensors of a pass, at most: the training forward's six, then the input's first
+# value of each channel (``FIRST_VALUES``: the shift that makes a constant channel sum to
+# exactly zero), read like the others, with the channel stride.
+CHANNEL_SLOTS = 7
+FIRST_VALUES = 6
+
+
+def channel_like(like):
+    """What the per-channel functions take for data of ``like``'s dtype: a per-channel
+    tensor is F32, F64 or the data's own F16/BF16, so only half data compiles the code
+    that converts halves (float64 stands for no half type)."""
+    return like if like.dtype.itemsize == 2 else np.empty(0)
 
 
 @jit
-def load_channels(address, stride, code, count):
-    """float64 copy of a ``(count,)`` tensor of dtype ``code`` with element ``stride``."""
-    out = np.empty(count, np.float64)
-    span = (count - 1) * stride + 1
-    if code == F64:
-        v64 = numba.carray(_pointer(address), (span,), np.float64)
-        for c in range(count):
-            out[c] = v64[c * stride]
-    elif code == F32:
-        v32 = numba.carray(_pointer(address), (span,), np.float32)
-        for c in range(count):
-            out[c] = v32[c * stride]
-    elif code == F16:
-        vh = numba.carray(_pointer(address), (span,), np.uint16)
-        for c in range(count):
-            out[c] = decode(vh[c * stride])
-    else:
-        vb = numba.carray(_pointer(address), (span,), np.int16)
-        for c in range(count):
-            out[c] = decode(vb[c * stride])
-    return out
-
-
-@jit
-def store_channels(values, address, stride, code):
-    """Round ``values`` once to dtype ``code`` and write them with element ``stride``."""
-    count = values.size
-    span = (count - 1) * stride + 1
-    if code == F64:
-        v64 = numba.carray(_pointer(address), (span,), np.float64)
-        for c in range(count):
-            v64[c * stride] = values[c]
-    elif code == F32:
-        v32 = numba.carray(_pointer(address), (span,), np.float32)
-        for c in range(count):
-            v32[c * stride] = values[c]
-    elif code == F16:
-        vh = numba.carray(_pointer(address), (span,), np.uint16)
-        for c in range(count):
-            vh[c * stride] = encode(values[c], vh.dtype)
-    else:
-        vb = numba.carray(_pointer(address), (span,), np.int16)
-        for c in range(count):
-            vb[c * stride] = encode(values[c], vb.dtype)
+def copy_channels(at, args, bits, values, shift, shift_row, half, store):
+    """Read the per-channel tensors at addresses ``at`` whose bit is set in ``bits`` into
+    their rows of ``values``, as float64, or, where ``store``, write those rows into them,
+    rounded once to their dtype (``args``: each one's element stride and dtype code; an
+    F16/BF16 one has ``half``'s dtype, ``channel_like``). Row ``shift_row`` (when not
+    negative) also into ``shift``, tiled."""
+    count = values.shape[1]
+    for t in range(at.size):
+        if not bits >> t & 1:
+            continue
+        stride, code, row = args[t, 0], args[t, 1], values[t]
+        span = (count - 1) * stride + 1
+        if code == F64:
+            v64 = numba.carray(_pointer(at[t]), (span,), np.float64)
+            for c in range(count):
+                if store:
+                    v64[c * stride] = row[c]
+                else:
+                    row[c] = v64[c * stride]
+        elif code == F32:
+            v32 = numba.carray(_pointer(at[t]), (span,), np.float32)
+            for c in range(count):
+                if store:
+                    v32[c * stride] = row[c]
+                else:
+                    row[c] = v32[c * stride]
+        else:
+            vh = numba.carray(_pointer(at[t]), (span,), half.dtype)
+            for c in range(count):
+                if store:
+                    vh[c * stride] = encode(row[c], vh.dtype)
+                else:
+                    row[c] = decode(vh[c * stride])
+    if shift_row >= 0:
+        for i in range(shift.size):
+            shift[i] = values[shift_row, i % count]
 
 
 # --- walking the data ----------------------------------------------------------------------
@@ -438,20 +483,11 @@ def _sums_across(x, dy, y, geometry, strides, r0, r1, n, shift, out):
 
 
 @jit
-def item_sums(x, dy, y, geometry, strides, shift, out, bounds):
-    """Add the sums of the work item ``bounds`` to ``out`` (``(SUMS, C * tile)``, ``shift``
-    tiled the same, see ``tiled``): ``x - k``, ``(x - k)^2``, ``dy``, ``dy * (x - k)`` with
-    ``k = shift[c]``; ``dy`` zero where ``y <= 0`` if ``y`` is not empty; with ``dy`` empty
-    its sums stay zero."""
-    if geometry[3]:
-        item_sums_across(x, dy, y, geometry, strides, shift, out, bounds)
-    else:
-        item_sums_along(x, dy, y, geometry, strides, shift, out, bounds)
-
-
-@jit
 def item_sums_along(x, dy, y, geometry, strides, shift, out, bounds):
-    """``item_sums`` where runs stay in one channel."""
+    """Add the sums of the work item ``bounds`` to ``out`` (``(SUMS, C * tile)``, ``shift``
+    tiled the same) where runs stay in one channel: ``x - k``, ``(x - k)^2``, ``dy``,
+    ``dy * (x - k)`` with ``k = shift[c]``; ``dy`` zero where ``y <= 0`` if ``y`` is not
+    empty; with ``dy`` empty its sums stay zero."""
     c0, c1, r0, r1, _, n, s = _walk(bounds, geometry, strides)
     has_dy, masked = dy.size > 0, y.size > 0
     for r in range(r0, r1):
@@ -479,44 +515,10 @@ def item_sums_along(x, dy, y, geometry, strides, shift, out, bounds):
 
 @jit
 def item_sums_across(x, dy, y, geometry, strides, shift, out, bounds):
-    """``item_sums`` where runs cross channels (channels innermost): each walk is
+    """``item_sums_along`` where runs cross channels (channels innermost): each walk is
     compiled apart, so that a layout compiles only its own."""
     _, _, r0, r1, _, n, _ = _walk(bounds, geometry, strides)
     _sums_across(x, dy, y, geometry, strides, r0, r1, n, shift, out)
-
-
-@helper
-def first_values(x, geometry, strides):
-    """Each channel's first value: the shift that makes a constant channel sum to zero."""
-    shift = np.empty(geometry[0])
-    for c in range(geometry[0]):
-        shift[c] = decode(x[c * strides[0, 0]])
-    return shift
-
-
-@jit
-def tiled(values, tile):
-    """``values`` repeated ``tile`` times (itself for 1): per-channel values for a run of
-    ``tile`` rows of channels."""
-    if tile == 1:
-        return values
-    n = values.size
-    out = np.empty(n * tile)
-    for i in range(n * tile):  # a loop: numba's slice assignment costs seconds to compile
-        out[i] = values[i % n]
-    return out
-
-
-@jit
-def folded(sums, channels):
-    """``(SUMS, C * tile)`` sums added up per channel: ``(SUMS, C)``."""
-    if sums.shape[1] == channels:
-        return sums
-    out = np.zeros((SUMS, channels))
-    for j in range(SUMS):
-        for i in range(sums.shape[1]):
-            out[j, i % channels] += sums[j, i]
-    return out
 
 
 # --- pass 2: the elementwise results -------------------------------------------------------
@@ -582,19 +584,10 @@ def _forward_across(x, z, y, geometry, strides, r0, r1, n, mean, scale, shift, f
 
 
 @jit
-def item_forward(x, z, y, geometry, strides, mean, scale, shift, flags, bounds):
-    """``y = relu?((x - mean)*scale + shift [+ z])`` over the work item ``bounds`` (the
-    per-channel arrays tiled as ``tiled`` does). ``flags``: add z, ReLU. Data slots: x, z,
-    y."""
-    if geometry[3]:
-        item_forward_across(x, z, y, geometry, strides, mean, scale, shift, flags, bounds)
-    else:
-        item_forward_along(x, z, y, geometry, strides, mean, scale, shift, flags, bounds)
-
-
-@jit
 def item_forward_along(x, z, y, geometry, strides, mean, scale, shift, flags, bounds):
-    """``item_forward`` where runs stay in one channel."""
+    """``y = relu?((x - mean)*scale + shift [+ z])`` over the work item ``bounds`` (the
+    per-channel arrays tiled) where runs stay in one channel. ``flags``: add z, ReLU. Data
+    slots: x, z, y."""
     c0, c1, r0, r1, _, n, s = _walk(bounds, geometry, strides)
     for r in range(r0, r1):
         ox, oz = row_offset(r, geometry, strides[0]), row_offset(r, geometry, strides[1])
@@ -620,7 +613,7 @@ def item_forward_along(x, z, y, geometry, strides, mean, scale, shift, flags, bo
 
 @jit
 def item_forward_across(x, z, y, geometry, strides, mean, scale, shift, flags, bounds):
-    """``item_forward`` where runs cross channels (channels innermost): each walk is
+    """``item_forward_along`` where runs cross channels (channels innermost): each walk is
     compiled apart, so that a layout compiles only its own."""
     _, _, r0, r1, _, n, _ = _walk(bounds, geometry, strides)
     _forward_across(x, z, y, geometry, strides, r0, r1, n, mean, scale, shift, flags)
@@ -693,20 +686,11 @@ def _backward_across(x, dy, y, gi, gz, geometry, strides, r0, r1, n, k_dy, k_x, 
 
 
 @jit
-def item_backward(x, dy, y, gi, gz, geometry, strides, k_dy, k_x, k_c, flags, bounds):
-    """``gi = k_dy*dv + k_x*x + k_c`` and ``gz = dv`` (``dv``: dy, zero where ``y <= 0`` if
-    masked) over the work item ``bounds`` (the coefficients tiled as ``tiled`` does).
-    ``flags``: use x (all but eval), mask, write gi, write gz. Data slots: x, dy, y, gi,
-    gz."""
-    if geometry[3]:
-        item_backward_across(x, dy, y, gi, gz, geometry, strides, k_dy, k_x, k_c, flags, bounds)
-    else:
-        item_backward_along(x, dy, y, gi, gz, geometry, strides, k_dy, k_x, k_c, flags, bounds)
-
-
-@jit
 def item_backward_along(x, dy, y, gi, gz, geometry, strides, k_dy, k_x, k_c, flags, bounds):
-    """``item_backward`` where runs stay in one channel."""
+    """``gi = k_dy*dv + k_x*x + k_c`` and ``gz = dv`` (``dv``: dy, zero where ``y <= 0`` if
+    masked) over the work item ``bounds`` (the coefficients tiled) where runs stay in one
+    channel. ``flags``: use x (all but eval), mask, write gi, write gz. Data slots: x, dy,
+    y, gi, gz."""
     c0, c1, r0, r1, _, n, s = _walk(bounds, geometry, strides)
     for r in range(r0, r1):
         o = _row_offsets(r, geometry, strides)
@@ -723,263 +707,147 @@ def item_backward_along(x, dy, y, gi, gz, geometry, strides, k_dy, k_x, k_c, fla
 
 @jit
 def item_backward_across(x, dy, y, gi, gz, geometry, strides, k_dy, k_x, k_c, flags, bounds):
-    """``item_backward`` where runs cross channels (channels innermost): each walk is
+    """``item_backward_along`` where runs cross channels (channels innermost): each walk is
     compiled apart, so that a layout compiles only its own."""
     _, _, r0, r1, _, n, _ = _walk(bounds, geometry, strides)
     _backward_across(x, dy, y, gi, gz, geometry, strides, r0, r1, n, k_dy, k_x, k_c, flags)
 
 
 # --- the passes ----------------------------------------------------------------------------
-# Each pass is its inputs, its sums over every item, its coefficients, its results over
-# every item and its per-channel outputs. The whole-pass functions below run them as one
-# item in one call (small problems); the backend runs the same steps with items on threads.
+# Each pass reads its per-channel inputs, adds up its sums over every item, computes its
+# per-channel results and writes them, then its elementwise results over every item. The
+# whole-pass function below runs these as one item in one call (small problems), calling
+# the steps by address (``entries``); the backend runs the same steps with items on threads.
 
 TRAIN, SAVED, EVAL, SAVED_INVSTD = 0, 1, 2, 3  # problems.Mode
+TRAINING, BACKWARD, INFERENCE = 0, 1, 2  # channel_results' kinds of pass
+# Slots of ``entries``: the steps ``whole_pass`` calls.
+COPY, ITEM_SUMS, RESULTS, ITEM_FORWARD, ITEM_BACKWARD = range(5)
+
+
+def entries(like, geometry, strides, steps) -> np.ndarray:
+    """The addresses (``entry``) of the steps ``whole_pass`` calls on data of
+    ``like``'s dtype walked as ``geometry`` says (``COPY``...; 0 for a slot not in
+    ``steps``), compiled for the very argument types the threaded path gives them."""
+    walk = "across" if geometry[3] else "along"
+    one, two, bounds, half = np.zeros(1), np.zeros((1, 1)), (0, 0, 0, 0), channel_like(like)
+    at, args = np.zeros(CHANNEL_SLOTS, np.int64), np.zeros((CHANNEL_SLOTS, 2), np.int64)
+    data = (like, like, like, geometry, strides)
+    calls = {
+        COPY: (copy_channels, at, args, 0, two, one, 0, half, False),
+        ITEM_SUMS: (globals()[f"item_sums_{walk}"], *data, one, two, bounds),
+        RESULTS: (channel_results, 0, two, one, two, 0, 0.0, 0.0, 0, two),
+        ITEM_FORWARD: (globals()[f"item_forward_{walk}"], *data, one, one, one, (False,) * 2,
+                       bounds),
+        ITEM_BACKWARD: (globals()[f"item_backward_{walk}"], like, like, *data, one, one, one,
+                        (False,) * 4, bounds),
+    }  # fmt: skip
+    found = np.zeros(len(calls), np.int64)
+    for slot in steps:
+        found[slot] = entry(*calls[slot])
+    return found
 
 
 @jit
-def backward_inputs(x, geometry, strides, w_at, m_at, v_at, channel_args, mode):
-    """``(weight, shift, statistic)`` in float64: the shift is the batch's first values
-    (train) or the saved/running mean; the statistic is the saved invstd or a variance."""
-    channels = geometry[0]
-    w = load_channels(w_at, channel_args[0, 0], channel_args[0, 1], channels)
-    if mode == TRAIN:
-        shift = first_values(x, geometry, strides)
-        return w, shift, shift
-    shift = load_channels(m_at, channel_args[1, 0], channel_args[1, 1], channels)
-    stat = load_channels(v_at, channel_args[2, 0], channel_args[2, 1], channels)
-    return w, shift, stat
-
-
-@jit
-def backward_coefficients(sums, shift, stat, w, count, mode, eps):
-    """``(k_dy, k_x, k_c, grad_weight, grad_bias)``: ``grad_input = k_dy*dy + k_x*x + k_c``
-    per channel."""
-    channels = w.size
-    k_dy, k_x, k_c = np.empty(channels), np.zeros(channels), np.zeros(channels)
-    gw, gb = np.empty(channels), np.empty(channels)
+def channel_results(kind, sums, shift, values, count, eps, momentum, mode, coefficients):
+    """A pass's per-channel results from its inputs (rows of ``values``, ``copy_channels``)
+    and its data's ``sums`` (``(SUMS, C * tile)``, shifted by the tiled ``shift``), written
+    into ``values``' output rows, and the elementwise pass's ``coefficients`` (3, C * tile),
+    tiled. ``kind``: ``TRAINING`` (rows weight, bias, saved mean, saved invstd, running mean,
+    running var; ``y = (x - mean)*scale + bias``), ``BACKWARD`` (rows weight, statistic 0,
+    statistic 1, grad_weight, grad_bias; ``grad_input = k_dy*dy + k_x*x + k_c``, ``mode``
+    the backward's) or ``INFERENCE`` (rows weight, bias, running mean, running var). No
+    arrays are made here: each costs compile time."""
+    channels = values.shape[1]
+    w = values[0]
     for c in range(channels):
-        sum_dy, sum_dyx = sums[2, c], sums[3, c]
-        mean = shift[c]
-        if mode == TRAIN:
-            d = sums[0, c] / count
-            mean += d
-            var = sums[1, c] / count - d * d
-            if var < 0.0:  # rounding; a NaN stays NaN
-                var = 0.0
-            invstd = 1.0 / np.sqrt(var + eps)
-            sum_dyx -= d * sum_dy  # sum(dy * (x - mean))
-        elif mode == SAVED_INVSTD:
-            invstd = stat[c]
+        s0 = s1 = s2 = s3 = 0.0  # the sums of the channel's ``tile`` columns
+        for i in range(c, sums.shape[1], channels):
+            s0, s1, s2, s3 = s0 + sums[0, i], s1 + sums[1, i], s2 + sums[2, i], s3 + sums[3, i]
+        d = s0 / count
+        mean = shift[c] + d
+        var = s1 / count - d * d
+        if var < 0.0:  # rounding; a NaN stays NaN
+            var = 0.0
+        invstd = 1.0 / np.sqrt(var + eps)
+        if kind == INFERENCE:
+            k = (values[2, c], w[c] / np.sqrt(values[3, c] + eps), values[1, c])
+        elif kind == TRAINING:
+            k = (mean, w[c] * invstd, values[1, c])
+            values[2, c], values[3, c] = mean, invstd
+            values[4, c] = (1.0 - momentum) * values[4, c] + momentum * (mean * 1.0)
+            unbiased = var * (count / (count - 1))
+            values[5, c] = (1.0 - momentum) * values[5, c] + momentum * unbiased
         else:
-            invstd = 1.0 / np.sqrt(stat[c] + eps)
-        gb[c] = sum_dy
-        gw[c] = sum_dyx * invstd
-        k_dy[c] = w[c] * invstd
-        if mode != EVAL:
-            k_x[c] = -k_dy[c] * invstd * gw[c] / count
-            k_c[c] = -k_dy[c] * sum_dy / count - k_x[c] * mean
-    return k_dy, k_x, k_c, gw, gb
+            if mode == TRAIN:
+                s3 -= d * s2  # sum(dy * (x - mean))
+            else:
+                mean = shift[c]
+                stat = values[2, c]
+                invstd = stat if mode == SAVED_INVSTD else 1.0 / np.sqrt(stat + eps)
+            values[3, c], values[4, c] = s3 * invstd, s2  # grad_weight, grad_bias
+            k_dy = w[c] * invstd
+            k_x = 0.0 if mode == EVAL else -k_dy * invstd * values[3, c] / count
+            k_c = 0.0 if mode == EVAL else -k_dy * s2 / count - k_x * mean
+            k = (k_dy, k_x, k_c)
+        for i in range(c, coefficients.shape[1], channels):
+            coefficients[0, i], coefficients[1, i], coefficients[2, i] = k
 
 
 @jit
-def backward_outputs(gw, gb, gw_at, gb_at, channel_args, write_gw, write_gb):
-    if write_gw:
-        store_channels(gw, gw_at, channel_args[3, 0], channel_args[3, 1])
-    if write_gb:
-        store_channels(gb, gb_at, channel_args[4, 0], channel_args[4, 1])
-
-
-@jit
-def backward(
+def whole_pass(
+    kind,
     x_at,
-    dy_at,
+    a_at,
     y_at,
     gi_at,
     gz_at,
-    w_at,
-    m_at,
-    v_at,
-    gw_at,
-    gb_at,
+    channel,
     like,
+    half,
     geometry,
     strides,
     spans,
     channel_args,
+    reads,
+    writes,
+    shift_row,
     mode,
-    eps,
-    flags,
-    whole,
-):
-    """Batch-norm backward as one item (``whole``: every channel and row). Data tensors
-    (x, dy, the fused forward's y, gi, gz) are walked with ``strides``' rows 0..4;
-    ``channel_args`` holds (stride, dtype code) of weight, statistic 0, statistic 1,
-    grad_weight, grad_bias. ``flags``: write gi, gw, gb;
-    mask dy by ``y > 0``; write gz."""
-    write_gi, write_gw, write_gb, masked, write_gz = flags
-    x, dy, y = flat(x_at, spans[0], like), flat(dy_at, spans[1], like), flat(y_at, spans[2], like)
-    gi, gz = flat(gi_at, spans[3], like), flat(gz_at, spans[4], like)
-    w, shift, stat = backward_inputs(x, geometry, strides, w_at, m_at, v_at, channel_args, mode)
-    channels, tile = geometry[0], geometry[TILE]
-    sums = np.zeros((SUMS, channels * tile))
-    item_sums(x, dy, y, geometry, strides, tiled(shift, tile), sums, whole)
-    count = geometry[1] * geometry[2] * tile
-    k_dy, k_x, k_c, gw, gb = backward_coefficients(
-        folded(sums, channels), shift, stat, w, count, mode, eps
-    )
-    if write_gi or write_gz:
-        apply = (mode != EVAL, masked, write_gi, write_gz)
-        k_dy, k_x, k_c = tiled(k_dy, tile), tiled(k_x, tile), tiled(k_c, tile)
-        item_backward(x, dy, y, gi, gz, geometry, strides, k_dy, k_x, k_c, apply, whole)
-    backward_outputs(gw, gb, gw_at, gb_at, channel_args, write_gw, write_gb)
-
-
-@jit
-def training_inputs(x, geometry, strides, w_at, b_at, rm_at, rv_at, channel_args, updates):
-    """``(weight, bias, old running mean, old running var, shift)`` in float64; a running
-    statistic that ``updates`` says is not updated is empty. Every per-channel input is
-    read before anything is written."""
-    channels = geometry[0]
-    w = load_channels(w_at, channel_args[0, 0], channel_args[0, 1], channels)
-    b = load_channels(b_at, channel_args[1, 0], channel_args[1, 1], channels)
-    old_mean = old_var = np.zeros(0)
-    if updates[0]:
-        old_mean = load_channels(rm_at, channel_args[4, 0], channel_args[4, 1], channels)
-    if updates[1]:
-        old_var = load_channels(rv_at, channel_args[5, 0], channel_args[5, 1], channels)
-    return w, b, old_mean, old_var, first_values(x, geometry, strides)
-
-
-@jit
-def training_statistics(sums, shift, count, eps):
-    """The batch's ``(mean, biased variance, invstd)`` from its shifted sums."""
-    channels = shift.size
-    mean, var, invstd = np.empty(channels), np.empty(channels), np.empty(channels)
-    for c in range(channels):
-        d = sums[0, c] / count
-        mean[c] = shift[c] + d
-        var[c] = sums[1, c] / count - d * d
-        if var[c] < 0.0:  # rounding; a NaN stays NaN
-            var[c] = 0.0
-        invstd[c] = 1.0 / np.sqrt(var[c] + eps)
-    return mean, var, invstd
-
-
-@jit
-def training_outputs(stats, old, at, channel_args, count, momentum, updates):
-    """Write the saved mean and invstd, and the running statistics ``updates`` names.
-    ``stats``: mean, var, invstd; ``old``: the old running mean and var; ``at``: the
-    addresses of saved_mean, saved_invstd, running_mean, running_var."""
-    mean, var, invstd = stats
-    store_channels(mean, at[0], channel_args[2, 0], channel_args[2, 1])
-    store_channels(invstd, at[1], channel_args[3, 0], channel_args[3, 1])
-    if updates[0]:
-        running = _blend(old[0], mean, 1.0, momentum)
-        store_channels(running, at[2], channel_args[4, 0], channel_args[4, 1])
-    if updates[1]:
-        running = _blend(old[1], var, count / (count - 1), momentum)
-        store_channels(running, at[3], channel_args[5, 0], channel_args[5, 1])
-
-
-@helper
-def _blend(old, new, factor, momentum):
-    """``(1 - momentum)*old + momentum*factor*new``, a loop (array expressions cost
-    seconds to compile on first use)."""
-    out = np.empty(old.size)
-    for c in range(old.size):
-        out[c] = (1.0 - momentum) * old[c] + momentum * (new[c] * factor)
-    return out
-
-
-@helper
-def _product(a, b):
-    """``a * b`` elementwise, a loop (see ``_blend``)."""
-    out = np.empty(a.size)
-    for c in range(a.size):
-        out[c] = a[c] * b[c]
-    return out
-
-
-@jit
-def forward_training(
-    x_at,
-    z_at,
-    y_at,
-    w_at,
-    b_at,
-    sm_at,
-    si_at,
-    rm_at,
-    rv_at,
-    like,
-    geometry,
-    strides,
-    spans,
-    channel_args,
     eps,
     momentum,
     flags,
     whole,
+    steps,
 ):
-    """Training forward as one item (``whole``: every channel and row): batch statistics,
-    ``y``, saved mean and invstd, running update. Data tensors: x, z, y (``strides`` rows
-    0..2); ``channel_args``: weight, bias, saved_mean, saved_invstd, running_mean,
-    running_var. ``flags``: add z, ReLU, update running_mean, update running_var."""
-    add_z, relu, update_mean, update_var = flags
-    updates = (update_mean, update_var)
-    x, z, y = flat(x_at, spans[0], like), flat(z_at, spans[1], like), flat(y_at, spans[2], like)
-    w, b, old_mean, old_var, shift = training_inputs(
-        x, geometry, strides, w_at, b_at, rm_at, rv_at, channel_args, updates
-    )
+    """A pass (``kind``, as ``channel_results``) as one item (``whole``: every channel and
+    row), its steps called by address (``steps``, ``entries``). Data tensors, walked with
+    ``strides``' rows 0..4: x, then dy (backward) or z (training forward), the fused
+    forward's y (backward) or y, then gi and gz (backward); an absent one's address and
+    span are 0. ``channel``: the six per-channel tensors' addresses (``channel_args``,
+    ``reads``, ``writes`` and ``shift_row`` as ``copy_channels`` takes them; ``half``:
+    ``channel_like(like)``). ``flags``: the forward's add z and ReLU, or the backward's use
+    x (all modes but eval), mask dy by ``y > 0``, write gi, write gz."""
+    x, a, y = flat(x_at, spans[0], like), flat(a_at, spans[1], like), flat(y_at, spans[2], like)
+    gi, gz = flat(gi_at, spans[3], like), flat(gz_at, spans[4], like)
+    at = np.empty(CHANNEL_SLOTS, np.int64)
+    for t in range(len(channel)):
+        at[t] = channel[t]
+    at[FIRST_VALUES] = x_at
     channels, tile = geometry[0], geometry[TILE]
-    sums = np.zeros((SUMS, channels * tile))
-    item_sums(x, x[:0], x[:0], geometry, strides, tiled(shift, tile), sums, whole)
+    values, shift = np.zeros((CHANNEL_SLOTS, channels)), np.zeros(channels * tile)
+    _call(steps[COPY], (at, channel_args, reads, values, shift, shift_row, half, False))
+    sums = np.zeros((SUMS, 0 if kind == INFERENCE else channels * tile))
+    if kind == BACKWARD:
+        _call(steps[ITEM_SUMS], (x, a, y, geometry, strides, shift, sums, whole))
+    elif kind == TRAINING:
+        _call(steps[ITEM_SUMS], (x, x[:0], x[:0], geometry, strides, shift, sums, whole))
+    k = np.empty((3, channels * tile))
     count = geometry[1] * geometry[2] * tile
-    mean, var, invstd = training_statistics(folded(sums, channels), shift, count, eps)
-    coefficients = tiled(mean, tile), tiled(_product(w, invstd), tile), tiled(b, tile)
-    item_forward(x, z, y, geometry, strides, *coefficients, (add_z, relu), whole)
-    at = (sm_at, si_at, rm_at, rv_at)
-    old = (old_mean, old_var)
-    training_outputs((mean, var, invstd), old, at, channel_args, count, momentum, updates)
-
-
-@jit
-def inference_coefficients(w_at, b_at, rm_at, rv_at, channel_args, channels, eps):
-    """``(mean, scale, shift)``: ``y = (x - mean)*scale + shift`` per channel."""
-    w = load_channels(w_at, channel_args[0, 0], channel_args[0, 1], channels)
-    b = load_channels(b_at, channel_args[1, 0], channel_args[1, 1], channels)
-    mean = load_channels(rm_at, channel_args[2, 0], channel_args[2, 1], channels)
-    var = load_channels(rv_at, channel_args[3, 0], channel_args[3, 1], channels)
-    scale = np.empty(channels)
-    for c in range(channels):
-        scale[c] = w[c] / np.sqrt(var[c] + eps)
-    return mean, scale, b
-
-
-@jit
-def forward_inference(
-    x_at,
-    y_at,
-    w_at,
-    b_at,
-    rm_at,
-    rv_at,
-    like,
-    geometry,
-    strides,
-    spans,
-    channel_args,
-    eps,
-    plain,
-    whole,
-):
-    """Inference forward as one item (``whole``: every channel and row). Data tensors: x, y
-    (``strides`` rows 0, 2); ``channel_args``: weight, bias, running_mean, running_var;
-    ``plain``: the forward's flags, none set."""
-    x, y = flat(x_at, spans[0], like), flat(y_at, spans[2], like)
-    channel = (w_at, b_at, rm_at, rv_at)
-    mean, scale, b = inference_coefficients(*channel, channel_args, geometry[0], eps)
-    tile = geometry[TILE]
-    mean, scale, b = tiled(mean, tile), tiled(scale, tile), tiled(b, tile)
-    item_forward(x, x, y, geometry, strides, mean, scale, b, plain, whole)
+    _call(steps[RESULTS], (kind, sums, shift, values, count, eps, momentum, mode, k))
+    if writes:
+        _call(steps[COPY], (at, channel_args, writes, values, shift, -1, half, True))
+    data = (geometry, strides, k[0], k[1], k[2])
+    if kind != BACKWARD:
+        _call(steps[ITEM_FORWARD], (x, a, y, *data, (flags[0], flags[1]), whole))
+    elif flags[2] or flags[3]:
+        _call(steps[ITEM_BACKWARD], (x, a, y, gi, gz, *data, flags, whole))
