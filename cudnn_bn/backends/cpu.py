@@ -84,7 +84,7 @@ class _HostKernel:
     flags: tuple[bool, bool, bool, bool]
     # The steps a one-call pass makes (``cpu_kernels.entries``' slots), and their addresses.
     step_slots: tuple[int, ...]
-    _steps: np.ndarray | None = None
+    _plan: np.ndarray | None = None
 
     def __init__(self, data: list[TensorDesc | None], channel: list[TensorDesc | None]) -> None:
         self.data = data
@@ -98,6 +98,8 @@ class _HostKernel:
         self.nbytes = [span * itemsize for span in self.layout.spans]
         self.parallel = self.layout.count * self.layout.channels >= PARALLEL_MIN_VALUES
         (self.whole,) = self.layout.items(1)
+        self.absent = (0,) * (SLOTS - len(data))  # the data slots this pass has not
+        self.channels_absent = (0,) * (cpu_kernels.FIRST_VALUES - len(channel))
         self.tile = int(self.layout.geometry[cpu_kernels.TILE])
         # The item kernels of this layout's walk (the other is never compiled for it).
         walk = "across" if self.layout.geometry[3] else "along"
@@ -112,28 +114,30 @@ class _HostKernel:
             if data[o] is not None and data[i] is not None and data[o].strides == data[i].strides
         }
 
-    def chunks(self) -> int:
-        return cpu_pool.thread_count() if self.parallel else 1
+    def plan(self) -> np.ndarray:
+        """``cpu_kernels.whole_pass``'s plan: this pass's fixed arguments, and the addresses
+        of its steps, looked up on its first call."""
+        if self._plan is None:
+            k, layout = cpu_kernels, self.layout
+            steps = k.entries(self.like, layout.geometry, layout.strides, self.step_slots)
+            fields = (self.kind, self.reads, self.writes, self.shift_row, self.mode)
+            parts = (fields, self.flags, self.whole, layout.geometry, self.spans)
+            arrays = (self.channel_args.ravel(), layout.strides.ravel(), steps)
+            self._plan = np.concatenate([*parts, *arrays]).astype(np.int64)
+            assert self._plan.size == k.PLAN_SIZE
+        return self._plan
 
-    def steps(self) -> np.ndarray:
-        """The addresses of the steps of a one-call pass, looked up on its first call."""
-        if self._steps is None:
-            layout = self.layout
-            self._steps = cpu_kernels.entries(
-                self.like, layout.geometry, layout.strides, self.step_slots
-            )
-        return self._steps
-
-    def whole_pass(self, at: list[int], channel: tuple[int, ...]) -> None:
-        """The pass as one call in this thread (``cpu_kernels.whole_pass``): ``at`` the data
-        slots' addresses, ``channel`` the per-channel tensors'."""
-        layout, given = self.layout, cpu_kernels.FIRST_VALUES  # per-channel tensors, at most
-        cpu_kernels.whole_pass(
-            self.kind, *at, *[0] * (SLOTS - len(at)), channel + (0,) * (given - len(channel)),
-            self.like, self.half, layout.geometry, layout.strides, self.spans,
-            self.channel_args, self.reads, self.writes, self.shift_row, self.mode, self.eps,
-            self.momentum, self.flags, self.whole, self.steps(),
-        )  # fmt: skip
+    def launch(self, at: list[int] | tuple[int, ...], channel: tuple[int, ...]) -> None:
+        """The pass on the data slots' addresses ``at`` and the per-channel tensors'
+        ``channel``: one call in this thread (``cpu_kernels.whole_pass``) for a small
+        problem, else its work items on the engine's threads (``threaded``)."""
+        chunks = cpu_pool.thread_count() if self.parallel else 1
+        if chunks > 1:
+            self.threaded(at, channel, chunks)
+            return
+        plan = self._plan if self._plan is not None else self.plan()
+        cpu_kernels.whole_pass(plan, self.eps, self.momentum, self.like, self.half, *at,
+                               *self.absent, *channel, *self.channels_absent)  # fmt: skip
 
     def views(self, addresses: list[int]) -> list[np.ndarray]:
         """Flat arrays over the data slots (what the item kernels take)."""
@@ -192,22 +196,24 @@ class _HostKernel:
     def run(self, ptrs: Any, workspace: int, stream: int) -> None:
         """The pass on ``ptrs`` (``workspace``/``stream`` are unused), outputs that overlap
         an input written through scratch."""
-        addresses = self.addresses(ptrs)
+        given, channel = self.pointers(ptrs)
+        addresses = [a if d is not None else 0 for a, d in zip(given, self.data, strict=True)]
         clashes = self.overlapping(addresses)
         if not clashes:
-            self.launch(addresses, ptrs)
+            self.launch(addresses, channel)
             return
         storage = FLOAT_TYPES[self.data[0].dtype].storage
         scratch = {o: np.empty(self.layout.spans[o], dtype=storage) for o in clashes}
         at = [scratch[s].ctypes.data if s in scratch else a for s, a in enumerate(addresses)]
-        self.launch(at, ptrs)
+        self.launch(at, channel)
         for o, buffer in scratch.items():
             desc = self.data[o]
             host_array(addresses[o], desc)[...] = host_array(buffer.ctypes.data, desc)
 
     def run_disjoint(self, ptrs: Any, workspace: int, stream: int) -> None:
-        """``run`` where the caller has made sure no output overlaps an input."""
-        self.launch(self.addresses(ptrs), ptrs)
+        """``run`` where the caller has made sure no output overlaps an input and every
+        absent tensor's pointer is NULL."""
+        self.launch(*self.pointers(ptrs))
 
 
 class BatchNormBackward(_HostKernel):
@@ -241,17 +247,14 @@ class BatchNormBackward(_HostKernel):
         self.step_slots = (k.COPY, k.ITEM_SUMS, k.RESULTS)
         self.step_slots += (k.ITEM_BACKWARD,) if a.output_mask[0] or with_z else ()
 
-    def addresses(self, p: BackwardPointers) -> list[int]:
-        addresses = [p.input, p.grad_output, p.output, p.grad_input, p.grad_z]
-        return [a if d is not None else 0 for a, d in zip(addresses, self.data, strict=True)]
+    def pointers(self, p: BackwardPointers) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """The data slots' addresses and the per-channel tensors'."""
+        data = (p.input, p.grad_output, p.output, p.grad_input, p.grad_z)
+        return data, (p.weight, p.running_mean, p.running_var, p.grad_weight, p.grad_bias)
 
-    def launch(self, at: list[int], p: BackwardPointers) -> None:
-        channel = (p.weight, p.running_mean, p.running_var, p.grad_weight, p.grad_bias)
-        layout, chunks = self.layout, self.chunks()
+    def threaded(self, at: list[int], channel: tuple[int, ...], chunks: int) -> None:
+        layout = self.layout
         geometry, strides = layout.geometry, layout.strides
-        if chunks == 1:
-            self.whole_pass(at, channel)
-            return
         x, dy, y, gi, gz = self.views(at)
         channel_at, values, shift = self.channel_inputs(channel, at[0])
         items = layout.items(chunks)
@@ -294,17 +297,15 @@ class BatchNormForwardTraining(_HostKernel):
         self.writes = _bits(False, False, True, True, *updates)
         self.step_slots = (k.COPY, k.ITEM_SUMS, k.RESULTS, k.ITEM_FORWARD)
 
-    def addresses(self, p: ForwardTrainingPointers) -> list[int]:
-        return [p.input, p.z if self.data[1] is not None else 0, p.output]
-
-    def launch(self, at: list[int], p: ForwardTrainingPointers) -> None:
-        layout, chunks = self.layout, self.chunks()
-        geometry, strides = layout.geometry, layout.strides
+    def pointers(self, p: ForwardTrainingPointers) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """The data slots' addresses and the per-channel tensors'."""
         channel = (p.weight, p.bias, p.saved_mean, p.saved_invstd, p.running_mean,
                    p.running_var)  # fmt: skip
-        if chunks == 1:
-            self.whole_pass(at, channel)
-            return
+        return (p.input, p.z, p.output), channel
+
+    def threaded(self, at: list[int], channel: tuple[int, ...], chunks: int) -> None:
+        layout = self.layout
+        geometry, strides = layout.geometry, layout.strides
         x, z, y = self.views(at)
         channel_at, values, shift = self.channel_inputs(channel, at[0])
         items = layout.items(chunks)
@@ -339,16 +340,13 @@ class BatchNormForwardInference(_HostKernel):
         self.flags = (False,) * 4  # the forward's: no z, no ReLU
         self.step_slots = (k.COPY, k.RESULTS, k.ITEM_FORWARD)
 
-    def addresses(self, p: ForwardInferencePointers) -> list[int]:
-        return [p.input, 0, p.output]
+    def pointers(self, p: ForwardInferencePointers) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """The data slots' addresses and the per-channel tensors'."""
+        return (p.input, 0, p.output), (p.weight, p.bias, p.running_mean, p.running_var)
 
-    def launch(self, at: list[int], p: ForwardInferencePointers) -> None:
-        channel = (p.weight, p.bias, p.running_mean, p.running_var)
-        layout, chunks = self.layout, self.chunks()
+    def threaded(self, at: list[int], channel: tuple[int, ...], chunks: int) -> None:
+        layout = self.layout
         geometry, strides = layout.geometry, layout.strides
-        if chunks == 1:
-            self.whole_pass(at, channel)
-            return
         x, _, y = self.views(at)
         channel_at, values, shift = self.channel_inputs(channel, at[0])
         no_sums = np.zeros((cpu_kernels.SUMS, 0))

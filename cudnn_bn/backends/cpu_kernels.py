@@ -723,6 +723,19 @@ TRAIN, SAVED, EVAL, SAVED_INVSTD = 0, 1, 2, 3  # problems.Mode
 TRAINING, BACKWARD, INFERENCE = 0, 1, 2  # channel_results' kinds of pass
 # Slots of ``entries``: the steps ``whole_pass`` calls.
 COPY, ITEM_SUMS, RESULTS, ITEM_FORWARD, ITEM_BACKWARD = range(5)
+STEPS = 5
+# ``whole_pass``'s plan: a pass's fixed arguments in one int64 array, at these offsets (the
+# dispatcher's time grows with each argument a call from Python passes: about 2.3 us for
+# the 22 this took apart, 1.2 us for the 16 it takes).
+DATA_SLOTS, STRIDE_COLUMNS = 5, 2 + ROW_DIMS  # cpu_layout.SLOTS, .STRIDE_COLUMNS
+PLAN_KIND, PLAN_READS, PLAN_WRITES, PLAN_SHIFT_ROW, PLAN_MODE, PLAN_FLAGS = range(6)
+PLAN_WHOLE = PLAN_FLAGS + 4
+PLAN_GEOMETRY = PLAN_WHOLE + 4
+PLAN_SPANS = PLAN_GEOMETRY + TILE + 1
+PLAN_CHANNEL_ARGS = PLAN_SPANS + DATA_SLOTS
+PLAN_STRIDES = PLAN_CHANNEL_ARGS + 2 * CHANNEL_SLOTS
+PLAN_STEPS = PLAN_STRIDES + DATA_SLOTS * STRIDE_COLUMNS
+PLAN_SIZE = PLAN_STEPS + STEPS
 
 
 def entries(like, geometry, strides, steps) -> np.ndarray:
@@ -795,43 +808,32 @@ def channel_results(kind, sums, shift, values, count, eps, momentum, mode, coeff
 
 
 @jit
-def whole_pass(
-    kind,
-    x_at,
-    a_at,
-    y_at,
-    gi_at,
-    gz_at,
-    channel,
-    like,
-    half,
-    geometry,
-    strides,
-    spans,
-    channel_args,
-    reads,
-    writes,
-    shift_row,
-    mode,
-    eps,
-    momentum,
-    flags,
-    whole,
-    steps,
-):
+def whole_pass(plan, eps, momentum, like, half, x_at, a_at, y_at, gi_at, gz_at, c0, c1, c2, c3,
+               c4, c5):  # fmt: skip
     """A pass (``kind``, as ``channel_results``) as one item (``whole``: every channel and
-    row), its steps called by address (``steps``, ``entries``). Data tensors, walked with
-    ``strides``' rows 0..4: x, then dy (backward) or z (training forward), the fused
-    forward's y (backward) or y, then gi and gz (backward); an absent one's address and
-    span are 0. ``channel``: the six per-channel tensors' addresses (``channel_args``,
-    ``reads``, ``writes`` and ``shift_row`` as ``copy_channels`` takes them; ``half``:
+    row), its steps called by address (``steps``, ``entries``), its fixed arguments read
+    from ``plan`` (the ``PLAN_*`` offsets). Data tensors, walked with ``strides``' rows
+    0..4: x, then dy (backward) or z (training forward), the fused forward's y (backward) or
+    y, then gi and gz (backward); an absent one's span is 0 (its address is not read).
+    ``c0``...``c5``: the per-channel tensors' addresses (``channel_args``, ``reads``,
+    ``writes`` and ``shift_row`` as ``copy_channels`` takes them; ``half``:
     ``channel_like(like)``). ``flags``: the forward's add z and ReLU, or the backward's use
     x (all modes but eval), mask dy by ``y > 0``, write gi, write gz."""
+    kind, reads, writes = plan[PLAN_KIND], plan[PLAN_READS], plan[PLAN_WRITES]
+    shift_row, mode = plan[PLAN_SHIFT_ROW], plan[PLAN_MODE]
+    f = PLAN_FLAGS
+    flags = (plan[f] != 0, plan[f + 1] != 0, plan[f + 2] != 0, plan[f + 3] != 0)
+    w = PLAN_WHOLE
+    whole = (plan[w], plan[w + 1], plan[w + 2], plan[w + 3])
+    geometry = plan[PLAN_GEOMETRY:PLAN_SPANS]
+    spans = plan[PLAN_SPANS:PLAN_CHANNEL_ARGS]
+    channel_args = plan[PLAN_CHANNEL_ARGS:PLAN_STRIDES].reshape((CHANNEL_SLOTS, 2))
+    strides = plan[PLAN_STRIDES:PLAN_STEPS].reshape((DATA_SLOTS, STRIDE_COLUMNS))
+    steps = plan[PLAN_STEPS:PLAN_SIZE]
     x, a, y = flat(x_at, spans[0], like), flat(a_at, spans[1], like), flat(y_at, spans[2], like)
     gi, gz = flat(gi_at, spans[3], like), flat(gz_at, spans[4], like)
-    at = np.empty(CHANNEL_SLOTS, np.int64)
-    for t in range(len(channel)):
-        at[t] = channel[t]
+    at = np.zeros(CHANNEL_SLOTS, np.int64)
+    at[0], at[1], at[2], at[3], at[4], at[5] = c0, c1, c2, c3, c4, c5
     at[FIRST_VALUES] = x_at
     channels, tile = geometry[0], geometry[TILE]
     values, shift = np.zeros((CHANNEL_SLOTS, channels)), np.zeros(channels * tile)
