@@ -248,14 +248,17 @@ def _normalize(stored, k):
         # float32 with each coefficient as hi + lo and x - mean kept exactly as d + e
         # (Knuth's two-sum): the only sizable rounding is the last one, so the result is
         # within one F16/BF16 ulp of the float64 one even where y cancels to near zero
-        # (plain float32 is not: tests/test_cpu_engine.py).
-        (m, a, b), (m_lo, a_lo, b_lo) = k
+        # (plain float32 is not: tests/test_cpu_engine.py). The mean's low part is folded
+        # into b_lo and the small terms are fused multiply-adds: this loop is bound by its
+        # operation count, not by memory.
+        (m, a, b), (a_lo, b_lo) = k
         xv = widen(stored)
         d = xv - m
         back = d - xv
-        e = (xv - (d - back)) + (-m - back) - m_lo
-        e = e if e == e else np.float32(0.0)  # x or mean infinite: d says it all
-        return _fma(d, a, b) + ((d * a_lo + e * a) + b_lo)
+        e = (xv - (d - back)) + (-m - back)
+        hi = _fma(d, a, b)
+        lo = _fma(d, a_lo, _fma(e, a, b_lo))
+        return hi + lo if lo == lo else hi  # x infinite (lo NaN): hi says it all
 
     return compensated
 
@@ -536,19 +539,20 @@ def _forward_element(x, z, y, ox, oz, oy, mean, scale, shift, add_z, relu):
 
 @helper
 def _working(mean, scale, shift, like):
-    """A channel's float64 coefficients for ``normalize``: each as a sum of two values of
-    the elementwise pass's type (``narrow``), the low parts zero for F32/F64 data."""
+    """A channel's float64 coefficients for ``normalize``: ``(mean, scale, shift)`` in the
+    elementwise pass's type (``narrow``), and the low parts of scale and of ``shift -
+    (mean - mean_hi) * scale`` (zero for F32/F64 data)."""
     m_hi, a_hi, b_hi = narrow(mean, like), narrow(scale, like), narrow(shift, like)
-    low = (_low(mean, m_hi, like), _low(scale, a_hi, like), _low(shift, b_hi, like))
-    return (m_hi, a_hi, b_hi), low
+    b_low = shift - (mean - np.float64(m_hi)) * scale
+    return (m_hi, a_hi, b_hi), (_low(scale, a_hi, like), _low(b_low, b_hi, like))
 
 
 @helper
 def _low(value, hi, like):
-    """``value - hi`` in ``narrow``'s type; zero for an infinite value (all in ``hi``; a
-    NaN stays there too)."""
+    """``value - hi`` in ``narrow``'s type; zero where that is not finite (an infinite or
+    NaN value is all in ``hi``)."""
     lo = value - hi
-    return narrow(lo if lo == lo else 0.0, like)
+    return narrow(lo if lo - lo == 0.0 else 0.0, like)
 
 
 @helper
