@@ -242,7 +242,7 @@ def _fma(typingctx, a, b, c):
 @overload(normalize)
 def _normalize(stored, k):
     if isinstance(stored, types.Float):
-        return lambda stored, k: (np.float64(stored) - k[0][0]) * k[0][1] + k[0][2]
+        return lambda stored, k: _fma(np.float64(stored) - k[0][0], k[0][1], k[0][2])
 
     def compensated(stored, k):
         # float32 with each coefficient as hi + lo and x - mean kept exactly as d + e
@@ -412,10 +412,45 @@ def _sums_along(x, dy, y, ox, od, oy, sx, sd, sy, n, k, has_dy, masked):
 
 
 @helper
+def _four_rows(r, geometry, strides):
+    """Offsets of rows ``r`` to ``r + 3`` in the tensor with ``strides``."""
+    return (
+        row_offset(r, geometry, strides),
+        row_offset(r + 1, geometry, strides),
+        row_offset(r + 2, geometry, strides),
+        row_offset(r + 3, geometry, strides),
+    )
+
+
+@helper
 def _sums_across(x, dy, y, geometry, strides, r0, r1, n, shift, out):
+    # Four rows at a time, added in registers before the table is updated: one read and
+    # write of the table per four values, not per value (its traffic bounded the loop).
+    # The masked sums (ReLU's backward) and the last rows go one row at a time.
     has_dy, masked = dy.size > 0, y.size > 0
     sx, sd, sy = strides[0, 0], strides[1, 0], strides[2, 0]
-    for r in range(r0, r1):
+    r4 = r0 if masked else r1 - (r1 - r0) % 4
+    for r in range(r0, r4, 4):
+        ox, od = _four_rows(r, geometry, strides[0]), _four_rows(r, geometry, strides[1])
+        if not has_dy:
+            for i in range(n):
+                k = shift[i]
+                a, b = decode(x[_at(ox[0], i, sx)]) - k, decode(x[_at(ox[1], i, sx)]) - k
+                c, d = decode(x[_at(ox[2], i, sx)]) - k, decode(x[_at(ox[3], i, sx)]) - k
+                out[0, i] += (a + b) + (c + d)
+                out[1, i] += (a * a + b * b) + (c * c + d * d)
+            continue
+        for i in range(n):
+            k = shift[i]
+            a, b = decode(x[_at(ox[0], i, sx)]) - k, decode(x[_at(ox[1], i, sx)]) - k
+            c, d = decode(x[_at(ox[2], i, sx)]) - k, decode(x[_at(ox[3], i, sx)]) - k
+            da, db = decode(dy[_at(od[0], i, sd)]), decode(dy[_at(od[1], i, sd)])
+            dc, dd = decode(dy[_at(od[2], i, sd)]), decode(dy[_at(od[3], i, sd)])
+            out[0, i] += (a + b) + (c + d)
+            out[1, i] += (a * a + b * b) + (c * c + d * d)
+            out[2, i] += (da + db) + (dc + dd)
+            out[3, i] += (da * a + db * b) + (dc * c + dd * d)
+    for r in range(r4, r1):
         ox, od = row_offset(r, geometry, strides[0]), row_offset(r, geometry, strides[1])
         oy = row_offset(r, geometry, strides[2])
         if not has_dy:
