@@ -412,13 +412,14 @@ def _sums_along(x, dy, y, ox, od, oy, sx, sd, sy, n, k, has_dy, masked):
 
 
 @helper
-def _four_rows(r, geometry, strides):
-    """Offsets of rows ``r`` to ``r + 3`` in the tensor with ``strides``."""
+def _four_rows(r, q, geometry, strides):
+    """Offsets of rows ``r``, ``r + q``, ``r + 2q`` and ``r + 3q`` in the tensor with
+    ``strides``."""
     return (
         row_offset(r, geometry, strides),
-        row_offset(r + 1, geometry, strides),
-        row_offset(r + 2, geometry, strides),
-        row_offset(r + 3, geometry, strides),
+        row_offset(r + q, geometry, strides),
+        row_offset(r + 2 * q, geometry, strides),
+        row_offset(r + 3 * q, geometry, strides),
     )
 
 
@@ -426,12 +427,15 @@ def _four_rows(r, geometry, strides):
 def _sums_across(x, dy, y, geometry, strides, r0, r1, n, shift, out):
     # Four rows at a time, added in registers before the table is updated: one read and
     # write of the table per four values, not per value (its traffic bounded the loop).
-    # The masked sums (ReLU's backward) and the last rows go one row at a time.
+    # The rows are one from each quarter of the item, so that memory is read in four
+    # sequential streams, which the hardware prefetches (four adjacent rows are not: 2x
+    # slower than one row at a time on data out of cache). The masked sums (ReLU's
+    # backward) and the last rows go one row at a time.
     has_dy, masked = dy.size > 0, y.size > 0
     sx, sd, sy = strides[0, 0], strides[1, 0], strides[2, 0]
-    r4 = r0 if masked else r1 - (r1 - r0) % 4
-    for r in range(r0, r4, 4):
-        ox, od = _four_rows(r, geometry, strides[0]), _four_rows(r, geometry, strides[1])
+    q = 0 if masked else (r1 - r0) // 4
+    for r in range(r0, r0 + q):
+        ox, od = _four_rows(r, q, geometry, strides[0]), _four_rows(r, q, geometry, strides[1])
         if not has_dy:
             for i in range(n):
                 k = shift[i]
@@ -450,7 +454,7 @@ def _sums_across(x, dy, y, geometry, strides, r0, r1, n, shift, out):
             out[1, i] += (a * a + b * b) + (c * c + d * d)
             out[2, i] += (da + db) + (dc + dd)
             out[3, i] += (da * a + db * b) + (dc * c + dd * d)
-    for r in range(r4, r1):
+    for r in range(r0 + 4 * q, r1):
         ox, od = row_offset(r, geometry, strides[0]), row_offset(r, geometry, strides[1])
         oy = row_offset(r, geometry, strides[2])
         if not has_dy:
