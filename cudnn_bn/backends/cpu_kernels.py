@@ -692,11 +692,15 @@ def _backward_along(x, dy, y, gi, gz, o, s, n, a, b, k, flags):
     if write_gi and not (masked or write_gz):
         if use_x:
             for i in range(n):
-                v = a * decode(dy[_at(o[1], i, s[1])]) + b * decode(x[_at(o[0], i, s[0])])
-                gi[_at(o[3], i, s[3])] = encode(v + k, gi.dtype)
+                v = _fma(b, decode(x[_at(o[0], i, s[0])]), k)
+                gi[_at(o[3], i, s[3])] = encode(
+                    _fma(a, decode(dy[_at(o[1], i, s[1])]), v), gi.dtype
+                )
         else:
             for i in range(n):
-                gi[_at(o[3], i, s[3])] = encode(a * decode(dy[_at(o[1], i, s[1])]) + k, gi.dtype)
+                gi[_at(o[3], i, s[3])] = encode(
+                    _fma(a, decode(dy[_at(o[1], i, s[1])]), k), gi.dtype
+                )
         return
     for i in range(n):
         _backward_element(x, dy, y, gi, gz, o, s, i, a, b, k, flags)
@@ -723,12 +727,12 @@ def _backward_across(x, dy, y, gi, gz, geometry, strides, r0, r1, n, k_dy, k_x, 
         o = _row_offsets(r, geometry, strides)
         if plain and use_x:
             for i in range(n):
-                v = k_dy[i] * decode(dy[_at(o[1], i, s[1])])
-                v += k_x[i] * decode(x[_at(o[0], i, s[0])])
-                gi[_at(o[3], i, s[3])] = encode(v + k_c[i], gi.dtype)
+                v = _fma(k_x[i], decode(x[_at(o[0], i, s[0])]), k_c[i])
+                v = _fma(k_dy[i], decode(dy[_at(o[1], i, s[1])]), v)
+                gi[_at(o[3], i, s[3])] = encode(v, gi.dtype)
         elif plain:
             for i in range(n):
-                v = k_dy[i] * decode(dy[_at(o[1], i, s[1])]) + k_c[i]
+                v = _fma(k_dy[i], decode(dy[_at(o[1], i, s[1])]), k_c[i])
                 gi[_at(o[3], i, s[3])] = encode(v, gi.dtype)
         else:
             for i in range(n):
