@@ -106,7 +106,7 @@ class _HostKernel:
         item order (the same sums for the same thread count), per channel."""
         geometry, strides = self.layout.geometry, self.layout.strides
         channels = self.layout.channels
-        partial = np.zeros((len(items), cpu_kernels.SUMS, channels * self.tile))
+        partial = np.zeros((len(items), cpu_kernels.SUMS, channels * self.tile + cpu_kernels.PAD))
         (shift,) = self.tiled(shift)
         cpu_pool.run(
             lambda i: self.item_sums(x, dy, y, geometry, strides, shift, partial[i], items[i]),
