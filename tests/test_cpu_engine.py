@@ -384,6 +384,16 @@ def test_thread_count_follows_omp_num_threads():
     assert count == numba_count
 
 
+def half_steps(got, want) -> np.ndarray:
+    """Distance between F16/BF16 arrays in representable values."""
+    g, h = (np.asarray(a).view(np.int16).astype(np.int64) for a in (got, want))
+    return np.abs(np.where(g < 0, -32768 - g, g) - np.where(h < 0, -32768 - h, h))
+
+
+def half_dtype(name: str):
+    return np.float16 if name == "float16" else pytest.importorskip("ml_dtypes").bfloat16
+
+
 @pytest.mark.parametrize("dtype", [np.float16, "bfloat16"])
 @pytest.mark.parametrize(("offset", "spread"), [(0, 1), (1e4, 30), (-1e4, 8), (0, 1e-4)])
 def test_half_forward_within_one_ulp_of_float64(dtype, offset, spread):
@@ -405,13 +415,59 @@ def test_half_forward_within_one_ulp_of_float64(dtype, offset, spread):
         y = (xs - m[:, None]) * (w / np.sqrt(v + EPS))[:, None] + b.astype(np.float64)[:, None]
         return (y if dtype is np.float16 else y.astype(np.float32)).astype(dtype)
 
-    def steps(got, want):  # distance in representable values
-        g, h = (np.asarray(a).view(np.int16).astype(np.int64) for a in (got, want))
-        return np.abs(np.where(g < 0, -32768 - g, g) - np.where(h < 0, -32768 - h, h))
-
     y = cudnn_bn.batch_norm_forward_inference(x, w, b, rm, rv, eps=EPS)
     want = rounded(rm.astype(np.float64), rv.astype(np.float64))
-    assert steps(y, want).max() <= 1
+    assert half_steps(y, want).max() <= 1
     np.testing.assert_array_equal(np.asarray(y)[:, 0].view(np.int16), want[:, 0].view(np.int16))
     y, *_ = cudnn_bn.batch_norm_forward_training(x, w, b, np.zeros(c, np.float32), None)
-    assert steps(y, rounded(mean, var)).max() <= 1
+    assert half_steps(y, rounded(mean, var)).max() <= 1
+
+
+def torch_inference(x, w, b, rm, rv, dtype) -> np.ndarray:
+    """torch's float64 inference forward of ``x``, rounded once to ``dtype`` (BF16 through
+    float32, as torch rounds)."""
+    t = [torch.from_numpy(np.asarray(a, np.float64)) for a in (x, rm, rv, w, b)]
+    y = F.batch_norm(t[0], t[1], t[2], t[3], t[4], False, 0.0, EPS).numpy()
+    return (y if dtype is np.float16 else y.astype(np.float32)).astype(dtype)
+
+
+@pytest.mark.parametrize("name", ["float16", "bfloat16"])
+def test_half_inference_within_one_ulp_on_every_half_value(name):
+    """Every finite F16/BF16 value through channels whose statistics span 1e-6 to 1e4: the
+    one-ulp promise of the compensated float32 pass on all inputs, not a sample."""
+    dtype = half_dtype(name)
+    values = np.arange(1 << 16, dtype=np.uint16).view(dtype)
+    values = values[np.isfinite(values.astype(np.float32))]
+    rng = np.random.default_rng(5)
+    c = 12
+    x = np.repeat(values[:, None, None], c, axis=1)
+    w, b = rng.uniform(-3, 3, c).astype(np.float32), rng.uniform(-3, 3, c).astype(np.float32)
+    b[:2] = 0
+    rm = (rng.standard_normal(c) * 10.0 ** rng.integers(-6, 5, c)).astype(np.float32)
+    rv = (10.0 ** rng.uniform(-8, 8, c)).astype(np.float32)
+    y = cudnn_bn.batch_norm_forward_inference(x, w, b, rm, rv, eps=EPS)
+    with np.errstate(over="ignore"):
+        want = torch_inference(x, w, b, rm, rv, dtype)
+    finite = np.isfinite(want.astype(np.float32))
+    assert half_steps(y, want)[finite].max() <= 1
+    np.testing.assert_array_equal(np.isfinite(np.asarray(y).astype(np.float32)), finite)
+
+
+@pytest.mark.parametrize("layout", ["NCHW", "NHWC"])
+@pytest.mark.parametrize("name", ["float16", "bfloat16"])
+def test_half_inference_keeps_infinite_inputs_infinite(name, layout):
+    """An infinite input gives torch's infinite output, not NaN: the compensation terms
+    (infinite times a low part of either sign) must not reach it."""
+    dtype = half_dtype(name)
+    rng = np.random.default_rng(2)
+    c = 8
+    x = rng.standard_normal((4, c, 3, 3)).astype(dtype)
+    x[0, :, 0, 0], x[1, :, 1, 2], x[3, :, 2, 1] = np.inf, -np.inf, np.nan
+    if layout == "NHWC":
+        x = laid_out(x, channels_last(x.shape), dtype)
+    w, b = rng.uniform(-3, 3, c).astype(np.float32), rng.uniform(-3, 3, c).astype(np.float32)
+    rm = rng.standard_normal(c).astype(np.float32)
+    rv = rng.uniform(0.1, 3, c).astype(np.float32)
+    y = cudnn_bn.batch_norm_forward_inference(x, w, b, rm, rv, eps=EPS)
+    want = torch_inference(x, w, b, rm, rv, dtype)
+    np.testing.assert_array_equal(np.asarray(y).astype(np.float32), want.astype(np.float32))

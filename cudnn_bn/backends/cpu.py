@@ -168,9 +168,9 @@ class _HostKernel:
 
     def sums(self, x, dy, y, shift, items: list) -> np.ndarray:
         """The walk's ``item_sums`` of every work item on the engine's threads, added in
-        item order (the same sums for the same thread count): ``(SUMS, C * tile)``."""
+        item order (the same sums for the same thread count): ``(SUMS, C * tile + PAD)``."""
         geometry, strides = self.layout.geometry, self.layout.strides
-        partial = np.zeros((len(items), cpu_kernels.SUMS, shift.size))
+        partial = np.zeros((len(items), cpu_kernels.SUMS, shift.size + cpu_kernels.PAD))
         cpu_pool.run(
             lambda i: self.item_sums(x, dy, y, geometry, strides, shift, partial[i], items[i]),
             len(items),

@@ -50,6 +50,8 @@ F16, F32, F64, BF16 = (int(d) for d in (DataType.F16, DataType.F32, DataType.F64
 ROW_DIMS = 4  # cpu_layout.ROW_DIMS: geometry is (C, inner, rows, channels_inner,
 TILE = 4 + ROW_DIMS  # *row_dims, tile): tile = rows of channels walked as one run
 SUMS = 4  # sum(x - k), sum((x - k)^2), sum(dy), sum(dy * (x - k))
+PAD = 8  # zero columns past a sums table's C * tile: rows a multiple of 4 KiB apart (C = 512)
+# make the CPU wait on false store-to-load dependencies (2.7x slower backward sums)
 REASSOC = {"reassoc"}  # lets LLVM vectorize the float64 sums; no nnan/ninf: nan stays nan
 NO_CACHE_WARNING = (
     "cudnn_bn's CPU engine found no writable cache location for its compiled kernels, so "
@@ -277,20 +279,23 @@ def _fma(typingctx, a, b, c):
 @overload(normalize)
 def _normalize(stored, k):
     if isinstance(stored, types.Float):
-        return lambda stored, k: (np.float64(stored) - k[0][0]) * k[0][1] + k[0][2]
+        return lambda stored, k: _fma(np.float64(stored) - k[0][0], k[0][1], k[0][2])
 
     def compensated(stored, k):
         # float32 with each coefficient as hi + lo and x - mean kept exactly as d + e
         # (Knuth's two-sum): the only sizable rounding is the last one, so the result is
         # within one F16/BF16 ulp of the float64 one even where y cancels to near zero
-        # (plain float32 is not: tests/test_cpu_engine.py).
-        (m, a, b), (m_lo, a_lo, b_lo) = k
+        # (plain float32 is not: tests/test_cpu_engine.py). The mean's low part is folded
+        # into b_lo and the small terms are fused multiply-adds: this loop is bound by its
+        # operation count, not by memory.
+        (m, a, b), (a_lo, b_lo) = k
         xv = widen(stored)
         d = xv - m
         back = d - xv
-        e = (xv - (d - back)) + (-m - back) - m_lo
-        e = e if e == e else np.float32(0.0)  # x or mean infinite: d says it all
-        return _fma(d, a, b) + ((d * a_lo + e * a) + b_lo)
+        e = (xv - (d - back)) + (-m - back)
+        hi = _fma(d, a, b)
+        lo = _fma(d, a_lo, _fma(e, a, b_lo))
+        return hi + lo if lo == lo else hi  # x infinite (lo NaN): hi says it all
 
     return compensated
 
@@ -455,9 +460,33 @@ def _sums_along(x, dy, y, ox, od, oy, sx, sd, sy, n, k, has_dy, masked):
 
 @helper
 def _sums_across(x, dy, y, geometry, strides, r0, r1, n, shift, out):
+    # Two rows at a time, added in registers before the table is updated: one read and
+    # write of the table per two values, not per value (its traffic bounded the loop).
+    # The rows are one from each half of the item, so that memory is read in sequential
+    # streams, which the hardware prefetches (adjacent rows are not: 2x slower out of
+    # cache). The masked sums (ReLU's backward) and the last row go one row at a time.
     has_dy, masked = dy.size > 0, y.size > 0
     sx, sd, sy = strides[0, 0], strides[1, 0], strides[2, 0]
-    for r in range(r0, r1):
+    h = 0 if masked else (r1 - r0) // 2
+    for r in range(r0, r0 + h):
+        ox, ox2 = row_offset(r, geometry, strides[0]), row_offset(r + h, geometry, strides[0])
+        if not has_dy:
+            for i in range(n):
+                k = shift[i]
+                a, b = decode(x[_at(ox, i, sx)]) - k, decode(x[_at(ox2, i, sx)]) - k
+                out[0, i] += a + b
+                out[1, i] += a * a + b * b
+            continue
+        od, od2 = row_offset(r, geometry, strides[1]), row_offset(r + h, geometry, strides[1])
+        for i in range(n):
+            k = shift[i]
+            a, b = decode(x[_at(ox, i, sx)]) - k, decode(x[_at(ox2, i, sx)]) - k
+            da, db = decode(dy[_at(od, i, sd)]), decode(dy[_at(od2, i, sd)])
+            out[0, i] += a + b
+            out[1, i] += a * a + b * b
+            out[2, i] += da + db
+            out[3, i] += da * a + db * b
+    for r in range(r0 + 2 * h, r1):
         ox, od = row_offset(r, geometry, strides[0]), row_offset(r, geometry, strides[1])
         oy = row_offset(r, geometry, strides[2])
         if not has_dy:
@@ -484,7 +513,7 @@ def _sums_across(x, dy, y, geometry, strides, r0, r1, n, shift, out):
 
 @jit
 def item_sums_along(x, dy, y, geometry, strides, shift, out, bounds):
-    """Add the sums of the work item ``bounds`` to ``out`` (``(SUMS, C * tile)``, ``shift``
+    """Add the sums of the work item ``bounds`` to ``out`` (``(SUMS, C * tile + PAD)``, ``shift``
     tiled the same) where runs stay in one channel: ``x - k``, ``(x - k)^2``, ``dy``,
     ``dy * (x - k)`` with ``k = shift[c]``; ``dy`` zero where ``y <= 0`` if ``y`` is not
     empty; with ``dy`` empty its sums stay zero."""
@@ -538,19 +567,20 @@ def _forward_element(x, z, y, ox, oz, oy, mean, scale, shift, add_z, relu):
 
 @helper
 def _working(mean, scale, shift, like):
-    """A channel's float64 coefficients for ``normalize``: each as a sum of two values of
-    the elementwise pass's type (``narrow``), the low parts zero for F32/F64 data."""
+    """A channel's float64 coefficients for ``normalize``: ``(mean, scale, shift)`` in the
+    elementwise pass's type (``narrow``), and the low parts of scale and of ``shift -
+    (mean - mean_hi) * scale`` (zero for F32/F64 data)."""
     m_hi, a_hi, b_hi = narrow(mean, like), narrow(scale, like), narrow(shift, like)
-    low = (_low(mean, m_hi, like), _low(scale, a_hi, like), _low(shift, b_hi, like))
-    return (m_hi, a_hi, b_hi), low
+    b_low = shift - (mean - np.float64(m_hi)) * scale
+    return (m_hi, a_hi, b_hi), (_low(scale, a_hi, like), _low(b_low, b_hi, like))
 
 
 @helper
 def _low(value, hi, like):
-    """``value - hi`` in ``narrow``'s type; zero for an infinite value (all in ``hi``; a
-    NaN stays there too)."""
+    """``value - hi`` in ``narrow``'s type; zero where that is not finite (an infinite or
+    NaN value is all in ``hi``)."""
     lo = value - hi
-    return narrow(lo if lo == lo else 0.0, like)
+    return narrow(lo if lo - lo == 0.0 else 0.0, like)
 
 
 @helper
@@ -642,11 +672,15 @@ def _backward_along(x, dy, y, gi, gz, o, s, n, a, b, k, flags):
     if write_gi and not (masked or write_gz):
         if use_x:
             for i in range(n):
-                v = a * decode(dy[_at(o[1], i, s[1])]) + b * decode(x[_at(o[0], i, s[0])])
-                gi[_at(o[3], i, s[3])] = encode(v + k, gi.dtype)
+                v = _fma(b, decode(x[_at(o[0], i, s[0])]), k)
+                gi[_at(o[3], i, s[3])] = encode(
+                    _fma(a, decode(dy[_at(o[1], i, s[1])]), v), gi.dtype
+                )
         else:
             for i in range(n):
-                gi[_at(o[3], i, s[3])] = encode(a * decode(dy[_at(o[1], i, s[1])]) + k, gi.dtype)
+                gi[_at(o[3], i, s[3])] = encode(
+                    _fma(a, decode(dy[_at(o[1], i, s[1])]), k), gi.dtype
+                )
         return
     for i in range(n):
         _backward_element(x, dy, y, gi, gz, o, s, i, a, b, k, flags)
@@ -673,12 +707,12 @@ def _backward_across(x, dy, y, gi, gz, geometry, strides, r0, r1, n, k_dy, k_x, 
         o = _row_offsets(r, geometry, strides)
         if plain and use_x:
             for i in range(n):
-                v = k_dy[i] * decode(dy[_at(o[1], i, s[1])])
-                v += k_x[i] * decode(x[_at(o[0], i, s[0])])
-                gi[_at(o[3], i, s[3])] = encode(v + k_c[i], gi.dtype)
+                v = _fma(k_x[i], decode(x[_at(o[0], i, s[0])]), k_c[i])
+                v = _fma(k_dy[i], decode(dy[_at(o[1], i, s[1])]), v)
+                gi[_at(o[3], i, s[3])] = encode(v, gi.dtype)
         elif plain:
             for i in range(n):
-                v = k_dy[i] * decode(dy[_at(o[1], i, s[1])]) + k_c[i]
+                v = _fma(k_dy[i], decode(dy[_at(o[1], i, s[1])]), k_c[i])
                 gi[_at(o[3], i, s[3])] = encode(v, gi.dtype)
         else:
             for i in range(n):
@@ -764,9 +798,9 @@ def entries(like, geometry, strides, steps) -> np.ndarray:
 @jit
 def channel_results(kind, sums, shift, values, count, eps, momentum, mode, coefficients):
     """A pass's per-channel results from its inputs (rows of ``values``, ``copy_channels``)
-    and its data's ``sums`` (``(SUMS, C * tile)``, shifted by the tiled ``shift``), written
-    into ``values``' output rows, and the elementwise pass's ``coefficients`` (3, C * tile),
-    tiled. ``kind``: ``TRAINING`` (rows weight, bias, saved mean, saved invstd, running mean,
+    and its data's ``sums`` (``(SUMS, C * tile + PAD)``, the padding zero, shifted by the
+    tiled ``shift``; no columns for inference), written into ``values``' output rows, and
+    the elementwise pass's ``coefficients`` (3, C * tile), tiled. ``kind``: ``TRAINING`` (rows weight, bias, saved mean, saved invstd, running mean,
     running var; ``y = (x - mean)*scale + bias``), ``BACKWARD`` (rows weight, statistic 0,
     statistic 1, grad_weight, grad_bias; ``grad_input = k_dy*dy + k_x*x + k_c``, ``mode``
     the backward's) or ``INFERENCE`` (rows weight, bias, running mean, running var). No
@@ -838,7 +872,7 @@ def whole_pass(plan, eps, momentum, like, half, x_at, a_at, y_at, gi_at, gz_at, 
     channels, tile = geometry[0], geometry[TILE]
     values, shift = np.zeros((CHANNEL_SLOTS, channels)), np.zeros(channels * tile)
     _call(steps[COPY], (at, channel_args, reads, values, shift, shift_row, half, False))
-    sums = np.zeros((SUMS, 0 if kind == INFERENCE else channels * tile))
+    sums = np.zeros((SUMS, 0 if kind == INFERENCE else channels * tile + PAD))
     if kind == BACKWARD:
         _call(steps[ITEM_SUMS], (x, a, y, geometry, strides, shift, sums, whole))
     elif kind == TRAINING:
