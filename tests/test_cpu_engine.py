@@ -431,6 +431,39 @@ def torch_inference(x, w, b, rm, rv, dtype) -> np.ndarray:
     return (y if dtype is np.float16 else y.astype(np.float32)).astype(dtype)
 
 
+@pytest.mark.parametrize("layout", ["NCHW", "NHWC"])
+@pytest.mark.parametrize(
+    ("offset", "spread"), [(0, 1), (0, 1e-4), (0, 1e3), (1e4, 30), (-1e4, 1), (1e4, 1e-2)]
+)
+def test_f32_forward_within_1e_6_of_float64(layout, offset, spread):
+    """F32 forwards stay within 1e-6 relative of torch's float64 result on every element,
+    training and inference, even where y cancels to near zero (a plain float32 elementwise
+    pass, torch's, does not); a constant channel gives exactly the bias, NaN and inf come
+    out as torch's."""
+    rng = np.random.default_rng(6)
+    c = 16
+    x = (offset + spread * rng.standard_normal((64, c, 16, 16))).astype(np.float32)
+    x[:, 0] = x[0, 0, 0, 0]
+    x[0, 1, 0, 0], x[1, 2, 3, 4], x[2, 3, 5, 6] = np.inf, -np.inf, np.nan
+    if layout == "NHWC":
+        x = laid_out(x, channels_last(x.shape))
+    w, b = rng.uniform(-3, 3, c).astype(np.float32), rng.uniform(-3, 3, c).astype(np.float32)
+    xs = torch.from_numpy(x.astype(np.float64))
+    mean, var = xs.mean((0, 2, 3)), xs.var((0, 2, 3), unbiased=False)
+    rm = (mean + 0.1 * spread * torch.from_numpy(rng.standard_normal(c))).float().numpy()
+    rv = (var * torch.from_numpy(rng.uniform(0.5, 2, c))).float().numpy()
+    rv[1:4] = 1.0  # the channels with NaN and inf
+    y = cudnn_bn.batch_norm_forward_inference(x, w, b, rm, rv, eps=EPS)
+    train, *_ = cudnn_bn.batch_norm_forward_training(x, w, b, None, None, eps=EPS)
+    t = [torch.from_numpy(np.asarray(a, np.float64)) for a in (w, b)]
+    want_train = F.batch_norm(xs, None, None, *t, True, 0.0, EPS).float().numpy()
+    assert (train[:, 0] == b[0]).all()
+    for got, want in ((y, torch_inference(x, w, b, rm, rv, np.float32)), (train, want_train)):
+        finite = np.isfinite(want)
+        np.testing.assert_array_equal(got[~finite], want[~finite])
+        np.testing.assert_allclose(got[finite], want[finite], rtol=1e-6, atol=0)
+
+
 @pytest.mark.parametrize("name", ["float16", "bfloat16"])
 def test_half_inference_within_one_ulp_on_every_half_value(name):
     """Every finite F16/BF16 value through channels whose statistics span 1e-6 to 1e4: the
