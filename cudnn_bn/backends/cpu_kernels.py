@@ -807,11 +807,12 @@ def channel_results(kind, sums, shift, values, count, eps, momentum, mode, coeff
     """A pass's per-channel results from its inputs (rows of ``values``, ``copy_channels``)
     and its data's ``sums`` (``(SUMS, C * tile + PAD)``, the padding zero, shifted by the
     tiled ``shift``; no columns for inference), written into ``values``' output rows, and
-    the elementwise pass's ``coefficients`` (3, C * tile), tiled. ``kind``: ``TRAINING`` (rows weight, bias, saved mean, saved invstd, running mean,
-    running var; ``y = (x - mean)*scale + bias``), ``BACKWARD`` (rows weight, statistic 0,
-    statistic 1, grad_weight, grad_bias; ``grad_input = k_dy*dy + k_x*x + k_c``, ``mode``
-    the backward's) or ``INFERENCE`` (rows weight, bias, running mean, running var). No
-    arrays are made here: each costs compile time."""
+    the elementwise pass's ``coefficients`` (3, C * tile), tiled. ``kind``: ``TRAINING``
+    (rows weight, bias, saved mean, saved invstd, running mean, running var;
+    ``y = (x - mean)*scale + bias``), ``BACKWARD`` (rows weight, statistic 0, statistic 1,
+    grad_weight, grad_bias; ``grad_input = k_dy*dy + k_x*x + k_c``, ``mode`` the backward's)
+    or ``INFERENCE`` (rows weight, bias, running mean, running var). No arrays are made
+    here: each costs compile time."""
     channels = values.shape[1]
     w = values[0]
     for c in range(channels):
