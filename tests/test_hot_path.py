@@ -311,3 +311,20 @@ def test_batched_alignment_is_checked_on_every_call(name):
     operands[name] = shifted
     with pytest.raises(InfiniError, match=rf"{name}'s data .* not aligned"):
         cudnn_bn.batch_norm_backward_batched(operands["input"], dyb, operands["weight"], None, None)
+
+
+def test_batched_reads_a_resolved_view_while_it_is_alive():
+    """NumPy data with a torch grad_output that has the negative bit: the door reads it
+    through a resolved copy, which the fold must keep alive while it folds and computes
+    (found by the array fuzzer: the copy was freed first, and garbage was read)."""
+    rng = np.random.default_rng(0)
+    for shape in [(1, 2, 1), (2, 3, 2), (3, 5, 3)]:
+        x = rng.standard_normal(shape).astype(np.float32)
+        base = torch.from_numpy(rng.standard_normal((*shape, 2)).astype(np.float32))
+        dy = torch._neg_view(base[..., 1])
+        assert dy.is_neg()
+        w = np.ones(shape[2], np.float32)
+        got = cudnn_bn.batch_norm_backward_batched(x, dy, w, None, None)
+        want = cudnn_bn.batch_norm_backward_batched(x, dy.resolve_neg().numpy(), w, None, None)
+        for g, h in zip(got, want, strict=True):
+            np.testing.assert_allclose(np.asarray(g), h, rtol=1e-6, atol=1e-7)

@@ -182,12 +182,21 @@ def batch_norm_backward_batched(
         key, fold = None, None
     if fold is not None:
         return fold(arrays, stream, ptrs)
-    natives, fold = _checked(arrays, options, stream)
-    if key is not None and not others and natives is None:
+    fold, ops = _checked(arrays, options, stream)
+    like = arrays[0]
+    if others or any(type(a) is not type(like) for a in arrays if a is not None):
+        # Each in the input's library, over the door's operands (``ops`` keeps what they
+        # point into alive: a resolved torch view, a DLPack capsule) until the call ends.
+        natives = tuple(
+            None if a is None else _native(ops[n], a, fold.kind)
+            for n, a in zip(_NAMES, arrays, strict=True)
+        )
+        return fold(natives, stream)
+    if key is not None:
         if len(_folds) >= _FOLDS:
             _folds.clear()
         _folds[key] = fold
-    return fold(arrays if natives is None else natives, stream)  # the door checked them
+    return fold(arrays, stream)  # the door checked them
 
 
 _NAMES = (*_DATA, *_PER_CHANNEL)
@@ -195,9 +204,8 @@ _FOLDS = 256  # problems remembered; all are forgotten at once beyond this
 _folds: dict[tuple, "_Fold"] = {}
 
 
-def _checked(arrays: tuple, options: tuple, stream: Any) -> tuple[tuple | None, "_Fold"]:
-    """Every check on a new problem, through the door: ``(natives, fold)``, ``natives``
-    being the arrays in the input's library where one is not (None where all are)."""
+def _checked(arrays: tuple, options: tuple, stream: Any) -> tuple["_Fold", dict[str, Operand]]:
+    """Every check on a new problem, through the door: its fold and the operands."""
     mode, eps, output_mask, fusion, *_ = options
     given = dict(zip(_NAMES, arrays, strict=True))
     statistics(mode, *(given[n] for n in _PER_CHANNEL[1:5]))
@@ -217,10 +225,7 @@ def _checked(arrays: tuple, options: tuple, stream: Any) -> tuple[tuple | None, 
     descs = {n: op.desc for n, op in ops.items()}
     like = given["input"]
     fold = _Fold(descs, kind, like, device, device_id, (batch, channels), mask, wants_z, options)
-    if all(type(a) is type(like) for a in present.values()):
-        return None, fold
-    natives = tuple(None if a is None else _native(ops[n], a, kind) for n, a in given.items())
-    return natives, fold
+    return fold, ops
 
 
 class _Fold:
