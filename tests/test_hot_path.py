@@ -328,3 +328,17 @@ def test_batched_reads_a_resolved_view_while_it_is_alive():
         want = cudnn_bn.batch_norm_backward_batched(x, dy.resolve_neg().numpy(), w, None, None)
         for g, h in zip(got, want, strict=True):
             np.testing.assert_allclose(np.asarray(g), h, rtol=1e-6, atol=1e-7)
+
+
+def test_a_plain_torch_tensor_without_storage_is_refused_by_name():
+    """Inside ``torch.vmap`` an argument is a plain ``torch.Tensor`` with no storage: the
+    attribute read must hand it to the door, which names it (not an INTERNAL_ERROR)."""
+    x, _, w, b = problem()
+    w, b, rm, rv = (torch.tensor(a) for a in (w, b, np.zeros(C), np.ones(C)))
+
+    def forward(xi: torch.Tensor) -> torch.Tensor:
+        return cudnn_bn.batch_norm_forward_inference(xi, w, b, rm, rv)
+
+    with pytest.raises(InfiniError, match="input is a tensor without strided storage") as info:
+        torch.vmap(forward)(torch.tensor(x)[None])
+    assert info.value.status == Status.BAD_PARAM
