@@ -342,3 +342,27 @@ def test_a_plain_torch_tensor_without_storage_is_refused_by_name():
     with pytest.raises(InfiniError, match="input is a tensor without strided storage") as info:
         torch.vmap(forward)(torch.tensor(x)[None])
     assert info.value.status == Status.BAD_PARAM
+
+
+def test_a_plan_launches_its_descriptors_current_build_only():
+    """A cached descriptor is public (``descriptor_cache.descriptors()``): once destroyed, a
+    plan hit must not run the destroyed build's kernel (cuDNN's closed descriptors on NVIDIA)
+    but raise BAD_PARAM, writing nothing; once its attributes change, a hit runs the new
+    ones."""
+    x, _, w, b = problem()
+    rm, rv = np.zeros(C), np.ones(C)
+    cudnn_bn.descriptor_cache.clear()
+    try:
+        cudnn_bn.batch_norm_forward_inference(x, w, b, rm, rv, out=np.empty_like(x))
+        (desc,) = cudnn_bn.descriptor_cache.descriptors()
+        desc.set_attributes(eps=0.5)
+        got = cudnn_bn.batch_norm_forward_inference(x, w, b, rm, rv, out=np.empty_like(x))
+        want = F.batch_norm(*map(torch.tensor, (x, rm, rv, w, b)), False, 0.0, 0.5)
+        close(got, want.numpy())
+        desc.destroy()
+        out = np.full_like(x, 7.0)
+        with pytest.raises(InfiniError) as caught:
+            cudnn_bn.batch_norm_forward_inference(x, w, b, rm, rv, out=out)
+        assert caught.value.status == Status.BAD_PARAM and (out == 7.0).all()
+    finally:
+        cudnn_bn.descriptor_cache.clear()
