@@ -328,3 +328,41 @@ def test_batched_reads_a_resolved_view_while_it_is_alive():
         want = cudnn_bn.batch_norm_backward_batched(x, dy.resolve_neg().numpy(), w, None, None)
         for g, h in zip(got, want, strict=True):
             np.testing.assert_allclose(np.asarray(g), h, rtol=1e-6, atol=1e-7)
+
+
+def test_a_plain_torch_tensor_without_storage_is_refused_by_name():
+    """Inside ``torch.vmap`` an argument is a plain ``torch.Tensor`` with no storage: the
+    attribute read must hand it to the door, which names it (not an INTERNAL_ERROR)."""
+    x, _, w, b = problem()
+    w, b, rm, rv = (torch.tensor(a) for a in (w, b, np.zeros(C), np.ones(C)))
+
+    def forward(xi: torch.Tensor) -> torch.Tensor:
+        return cudnn_bn.batch_norm_forward_inference(xi, w, b, rm, rv)
+
+    with pytest.raises(InfiniError, match="input is a tensor without strided storage") as info:
+        torch.vmap(forward)(torch.tensor(x)[None])
+    assert info.value.status == Status.BAD_PARAM
+
+
+def test_a_plan_launches_its_descriptors_current_build_only():
+    """A cached descriptor is public (``descriptor_cache.descriptors()``): once destroyed, a
+    plan hit must not run the destroyed build's kernel (cuDNN's closed descriptors on NVIDIA)
+    but raise BAD_PARAM, writing nothing; once its attributes change, a hit runs the new
+    ones."""
+    x, _, w, b = problem()
+    rm, rv = np.zeros(C), np.ones(C)
+    cudnn_bn.descriptor_cache.clear()
+    try:
+        cudnn_bn.batch_norm_forward_inference(x, w, b, rm, rv, out=np.empty_like(x))
+        (desc,) = cudnn_bn.descriptor_cache.descriptors()
+        desc.set_attributes(eps=0.5)
+        got = cudnn_bn.batch_norm_forward_inference(x, w, b, rm, rv, out=np.empty_like(x))
+        want = F.batch_norm(*map(torch.tensor, (x, rm, rv, w, b)), False, 0.0, 0.5)
+        close(got, want.numpy())
+        desc.destroy()
+        out = np.full_like(x, 7.0)
+        with pytest.raises(InfiniError) as caught:
+            cudnn_bn.batch_norm_forward_inference(x, w, b, rm, rv, out=out)
+        assert caught.value.status == Status.BAD_PARAM and (out == 7.0).all()
+    finally:
+        cudnn_bn.descriptor_cache.clear()

@@ -170,6 +170,15 @@ def _plain_torch(array: Any) -> bool:
     )
 
 
+def _torch_data(tensor: Any) -> int | None:
+    """A plain tensor's data pointer; None for one without storage (a functorch wrapper
+    inside ``torch.vmap``), which the door then refuses by name."""
+    try:
+        return tensor.data_ptr()
+    except RuntimeError:
+        return None
+
+
 def options_key(raw: tuple) -> tuple:
     """Options as part of a key, with their types: ``True``, ``1`` and ``1.0`` are equal in
     Python but may validate differently, so they key different plans."""
@@ -196,9 +205,9 @@ def read(arrays: tuple) -> tuple[list, list[int], list[int]]:
         elif kind is (cupy_array or (cupy_array := _cupy_array_type())):
             signatures.append((kind, array.dtype, array.shape, array.strides, array.device.id))
             ptrs.append(array.data.ptr)
-        elif _plain_torch(array):
+        elif _plain_torch(array) and (ptr := _torch_data(array)) is not None:
             signatures.append((kind, array.dtype, array.shape, array.stride(), array.device))
-            ptrs.append(array.data_ptr())
+            ptrs.append(ptr)
         else:
             others.append(len(ptrs))
             signatures.append(None)

@@ -189,13 +189,18 @@ class OperatorDescriptor:
         whether launches give one). Each launch runs the current build's kernel at once: the
         caller gives a non-NULL pointer for every tensor with elements, outputs that overlap
         no input (so the CPU engine skips its overlap check), and never changes or destroys
-        the descriptor while a launch runs."""
+        the descriptor while a launch runs. A launch after the descriptor was changed or
+        destroyed (it is public: ``descriptor_cache.descriptors()``) takes ``compute``'s
+        path: the current build, leased and checked, or BAD_PARAM."""
         build = self._live()
         self._checked_sizes(build, workspace_size, reserve_size, reserve)
         run = getattr(build.kernel, "run_disjoint", build.kernel.run)
         checks_workspace = bool(build.kernel.workspace_size)
 
         def launch(ptrs: NamedTuple, workspace: int, stream: int) -> None:
+            if self._build is not build:
+                self._launch(ptrs, workspace, workspace_size, stream, reserve_size)
+                return
             if checks_workspace:
                 self._check_workspace(build, workspace)
             try:
