@@ -340,7 +340,12 @@ def _build(
         (*constants.values(), 0),
         pick,
         returns,
-        descriptor.launcher(descriptor.workspace_size, built.reserve_size, "reserve" in ops),
+        descriptor.launcher(
+            "the array API's plan cache",
+            descriptor.workspace_size,
+            built.reserve_size,
+            "reserve" in ops,
+        ),
         Aligned({index[n]: op.desc for n, op in ops.items() if index[n] not in described}),
         tuple(  # each written operand against every other one (each pair once)
             (

@@ -67,6 +67,7 @@ class OperatorDescriptor:
     """
 
     op_name: ClassVar[str]
+    _owner: str | None = None  # who runs it through ``launcher``, if anyone
     pointers: ClassVar[type]  # the NamedTuple of pointers a launch takes
     zeroed_when_empty: ClassVar[tuple[str, ...]] = ()  # outputs a problem with no values zeroes
 
@@ -84,6 +85,7 @@ class OperatorDescriptor:
     def set_attributes(self, **changes: Any) -> None:
         """Change some attributes: build a kernel for them, then swap it in; a compute
         running meanwhile finishes with the build it started with."""
+        self._not_owned("changed")
         build = self._make(dataclasses.replace(self._live().attributes, **changes))
         with self._lock:
             old = self._build
@@ -182,25 +184,27 @@ class OperatorDescriptor:
                 build.close_if_free()
 
     def launcher(
-        self, workspace_size: int, reserve_size: int | None = None, reserve: bool = False
+        self,
+        owner: str,
+        workspace_size: int,
+        reserve_size: int | None = None,
+        reserve: bool = False,
     ) -> Callable[[NamedTuple, int, int], None]:
-        """``launch(ptrs, workspace, stream)``: ``compute`` for a caller that owns this
+        """``launch(ptrs, workspace, stream)``: ``compute`` for the ``owner`` of this
         descriptor (the array API's plans), its size checks made once, here (``reserve``:
         whether launches give one). Each launch runs the current build's kernel at once: the
         caller gives a non-NULL pointer for every tensor with elements, outputs that overlap
         no input (so the CPU engine skips its overlap check), and never changes or destroys
-        the descriptor while a launch runs. A launch after the descriptor was changed or
-        destroyed (it is public: ``descriptor_cache.descriptors()``) takes ``compute``'s
-        path: the current build, leased and checked, or BAD_PARAM."""
+        the descriptor while a launch runs: from now on ``set_attributes`` and ``destroy``
+        refuse (the descriptor is public: ``descriptor_cache.descriptors()``), so that no
+        thread can change or close the build a launch runs."""
         build = self._live()
+        self._owner = owner
         self._checked_sizes(build, workspace_size, reserve_size, reserve)
         run = getattr(build.kernel, "run_disjoint", build.kernel.run)
         checks_workspace = bool(build.kernel.workspace_size)
 
         def launch(ptrs: NamedTuple, workspace: int, stream: int) -> None:
-            if self._build is not build:
-                self._launch(ptrs, workspace, workspace_size, stream, reserve_size)
-                return
             if checks_workspace:
                 self._check_workspace(build, workspace)
             try:
@@ -274,7 +278,16 @@ class OperatorDescriptor:
         """Release the backend's resources (once no compute uses them); later use raises
         BAD_PARAM."""
         self._live()
+        self._not_owned("destroyed")
         self._release()
+
+    def _not_owned(self, what: str) -> None:
+        """BAD_PARAM where this descriptor has an owner (``launcher``) that runs it."""
+        if self._owner is not None:
+            raise InfiniError(
+                Status.BAD_PARAM,
+                f"this descriptor belongs to {self._owner}, which runs it: it cannot be {what}",
+            )
 
     def _release(self) -> None:
         with self._lock:
