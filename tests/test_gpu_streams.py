@@ -76,6 +76,33 @@ def test_cupy_allocations_come_from_the_call_stream():
     assert out[0].shape == SHAPE
 
 
+def test_a_call_without_a_stream_runs_on_the_current_one():
+    """``stream=None`` on the arrays' current device: the call enters no scope of its own, so
+    it allocates from, and runs on, CuPy's current stream (``kinds.CupyKind.scope``)."""
+    p = {n: cupy.asarray(t) for n, t in operands().items()}
+    stream = cupy.cuda.Stream(non_blocking=True)
+    recorder = _StreamRecorder()
+    with recorder, stream:
+        recorder.streams.clear()
+        y = infer(p)
+        cudnn_bn.batch_norm_backward(p["input"], p["input"], p["weight"], None, None)
+    stream.synchronize()
+    assert recorder.streams and set(recorder.streams) == {stream.ptr}
+    np.testing.assert_allclose(cupy.asnumpy(y), expected(operands()), rtol=1e-5, atol=1e-5)
+
+
+def test_a_channels_last_cupy_output_has_the_inputs_layout():
+    """CuPy outputs are allocated packed in the input's memory order, then transposed
+    (``kinds._in_memory_order``): a channels-last input gets a channels-last output."""
+    p = {n: cupy.asarray(t) for n, t in operands().items()}
+    x = cupy.ascontiguousarray(p["input"].transpose(0, 2, 3, 1)).transpose(0, 3, 1, 2)
+    y = cudnn_bn.batch_norm_forward_inference(
+        x, p["weight"], p["bias"], p["running_mean"], p["running_var"]
+    )
+    assert y.strides == x.strides
+    np.testing.assert_allclose(cupy.asnumpy(y), expected(operands()), rtol=1e-5, atol=1e-5)
+
+
 def _segment_stream(tensor: torch.Tensor) -> int:
     ptr = tensor.data_ptr()
     for segment in torch.cuda.memory_snapshot():
