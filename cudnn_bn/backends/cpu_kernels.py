@@ -432,14 +432,35 @@ def _at(offset, i, stride):
 # so that it vectorizes.
 
 
-@helper(fastmath=REASSOC)
-def _sums_along(x, dy, y, ox, od, oy, sx, sd, sy, n, k, has_dy, masked):
+@helper(inline="always")
+def _sums_along(x, dy, y, ox, od, oy, ox2, od2, sx, sd, sy, n, k, has_dy, masked):
+    # The sums of a channel's run in one row, or in two (the second's x and dy offsets
+    # ``ox2`` and ``od2``; ``ox2`` -1 for none, as a masked run always is): a loop over two
+    # runs pays its fixed costs (entry checks, scalar tail, the vectors' final adds) once
+    # per 2n values, which matters for short runs (49 values: sums 1.9x faster).
+    # Inlined (``inline``), as ``_forward_along`` and ``_backward_along``: a compiled call
+    # passes each array with an atomic reference count increment and decrement, which
+    # cost more than the arithmetic of a 49-value run; the reassociation that vectorizes
+    # the sums is then the caller's (``fastmath`` of ``item_sums_along``).
     s0 = s1 = s2 = s3 = 0.0
-    if not has_dy:
+    if not has_dy and ox2 >= 0:
+        for i in range(n):
+            a, b = decode(x[_at(ox, i, sx)]) - k, decode(x[_at(ox2, i, sx)]) - k
+            s0 += a + b
+            s1 += a * a + b * b
+    elif not has_dy:
         for i in range(n):
             xv = decode(x[_at(ox, i, sx)]) - k
             s0 += xv
             s1 += xv * xv
+    elif not masked and ox2 >= 0:
+        for i in range(n):
+            a, da = decode(x[_at(ox, i, sx)]) - k, decode(dy[_at(od, i, sd)])
+            b, db = decode(x[_at(ox2, i, sx)]) - k, decode(dy[_at(od2, i, sd)])
+            s0 += a + b
+            s1 += a * a + b * b
+            s2 += da + db
+            s3 += da * a + db * b
     elif not masked:
         for i in range(n):
             xv, dv = decode(x[_at(ox, i, sx)]) - k, decode(dy[_at(od, i, sd)])
@@ -511,7 +532,7 @@ def _sums_across(x, dy, y, geometry, strides, r0, r1, n, shift, out):
                 out[3, i] += dv * xv
 
 
-@jit
+@jit(fastmath=REASSOC)
 def item_sums_along(x, dy, y, geometry, strides, shift, out, bounds):
     """Add the sums of the work item ``bounds`` to ``out`` (``(SUMS, C * tile + PAD)``, ``shift``
     tiled the same) where runs stay in one channel: ``x - k``, ``(x - k)^2``, ``dy``,
@@ -519,9 +540,14 @@ def item_sums_along(x, dy, y, geometry, strides, shift, out, bounds):
     empty; with ``dy`` empty its sums stay zero."""
     c0, c1, r0, r1, _, n, s = _walk(bounds, geometry, strides)
     has_dy, masked = dy.size > 0, y.size > 0
-    for r in range(r0, r1):
+    h = 0 if masked else (r1 - r0) // 2
+    for j in range(r0, r1 - h):
+        r = j if j < r0 + h else j + h
         ox, od = row_offset(r, geometry, strides[0]), row_offset(r, geometry, strides[1])
         oy = row_offset(r, geometry, strides[2])
+        pair = j < r0 + h  # rows r and r + h together; the last of an odd count alone
+        ox2 = row_offset(r + h, geometry, strides[0]) if pair else -1
+        od2 = row_offset(r + h, geometry, strides[1]) if pair else 0
         for c in range(c0, c1):
             sums = _sums_along(
                 x,
@@ -530,6 +556,8 @@ def item_sums_along(x, dy, y, geometry, strides, shift, out, bounds):
                 ox + c * strides[0, 0],
                 od + c * strides[1, 0],
                 oy + c * strides[2, 0],
+                ox2 + c * strides[0, 0] if pair else -1,
+                od2 + c * strides[1, 0],
                 s[0],
                 s[1],
                 s[2],
@@ -583,7 +611,7 @@ def _low(value, hi, like):
     return narrow(lo if lo - lo == 0.0 else 0.0, like)
 
 
-@helper
+@helper(inline="always")
 def _forward_along(x, z, y, ox, oz, oy, sx, sz, sy, n, mean, scale, shift, flags):
     add_z, relu = flags
     if not (add_z or relu):
@@ -673,24 +701,27 @@ def _backward_element(x, dy, y, gi, gz, o, s, i, k_dy, k_x, k_c, flags):
         gz[_at(o[4], i, s[4])] = encode(dv, gz.dtype)
 
 
-@helper
-def _backward_along(x, dy, y, gi, gz, o, s, n, a, b, k, flags):
+@helper(inline="always")
+def _backward_along(x, dy, y, gi, gz, o, p, s, n, a, b, k, flags):
+    # A channel's runs in two rows at once, offsets ``o`` and ``p``, as ``_sums_along``
+    # (backward of 49-value runs 2x faster); ``p`` is ``o`` for a lone row, which the plain
+    # loop then writes twice: it reads both values before writing either, so that is
+    # right in place too.
     use_x, masked, write_gi, write_gz = flags
     if write_gi and not (masked or write_gz):
-        if use_x:
-            for i in range(n):
-                v = _fma(b, decode(x[_at(o[0], i, s[0])]), k)
-                gi[_at(o[3], i, s[3])] = encode(
-                    _fma(a, decode(dy[_at(o[1], i, s[1])]), v), gi.dtype
-                )
-        else:
-            for i in range(n):
-                gi[_at(o[3], i, s[3])] = encode(
-                    _fma(a, decode(dy[_at(o[1], i, s[1])]), k), gi.dtype
-                )
+        for i in range(n):
+            u = _fma(b, decode(x[_at(o[0], i, s[0])]), k) if use_x else k
+            v = _fma(b, decode(x[_at(p[0], i, s[0])]), k) if use_x else k
+            u = _fma(a, decode(dy[_at(o[1], i, s[1])]), u)
+            v = _fma(a, decode(dy[_at(p[1], i, s[1])]), v)
+            gi[_at(o[3], i, s[3])] = encode(u, gi.dtype)
+            gi[_at(p[3], i, s[3])] = encode(v, gi.dtype)
         return
     for i in range(n):
         _backward_element(x, dy, y, gi, gz, o, s, i, a, b, k, flags)
+    if p != o:
+        for i in range(n):
+            _backward_element(x, dy, y, gi, gz, p, s, i, a, b, k, flags)
 
 
 @helper
@@ -702,6 +733,18 @@ def _row_offsets(r, geometry, strides):
         row_offset(r, geometry, strides[2]),
         row_offset(r, geometry, strides[3]),
         row_offset(r, geometry, strides[4]),
+    )
+
+
+@helper(inline="always")
+def _channel_offsets(o, c, strides):
+    """Offsets ``o`` of a row's five data slots moved to channel ``c``."""
+    return (
+        o[0] + c * strides[0, 0],
+        o[1] + c * strides[1, 0],
+        o[2] + c * strides[2, 0],
+        o[3] + c * strides[3, 0],
+        o[4] + c * strides[4, 0],
     )
 
 
@@ -733,17 +776,14 @@ def item_backward_along(x, dy, y, gi, gz, geometry, strides, k_dy, k_x, k_c, fla
     channel. ``flags``: use x (all but eval), mask, write gi, write gz. Data slots: x, dy,
     y, gi, gz."""
     c0, c1, r0, r1, _, n, s = _walk(bounds, geometry, strides)
-    for r in range(r0, r1):
+    h = (r1 - r0) // 2
+    for j in range(r0, r1 - h):
+        r = j if j < r0 + h else j + h  # rows r and r + h; the last of an odd count alone
         o = _row_offsets(r, geometry, strides)
+        p = _row_offsets(r + h if j < r0 + h else r, geometry, strides)
         for c in range(c0, c1):
-            oc = (
-                o[0] + c * strides[0, 0],
-                o[1] + c * strides[1, 0],
-                o[2] + c * strides[2, 0],
-                o[3] + c * strides[3, 0],
-                o[4] + c * strides[4, 0],
-            )
-            _backward_along(x, dy, y, gi, gz, oc, s, n, k_dy[c], k_x[c], k_c[c], flags)
+            oc, pc = _channel_offsets(o, c, strides), _channel_offsets(p, c, strides)
+            _backward_along(x, dy, y, gi, gz, oc, pc, s, n, k_dy[c], k_x[c], k_c[c], flags)
 
 
 @jit
