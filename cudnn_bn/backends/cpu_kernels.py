@@ -717,10 +717,10 @@ def _backward_along(x, dy, y, gi, gz, o, p, s, n, a, b, k, flags):
             gi[_at(o[3], i, s[3])] = encode(u, gi.dtype)
             gi[_at(p[3], i, s[3])] = encode(v, gi.dtype)
         return
+    lone = p == o
     for i in range(n):
         _backward_element(x, dy, y, gi, gz, o, s, i, a, b, k, flags)
-    if p != o:
-        for i in range(n):
+        if not lone:
             _backward_element(x, dy, y, gi, gz, p, s, i, a, b, k, flags)
 
 
