@@ -436,11 +436,12 @@ def _at(offset, i, stride):
 
 @helper(inline="always")
 def _sums_along(x, dy, y, ox, od, oy, sx, sd, sy, n, k, has_dy, masked):
-    # The sums of a channel's run in one row, or in four rows at once (``ox`` and ``od``:
-    # the x and dy offsets of each row; ``ox[1]`` -1 for one row, as a masked run always
-    # is): a loop over four runs pays its fixed costs (entry checks, scalar tail, the
+    # The sums of a channel's run in one row, or, for the backward's unmasked sums, in four
+    # rows at once (``ox`` and ``od``: the x and dy offsets of each row; ``ox[1]`` -1 for
+    # one row): a loop over four runs pays its fixed costs (entry checks, scalar tail, the
     # vectors' final adds) once per 4n values, which matters for short runs (49 values:
-    # sums 2x faster; ``SHORT_RUN``).
+    # sums 2x faster; ``SHORT_RUN``). The forward's sums (x alone) keep one loop: they
+    # are well under torch's time, and each loop costs compile time on first use.
     # Inlined (``inline``), as ``_forward_along`` and ``_backward_along``: a compiled call
     # passes each array with an atomic reference count increment and decrement, which
     # cost more than the arithmetic of a 49-value run; the reassociation that vectorizes
@@ -448,13 +449,7 @@ def _sums_along(x, dy, y, ox, od, oy, sx, sd, sy, n, k, has_dy, masked):
     s0 = s1 = s2 = s3 = 0.0
     x0, x1, x2, x3 = ox
     d0, d1, d2, d3 = od
-    if not has_dy and x1 >= 0:
-        for i in range(n):
-            a, b = decode(x[_at(x0, i, sx)]) - k, decode(x[_at(x1, i, sx)]) - k
-            e, f = decode(x[_at(x2, i, sx)]) - k, decode(x[_at(x3, i, sx)]) - k
-            s0 += (a + b) + (e + f)
-            s1 += (a * a + b * b) + (e * e + f * f)
-    elif not has_dy:
+    if not has_dy:
         for i in range(n):
             xv = decode(x[_at(x0, i, sx)]) - k
             s0 += xv
@@ -561,7 +556,7 @@ def item_sums_along(x, dy, y, geometry, strides, shift, out, bounds):
     empty; with ``dy`` empty its sums stay zero."""
     c0, c1, r0, r1, _, n, s = _walk(bounds, geometry, strides)
     has_dy, masked = dy.size > 0, y.size > 0
-    q = 0 if masked or n >= SHORT_RUN else (r1 - r0) // 4
+    q = 0 if masked or not has_dy or n >= SHORT_RUN else (r1 - r0) // 4
     for t in range(r0, r1 - 3 * q):
         # rows r, r + q, r + 2q, r + 3q together; the last (r1 - r0) % 4 rows one at a time
         r = t if t < r0 + q else t + 3 * q
