@@ -52,8 +52,6 @@ TILE = 4 + ROW_DIMS  # *row_dims, tile): tile = rows of channels walked as one r
 SUMS = 4  # sum(x - k), sum((x - k)^2), sum(dy), sum(dy * (x - k))
 PAD = 8  # zero columns past a sums table's C * tile: rows a multiple of 4 KiB apart (C = 512)
 # make the CPU wait on false store-to-load dependencies (2.7x slower backward sums)
-SHORT_RUN = 256  # runs shorter than this are summed four rows at once (_sums_along); longer
-# ones one at a time: eight read streams instead of two made 784- and 4096-value runs 15% slower
 REASSOC = {"reassoc"}  # lets LLVM vectorize the float64 sums; no nnan/ninf: nan stays nan
 NO_CACHE_WARNING = (
     "cudnn_bn's CPU engine found no writable cache location for its compiled kernels, so "
@@ -435,45 +433,44 @@ def _at(offset, i, stride):
 
 
 @helper(inline="always")
-def _sums_along(x, dy, y, ox, od, oy, sx, sd, sy, n, k, has_dy, masked):
-    # The sums of a channel's run in one row, or, for the backward's unmasked sums, in four
-    # rows at once (``ox`` and ``od``: the x and dy offsets of each row; ``ox[1]`` -1 for
-    # one row): a loop over four runs pays its fixed costs (entry checks, scalar tail, the
-    # vectors' final adds) once per 4n values, which matters for short runs (49 values:
-    # sums 2x faster; ``SHORT_RUN``). The forward's sums (x alone) keep one loop: they
-    # are well under torch's time, and each loop costs compile time on first use.
+def _sums_along(x, dy, y, ox, od, oy, ox2, od2, sx, sd, sy, n, k, has_dy, masked):
+    # The sums of a channel's run in one row, or in two (the second's x and dy offsets
+    # ``ox2`` and ``od2``; ``ox2`` -1 for none, as a masked run always is): a loop over two
+    # runs pays its fixed costs (entry checks, scalar tail, the vectors' final adds) once
+    # per 2n values, which matters for short runs (49 values: sums 1.9x faster).
     # Inlined (``inline``), as ``_forward_along`` and ``_backward_along``: a compiled call
     # passes each array with an atomic reference count increment and decrement, which
     # cost more than the arithmetic of a 49-value run; the reassociation that vectorizes
     # the sums is then the caller's (``fastmath`` of ``item_sums_along``).
     s0 = s1 = s2 = s3 = 0.0
-    x0, x1, x2, x3 = ox
-    d0, d1, d2, d3 = od
-    if not has_dy:
+    if not has_dy and ox2 >= 0:
         for i in range(n):
-            xv = decode(x[_at(x0, i, sx)]) - k
+            a, b = decode(x[_at(ox, i, sx)]) - k, decode(x[_at(ox2, i, sx)]) - k
+            s0 += a + b
+            s1 += a * a + b * b
+    elif not has_dy:
+        for i in range(n):
+            xv = decode(x[_at(ox, i, sx)]) - k
             s0 += xv
             s1 += xv * xv
-    elif not masked and x1 >= 0:
+    elif not masked and ox2 >= 0:
         for i in range(n):
-            a, da = decode(x[_at(x0, i, sx)]) - k, decode(dy[_at(d0, i, sd)])
-            b, db = decode(x[_at(x1, i, sx)]) - k, decode(dy[_at(d1, i, sd)])
-            e, de = decode(x[_at(x2, i, sx)]) - k, decode(dy[_at(d2, i, sd)])
-            f, df = decode(x[_at(x3, i, sx)]) - k, decode(dy[_at(d3, i, sd)])
-            s0 += (a + b) + (e + f)
-            s1 += (a * a + b * b) + (e * e + f * f)
-            s2 += (da + db) + (de + df)
-            s3 += (da * a + db * b) + (de * e + df * f)
+            a, da = decode(x[_at(ox, i, sx)]) - k, decode(dy[_at(od, i, sd)])
+            b, db = decode(x[_at(ox2, i, sx)]) - k, decode(dy[_at(od2, i, sd)])
+            s0 += a + b
+            s1 += a * a + b * b
+            s2 += da + db
+            s3 += da * a + db * b
     elif not masked:
         for i in range(n):
-            xv, dv = decode(x[_at(x0, i, sx)]) - k, decode(dy[_at(d0, i, sd)])
+            xv, dv = decode(x[_at(ox, i, sx)]) - k, decode(dy[_at(od, i, sd)])
             s0 += xv
             s1 += xv * xv
             s2 += dv
             s3 += dv * xv
     else:
         for i in range(n):
-            xv, dv = decode(x[_at(x0, i, sx)]) - k, decode(dy[_at(d0, i, sd)])
+            xv, dv = decode(x[_at(ox, i, sx)]) - k, decode(dy[_at(od, i, sd)])
             dv = dv if decode(y[_at(oy, i, sy)]) > 0 else 0.0
             s0 += xv
             s1 += xv * xv
@@ -535,19 +532,6 @@ def _sums_across(x, dy, y, geometry, strides, r0, r1, n, shift, out):
                 out[3, i] += dv * xv
 
 
-@helper(inline="always")
-def _group_offsets(r, q, group, geometry, strides):
-    """Offsets of rows ``r``, ``r + q``, ``r + 2q``, ``r + 3q`` (``group`` 4), or of row
-    ``r`` four times (``group`` 1), in the tensor with ``strides``."""
-    step = q if group > 1 else 0
-    return (
-        row_offset(r, geometry, strides),
-        row_offset(r + step, geometry, strides),
-        row_offset(r + 2 * step, geometry, strides),
-        row_offset(r + 3 * step, geometry, strides),
-    )
-
-
 @jit(fastmath=REASSOC)
 def item_sums_along(x, dy, y, geometry, strides, shift, out, bounds):
     """Add the sums of the work item ``bounds`` to ``out`` (``(SUMS, C * tile + PAD)``, ``shift``
@@ -556,23 +540,24 @@ def item_sums_along(x, dy, y, geometry, strides, shift, out, bounds):
     empty; with ``dy`` empty its sums stay zero."""
     c0, c1, r0, r1, _, n, s = _walk(bounds, geometry, strides)
     has_dy, masked = dy.size > 0, y.size > 0
-    q = 0 if masked or not has_dy or n >= SHORT_RUN else (r1 - r0) // 4
-    for t in range(r0, r1 - 3 * q):
-        # rows r, r + q, r + 2q, r + 3q together; the last (r1 - r0) % 4 rows one at a time
-        r = t if t < r0 + q else t + 3 * q
-        group = 4 if t < r0 + q else 1
-        xs = _group_offsets(r, q, group, geometry, strides[0])
-        ds = _group_offsets(r, q, group, geometry, strides[1])
+    h = 0 if masked else (r1 - r0) // 2
+    for j in range(r0, r1 - h):
+        r = j if j < r0 + h else j + h
+        ox, od = row_offset(r, geometry, strides[0]), row_offset(r, geometry, strides[1])
         oy = row_offset(r, geometry, strides[2])
+        pair = j < r0 + h  # rows r and r + h together; the last of an odd count alone
+        ox2 = row_offset(r + h, geometry, strides[0]) if pair else -1
+        od2 = row_offset(r + h, geometry, strides[1]) if pair else 0
         for c in range(c0, c1):
-            cx, cd = c * strides[0, 0], c * strides[1, 0]
             sums = _sums_along(
                 x,
                 dy,
                 y,
-                (xs[0] + cx, xs[1] + cx if group > 1 else -1, xs[2] + cx, xs[3] + cx),
-                (ds[0] + cd, ds[1] + cd, ds[2] + cd, ds[3] + cd),
+                ox + c * strides[0, 0],
+                od + c * strides[1, 0],
                 oy + c * strides[2, 0],
+                ox2 + c * strides[0, 0] if pair else -1,
+                od2 + c * strides[1, 0],
                 s[0],
                 s[1],
                 s[2],
