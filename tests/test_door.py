@@ -11,9 +11,10 @@ import ml_dtypes
 import numpy as np
 import pytest
 import torch
-from producers import (  # dlpack.h v1.0, written out from the header
+from producers import (  # DLPack structs written out from dlpack.h v1.0; producers
     IS_COPIED,
     READ_ONLY,
+    CudaInterface,
     DLDataType,
     DLDevice,
     DLManagedTensorVersioned,
@@ -372,14 +373,11 @@ def test_a_cuda_interface_input_among_host_arrays_is_refused_before_cuda(monkeyp
     asked = []
     monkeypatch.setattr(cuda, "_cupy", lambda: asked.append(1) or pytest.fail("CUDA asked"))
     x, dy, w, _ = problem()
-
-    class Device:
-        @property
-        def __cuda_array_interface__(self):
-            return {"version": 3, "shape": x.shape, "typestr": "<f8", "data": (x.ctypes.data, 0)}
-
+    device = CudaInterface(
+        {"version": 3, "shape": x.shape, "typestr": "<f8", "data": (x.ctypes.data, 0)}
+    )
     with pytest.raises(InfiniError, match="share one device") as caught:
-        cudnn_bn.batch_norm_backward(Device(), dy, w, None, None)
+        cudnn_bn.batch_norm_backward(device, dy, w, None, None)
     assert caught.value.status == Status.BAD_PARAM and not asked
 
 
@@ -393,15 +391,12 @@ def test_cupyx_compat_refuses_a_cuda_interface_among_host_arrays_before_cuda(mon
     asked = []
     monkeypatch.setattr(cuda, "_cupy", lambda: asked.append(1) or pytest.fail("CUDA asked"))
     x, _, w, b = problem()
-
-    class Device:
-        @property
-        def __cuda_array_interface__(self):
-            return {"version": 3, "shape": (C,), "typestr": "<f8", "data": (w.ctypes.data, 0)}
-
+    device = CudaInterface(
+        {"version": 3, "shape": (C,), "typestr": "<f8", "data": (w.ctypes.data, 0)}
+    )
     with pytest.raises(InfiniError, match="share one device") as caught:
         cupyx_compat.batch_normalization_forward_inference(
-            x, w, b, Device(), np.ones(C), 1e-5, True, cupyx_compat.CUDNN_BATCHNORM_SPATIAL
+            x, w, b, device, np.ones(C), 1e-5, True, cupyx_compat.CUDNN_BATCHNORM_SPATIAL
         )
     assert caught.value.status == Status.BAD_PARAM and not asked
 
