@@ -135,32 +135,35 @@ def raised_by_caller(exc: BaseException) -> bool:
     return not os.path.abspath(filename).startswith((_PACKAGE, *_LIBRARIES))
 
 
+def public_error(exc: Exception, spelling: Mapping[str, str], where: str) -> Exception:
+    """What a public entry point (``where``) raises for ``exc``: an ``InfiniError`` from below
+    with its message's words renamed by ``spelling`` (``respelled``: the operators' names to
+    the caller's, e.g. ``"weight_desc" -> "gamma"``); an exception the caller's own code raised
+    inside the call (``raised_by_caller``) unchanged; any other exception, which would be a
+    bug of this package, as INTERNAL_ERROR, so callers catch one type. ``exc`` itself where
+    it passes unchanged."""
+    if isinstance(exc, InfiniError):
+        return respelled(exc, spelling)
+    if raised_by_caller(exc):
+        return exc
+    return InfiniError(Status.INTERNAL_ERROR, f"unexpected {type(exc).__name__} in {where}: {exc}")
+
+
 def raises_only_infini_errors(
     spelling: Mapping[str, str],
 ) -> Callable[[Callable[P, R]], Callable[P, R]]:
-    """Decorate a public entry point: an ``InfiniError`` from below gets its message's words
-    renamed by ``spelling`` (``respelled``: the operators' names to the caller's, e.g.
-    ``"weight_desc" -> "gamma"``); an exception the caller's own code raised inside the call
-    (``raised_by_caller``) passes through unchanged; any other exception, which would be a
-    bug of this package, becomes INTERNAL_ERROR, so callers catch one type."""
+    """Decorate a public entry point so that it raises what ``public_error`` says."""
 
     def decorate(func: Callable[P, R]) -> Callable[P, R]:
         @functools.wraps(func)
         def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
             try:
                 return func(*args, **kwargs)
-            except InfiniError as exc:
-                spelled = respelled(exc, spelling)
-                if spelled is exc:
-                    raise
-                raise spelled from exc
             except Exception as exc:
-                if raised_by_caller(exc):
+                raised = public_error(exc, spelling, func.__name__)
+                if raised is exc:
                     raise
-                raise InfiniError(
-                    Status.INTERNAL_ERROR,
-                    f"unexpected {type(exc).__name__} in {func.__name__}: {exc}",
-                ) from exc
+                raise raised from exc
 
         return wrapper
 

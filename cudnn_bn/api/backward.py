@@ -10,8 +10,7 @@ from ..problems import BackwardTensors, Fusion, Mode
 from ..runtime import Handle
 from ..tensor import ITEMSIZE, TensorDesc
 from .call import Built, run
-from .outputs import absent_parameter, out_arrays, packed_like
-from .spelling import array_api
+from .outputs import absent_parameter, packed_like
 
 GRADIENTS = ("grad_input", "grad_weight", "grad_bias", "grad_z")
 _STATISTICS = ("running_mean", "running_var", "saved_mean", "saved_invstd")
@@ -32,7 +31,9 @@ class Backward:
         "reserve",
         *GRADIENTS,
     )
+    out_names, out_optional = GRADIENTS, 1
     written = frozenset(GRADIENTS)
+    writes = tuple(map(written.__contains__, names))
     spelling: ClassVar[dict[str, str]] = {g: f"out[{i}]" for i, g in enumerate(GRADIENTS)}
 
     def options(self, raw: tuple, arrays: dict[str, Any]) -> tuple:
@@ -157,7 +158,6 @@ def statistics(
     return Mode.SAVED_INVSTD
 
 
-@array_api
 def batch_norm_backward(
     input: Any,
     grad_output: Any,
@@ -211,11 +211,10 @@ def batch_norm_backward(
         output,
         bias,
         reserve,
-        *out_arrays(out, GRADIENTS, optional=1),
     )
     mask_types = None  # a plan is keyed by the mask's items' types too (options_key)
     if type(output_mask) in (tuple, list):
         output_mask = tuple(output_mask)
         mask_types = tuple(map(type, output_mask))
     raw = (mode, eps, fusion, output_mask, persistent, check_overflow, mask_types)
-    return run(BACKWARD, arrays, raw, stream)
+    return run(BACKWARD, arrays, raw, stream, out)

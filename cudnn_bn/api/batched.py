@@ -174,9 +174,9 @@ def batch_norm_backward_batched(
     if type(output_mask) is list:
         output_mask = tuple(output_mask)
     options = (mode, eps, output_mask, fusion, persistent, mask_types)
-    signatures, ptrs, others = read(arrays)
+    signatures, ptrs, others = read(arrays, _READ_ONLY, [options_key(options)])
     try:
-        key = (options_key(options), *signatures)
+        key = tuple(signatures)
         fold = None if others else _folds.get(key)
     except TypeError:  # an unhashable option: validated below
         key, fold = None, None
@@ -200,6 +200,7 @@ def batch_norm_backward_batched(
 
 
 _NAMES = (*_DATA, *_PER_CHANNEL)
+_READ_ONLY = (False,) * len(_NAMES)  # the call writes none of its operands
 _FOLDS = 256  # problems remembered; all are forgotten at once beyond this
 _folds: dict[tuple, "_Fold"] = {}
 

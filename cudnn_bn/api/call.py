@@ -20,6 +20,7 @@ call is using.
 import sys
 import threading
 from dataclasses import dataclass, field
+from math import gcd
 from operator import itemgetter
 from typing import Any, Protocol
 
@@ -31,9 +32,11 @@ from ..arrays.numpy_arrays import ndarray_data
 from ..arrays.operand import byte_extent, overlap, refuse_overlap
 from ..descriptor_cache import DescriptorCache
 from ..enums import Device, Status
-from ..errors import InfiniError
+from ..errors import InfiniError, public_error
 from ..runtime import Handle
 from ..tensor import ITEMSIZE, TensorDesc
+from .outputs import out_arrays
+from .spelling import SPELLING
 from .streams import call_stream
 
 descriptor_cache = DescriptorCache()
@@ -57,13 +60,18 @@ class Built:
 
 
 class Pass(Protocol):
-    """One array-API pass: its name, its operands in the order its calls give them, those it
-    writes in place, how callers spell them, how it validates its options, builds a problem's
-    operator, and makes its return value from the values ``Plan.returns`` picks."""
+    """One array-API pass: its name, its operands in the order its calls give them (the last
+    ``out_names`` from its ``out=`` tuple, of which the last ``out_optional`` may be left
+    out), those it writes in place (also as one flag per operand: ``writes``), how callers
+    spell them, how it validates its options, builds a problem's operator, and makes its
+    return value from the values ``Plan.returns`` picks."""
 
     name: str
     names: tuple[str, ...]
+    out_names: tuple[str, ...]
+    out_optional: int
     written: frozenset[str]
+    writes: tuple[bool, ...]
     spelling: dict[str, str]
 
     def options(self, raw: tuple, arrays: dict[str, Any]) -> tuple: ...
@@ -81,8 +89,9 @@ class Plan:
 
     A call's values are its operands' pointers (in ``Pass.names`` order), then those of
     the arrays it allocates (``outputs``, then a reserve), then ``tail`` (constants' pointers
-    and a NULL); ``pick`` takes the operator's pointer tuple from them. Its objects are its
-    arrays, then the allocated ones, then a None; ``returns`` picks the results from them."""
+    and a NULL); ``pick`` takes from them the values its ``launch`` takes (the fields of
+    ``ops.descriptor.Launch``). Its objects are its arrays, then the allocated ones, then a
+    None; ``returns`` picks the results from them."""
 
     spec: Any
     descriptor: Any
@@ -131,11 +140,7 @@ class Plan:
             ptrs.append(ptr)
         workspace = self.kind.scratch(like, self.workspace_size) if self.workspace_size else None
         ptrs.extend(self.tail)
-        self.launch(
-            tuple.__new__(self.descriptor.pointers, self.pick(ptrs)),
-            0 if workspace is None else workspace[1],
-            stream,
-        )
+        self.launch(self.pick(ptrs), 0 if workspace is None else workspace[1], stream)
         return self.spec.result(self.returns((*arrays, *made, None)))
 
 
@@ -185,18 +190,20 @@ def options_key(raw: tuple) -> tuple:
     return raw, tuple(map(type, raw))
 
 
-def read(arrays: tuple) -> tuple[list, list[int], list[int]]:
-    """``(signatures, pointers, others)`` of ``arrays``: exact ndarrays, CuPy arrays and plain
-    torch tensors read from their attributes (a signature: type, dtype, shape, strides, and
-    writability or device), None as None and 0; the indices of any other producers in
-    ``others``, for the door (their entries None and 0 until then)."""
-    signatures, ptrs, others = [], [], []
+def read(arrays: tuple, writes: tuple[bool, ...], signatures: list) -> tuple[list, list, list]:
+    """``(signatures, pointers, others)`` of ``arrays`` (``writes``: whether the call writes
+    each): exact ndarrays, CuPy arrays and plain torch tensors read from their attributes (a
+    signature: type, dtype, shape, strides, then device, or for an ndarray whether it is
+    writable where it is written), None as None and 0; the indices of any other producers in
+    ``others``, for the door (their entries None and 0 until then). Signatures are appended
+    to ``signatures``."""
+    ptrs, others = [], []
     cupy_array = None
-    for array in arrays:
+    for array, written in zip(arrays, writes, strict=True):
         kind = type(array)
         if kind is np.ndarray:
             signatures.append(
-                (kind, array.dtype, array.shape, array.strides, array.flags.writeable)
+                (kind, array.dtype, array.shape, array.strides, written and array.flags.writeable)
             )
             ptrs.append(ndarray_data(array))
         elif array is None:
@@ -215,15 +222,27 @@ def read(arrays: tuple) -> tuple[list, list[int], list[int]]:
     return signatures, ptrs, others
 
 
-def run(spec: Pass, arrays: tuple, raw: tuple, stream: Any) -> Any:
-    """Run pass ``spec`` on ``arrays`` (in ``spec.names`` order; None for absent ones) with
-    the caller's ``raw`` options (hashable, each typed by ``options_key``); returns
-    ``spec.result``."""
+def run(spec: Pass, arrays: tuple, raw: tuple, stream: Any, out: Any = None) -> Any:
+    """Run pass ``spec`` on ``arrays`` (in ``spec.names`` order, then the ``out=`` tuple
+    ``out`` for a pass with ``out_names``; None for absent ones) with the caller's ``raw``
+    options (hashable, each typed by ``options_key``); returns ``spec.result``. Raises what
+    a public entry point raises (``errors.public_error``)."""
+    try:
+        if spec.out_names:
+            arrays = (*arrays, *out_arrays(out, spec.out_names, spec.out_optional))
+        return _run(spec, arrays, raw, stream)
+    except Exception as exc:
+        raised = public_error(exc, SPELLING, f"batch_norm_{spec.name}")
+        if raised is exc:
+            raise
+        raise raised from exc
+
+
+def _run(spec: Pass, arrays: tuple, raw: tuple, stream: Any) -> Any:
     like = arrays[0]
     if like is None:
         raise InfiniError(Status.NULL_POINTER, "input is None")
-    signatures, ptrs, others = read(arrays)
-    signatures[:0] = (spec, options_key(raw))
+    signatures, ptrs, others = read(arrays, spec.writes, [spec, options_key(raw)])
     described: dict[int, Operand] = {}
     if others:  # one device for all, and the stream, before any producer is asked to export
         device, device_id = common_place(_present(spec, arrays))
@@ -248,24 +267,25 @@ def run(spec: Pass, arrays: tuple, raw: tuple, stream: Any) -> Any:
 class Aligned:
     """The pointers of a call (operands at these indices, those with elements) that must be
     non-NULL and aligned to their item size: what the door checks of an address, for
-    operands read by their attributes. Grouped by item size, so a call checks each group
-    with a few C-level scans."""
+    operands read by their attributes. Grouped by item size (a power of two), so a call
+    checks each group with two C-level scans: a NULL among them, and the low bits of their
+    greatest common divisor."""
 
     def __init__(self, descs: dict[int, TensorDesc]) -> None:
         sizes: dict[int, list[int]] = {}
         for at, desc in descs.items():
             if desc.numel:
                 sizes.setdefault(ITEMSIZE[desc.dtype], []).append(at)
-        self.groups = tuple((_picker(ats), size.__rmod__) for size, ats in sizes.items())
+        self.groups = tuple((_picker(ats), size - 1) for size, ats in sizes.items())
 
     def check(self, ptrs: list[int], arrays: tuple, spec: Any) -> None:
         """BAD_PARAM from the door, naming the first operand found NULL or misaligned
         (``spec``: its ``names`` and ``spelling``)."""
-        for pick, modulo in self.groups:
+        for pick, low_bits in self.groups:
             addresses = pick(ptrs)
-            if 0 in addresses or any(map(modulo, addresses)):
+            if 0 in addresses or gcd(*addresses) & low_bits:
                 for at in pick(range(len(arrays))):
-                    if not ptrs[at] or modulo(ptrs[at]):
+                    if not ptrs[at] or ptrs[at] & low_bits:
                         name = spec.spelling.get(spec.names[at], spec.names[at])
                         operand(name, arrays[at])  # raises
                         raise InfiniError(Status.BAD_PARAM, f"{name} is misaligned or NULL")
@@ -322,7 +342,15 @@ def _build(
     at = {n: i for i, n in enumerate(names) if n in ops}
     at |= {n: len(names) + i for i, n in enumerate([*made, *constants])}
     null = len(names) + len(made) + len(constants)  # the tail's last value: 0
-    pick = _picker([at.get(built.pointers.get(f, f), null) for f in descriptor.pointers._fields])
+    launch = descriptor.launcher(
+        "the array API's plan cache",
+        descriptor.workspace_size,
+        built.reserve_size,
+        "reserve" in ops,
+    )
+    pick = _picker(
+        [null if f is None else at.get(built.pointers.get(f, f), null) for f in launch.fields]
+    )
     none = len(names) + len(made)  # names with no value (None, an empty reserve) are None
     returns = _picker([at.get(n, none) for n in built.returns])
     index = {n: i for i, n in enumerate(names)}
@@ -340,12 +368,7 @@ def _build(
         (*constants.values(), 0),
         pick,
         returns,
-        descriptor.launcher(
-            "the array API's plan cache",
-            descriptor.workspace_size,
-            built.reserve_size,
-            "reserve" in ops,
-        ),
+        launch.call,
         Aligned({index[n]: op.desc for n, op in ops.items() if index[n] not in described}),
         tuple(  # each written operand against every other one (each pair once)
             (

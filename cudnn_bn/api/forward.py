@@ -12,8 +12,7 @@ from ..problems import ForwardInferenceTensors, ForwardTrainingTensors
 from ..runtime import Handle
 from ..tensor import TensorDesc
 from .call import Built, run
-from .outputs import absent_parameter, out_arrays, packed_like, statistics_dtype
-from .spelling import array_api
+from .outputs import absent_parameter, packed_like, statistics_dtype
 
 TRAINING_OUTPUTS = ("output", "saved_mean", "saved_invstd")
 _PER_CHANNEL = ("weight", "bias", "running_mean", "running_var")
@@ -55,7 +54,9 @@ class ForwardTraining:
 
     name = "forward_training"
     names = ("input", *_PER_CHANNEL, "z", *TRAINING_OUTPUTS)
+    out_names, out_optional = TRAINING_OUTPUTS, 0
     written = frozenset(("running_mean", "running_var", *TRAINING_OUTPUTS))
+    writes = tuple(map(written.__contains__, names))
     spelling: ClassVar[dict[str, str]] = {o: f"out[{i}]" for i, o in enumerate(TRAINING_OUTPUTS)}
 
     def options(self, raw: tuple, arrays: dict[str, Any]) -> tuple:
@@ -104,7 +105,9 @@ class ForwardInference:
 
     name = "forward_inference"
     names = ("input", *_PER_CHANNEL, "output")
+    out_names, out_optional = (), 0  # its out= is one array, an operand
     written = frozenset(("output",))
+    writes = tuple(map(written.__contains__, names))
     spelling: ClassVar[dict[str, str]] = {"output": "out"}
 
     def options(self, raw: tuple, arrays: dict[str, Any]) -> tuple:
@@ -129,7 +132,6 @@ class ForwardInference:
 FORWARD_TRAINING, FORWARD_INFERENCE = ForwardTraining(), ForwardInference()
 
 
-@array_api
 def batch_norm_forward_training(
     input: Any,
     weight: Any,
@@ -159,20 +161,11 @@ def batch_norm_forward_training(
     preallocated outputs (None entries are allocated). ``check_overflow=True`` is
     ``batch_norm_backward``'s synchronizing debug aid.
     """
-    arrays = (
-        input,
-        weight,
-        bias,
-        running_mean,
-        running_var,
-        z,
-        *out_arrays(out, TRAINING_OUTPUTS),
-    )
+    arrays = (input, weight, bias, running_mean, running_var, z)
     raw = (eps, momentum, fusion, persistent, check_overflow)
-    return run(FORWARD_TRAINING, arrays, raw, stream)
+    return run(FORWARD_TRAINING, arrays, raw, stream, out)
 
 
-@array_api
 def batch_norm_forward_inference(
     input: Any,
     weight: Any,

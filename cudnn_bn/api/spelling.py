@@ -5,11 +5,9 @@ from ..problems import BackwardTensors, ForwardInferenceTensors, ForwardTraining
 
 # The operators name tensor descriptors (``input_desc is NULL``); this API's callers pass
 # arrays (``input is None``).
-array_api = raises_only_infini_errors(
-    {
-        f"{name}_desc": name
-        for tensors in (BackwardTensors, ForwardTrainingTensors, ForwardInferenceTensors)
-        for name in tensors._fields
-    }
-    | {"NULL": "None"}
-)
+SPELLING = {
+    f"{name}_desc": name
+    for tensors in (BackwardTensors, ForwardInferenceTensors, ForwardTrainingTensors)
+    for name in tensors._fields
+} | {"NULL": "None"}
+array_api = raises_only_infini_errors(SPELLING)

@@ -15,7 +15,9 @@ that overlaps an input any other way is computed into a scratch buffer and copie
 end, so the result is what it would be without the overlap.
 """
 
-from typing import Any
+from collections.abc import Callable
+from operator import itemgetter
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -85,6 +87,11 @@ class _HostKernel:
     # The steps a one-call pass makes (``cpu_kernels.entries``' slots), and their addresses.
     step_slots: tuple[int, ...]
     _plan: np.ndarray | None = None
+    # The operator's pointer tuple, and its fields that fill the data slots, then the
+    # per-channel ones (None: NULL).
+    pointer_type: type[NamedTuple]
+    data_fields: tuple[str | None, ...]
+    channel_fields: tuple[str | None, ...]
 
     def __init__(self, data: list[TensorDesc | None], channel: list[TensorDesc | None]) -> None:
         self.data = data
@@ -100,6 +107,10 @@ class _HostKernel:
         (self.whole,) = self.layout.items(1)
         self.absent = (0,) * (SLOTS - len(data))  # the data slots this pass has not
         self.channels_absent = (0,) * (cpu_kernels.FIRST_VALUES - len(channel))
+        self._data_at, self._channel_at = (
+            self._picker(self.data_fields),
+            self._picker(self.channel_fields),
+        )
         self.tile = int(self.layout.geometry[cpu_kernels.TILE])
         # The item kernels of this layout's walk (the other is never compiled for it).
         walk = "across" if self.layout.geometry[3] else "along"
@@ -215,6 +226,31 @@ class _HostKernel:
         absent tensor's pointer is NULL."""
         self.launch(*self.pointers(ptrs))
 
+    def direct(self) -> tuple[tuple[str | None, ...], Callable[[tuple, int, int], None]] | None:
+        """``run_disjoint`` of a problem of one call, as ``whole_pass`` on the pointers of the
+        fields it takes (``(fields, call)``: ``ops.descriptor.Launch``); None for a larger
+        problem."""
+        if self.parallel:
+            return None
+        fields = (*self.data_fields, *(None,) * len(self.absent), *self.channel_fields,
+                  *(None,) * len(self.channels_absent))  # fmt: skip
+        whole, fixed = (
+            cpu_kernels.whole_pass,
+            (self.plan(), self.eps, self.momentum, self.like, self.half),
+        )
+        return fields, lambda values, workspace, stream: whole(*fixed, *values)
+
+    def _picker(self, fields: tuple[str | None, ...]) -> Callable[[tuple], tuple]:
+        """The values of ``fields`` from a pointer tuple with a 0 appended (None: that 0)."""
+        index = {f: i for i, f in enumerate(self.pointer_type._fields)}
+        null = len(index)
+        return itemgetter(*(null if f is None else index[f] for f in fields))
+
+    def pointers(self, ptrs: Any) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """The data slots' addresses and the per-channel tensors'."""
+        values = (*ptrs, 0)
+        return self._data_at(values), self._channel_at(values)
+
 
 class BatchNormBackward(_HostKernel):
     """Batch-norm backward (all modes, fused or not, any output mask).
@@ -222,6 +258,9 @@ class BatchNormBackward(_HostKernel):
     Data slots: input, grad_output, output (fused), grad_input, grad_z."""
 
     outputs, inputs = (3, 4), (0, 1, 2)
+    pointer_type = BackwardPointers
+    data_fields = ("input", "grad_output", "output", "grad_input", "grad_z")
+    channel_fields = ("weight", "running_mean", "running_var", "grad_weight", "grad_bias")
 
     def __init__(
         self, tensors: BackwardTensors, attributes: BackwardAttributes, device_id: int = 0
@@ -247,11 +286,6 @@ class BatchNormBackward(_HostKernel):
         self.step_slots = (k.COPY, k.ITEM_SUMS, k.RESULTS)
         self.step_slots += (k.ITEM_BACKWARD,) if a.output_mask[0] or with_z else ()
 
-    def pointers(self, p: BackwardPointers) -> tuple[tuple[int, ...], tuple[int, ...]]:
-        """The data slots' addresses and the per-channel tensors'."""
-        data = (p.input, p.grad_output, p.output, p.grad_input, p.grad_z)
-        return data, (p.weight, p.running_mean, p.running_var, p.grad_weight, p.grad_bias)
-
     def threaded(self, at: list[int], channel: tuple[int, ...], chunks: int) -> None:
         layout = self.layout
         geometry, strides = layout.geometry, layout.strides
@@ -275,6 +309,10 @@ class BatchNormForwardTraining(_HostKernel):
     Data slots: input, z (fused add), output."""
 
     outputs, inputs = (2,), (0, 1)
+    pointer_type = ForwardTrainingPointers
+    data_fields = ("input", "z", "output")
+    channel_fields = ("weight", "bias", "saved_mean", "saved_invstd", "running_mean",
+                      "running_var")  # fmt: skip
 
     def __init__(
         self,
@@ -297,12 +335,6 @@ class BatchNormForwardTraining(_HostKernel):
         self.writes = _bits(False, False, True, True, *updates)
         self.step_slots = (k.COPY, k.ITEM_SUMS, k.RESULTS, k.ITEM_FORWARD)
 
-    def pointers(self, p: ForwardTrainingPointers) -> tuple[tuple[int, ...], tuple[int, ...]]:
-        """The data slots' addresses and the per-channel tensors'."""
-        channel = (p.weight, p.bias, p.saved_mean, p.saved_invstd, p.running_mean,
-                   p.running_var)  # fmt: skip
-        return (p.input, p.z, p.output), channel
-
     def threaded(self, at: list[int], channel: tuple[int, ...], chunks: int) -> None:
         layout = self.layout
         geometry, strides = layout.geometry, layout.strides
@@ -322,6 +354,9 @@ class BatchNormForwardInference(_HostKernel):
     """Inference-mode forward with fixed statistics. Data slots: input, (none), output."""
 
     outputs, inputs = (2,), (0,)
+    pointer_type = ForwardInferencePointers
+    data_fields = ("input", None, "output")
+    channel_fields = ("weight", "bias", "running_mean", "running_var")
 
     def __init__(
         self,
@@ -339,10 +374,6 @@ class BatchNormForwardInference(_HostKernel):
         self.reads, self.shift_row = _bits(True, True, True, True), -1
         self.flags = (False,) * 4  # the forward's: no z, no ReLU
         self.step_slots = (k.COPY, k.RESULTS, k.ITEM_FORWARD)
-
-    def pointers(self, p: ForwardInferencePointers) -> tuple[tuple[int, ...], tuple[int, ...]]:
-        """The data slots' addresses and the per-channel tensors'."""
-        return (p.input, 0, p.output), (p.weight, p.bias, p.running_mean, p.running_var)
 
     def threaded(self, at: list[int], channel: tuple[int, ...], chunks: int) -> None:
         layout = self.layout

@@ -39,6 +39,15 @@ def _show(value: Any) -> str:
     return repr(value.name.lower()) if isinstance(value, enum.Enum) else repr(value)
 
 
+class Launch(NamedTuple):
+    """An owner's launch of a descriptor (``OperatorDescriptor.launcher``): ``call(values,
+    workspace, stream)`` runs the kernel on ``values``, the pointers of ``fields`` in order
+    (a None field: give 0)."""
+
+    fields: tuple[str | None, ...]
+    call: Callable[[tuple, int, int], None]
+
+
 class Build:
     """One build of a descriptor: its checked attributes, the backend kernel made for them
     and the pointers they need, swapped as one object so that a compute reads them once.
@@ -189,30 +198,36 @@ class OperatorDescriptor:
         workspace_size: int,
         reserve_size: int | None = None,
         reserve: bool = False,
-    ) -> Callable[[NamedTuple, int, int], None]:
-        """``launch(ptrs, workspace, stream)``: ``compute`` for the ``owner`` of this
-        descriptor (the array API's plans), its size checks made once, here (``reserve``:
-        whether launches give one). Each launch runs the current build's kernel at once: the
-        caller gives a non-NULL pointer for every tensor with elements, outputs that overlap
-        no input (so the CPU engine skips its overlap check), and never changes or destroys
-        the descriptor while a launch runs: from now on ``set_attributes`` and ``destroy``
-        refuse (the descriptor is public: ``descriptor_cache.descriptors()``), so that no
-        thread can change or close the build a launch runs."""
+    ) -> Launch:
+        """``compute`` for the ``owner`` of this descriptor (the array API's plans), its size
+        checks made once, here (``reserve``: whether launches give one): a ``Launch``, whose
+        ``call(values, workspace, stream)`` runs the build's kernel at once on the pointers
+        ``values`` of its ``fields``. The caller gives a non-NULL pointer for every tensor with
+        elements, outputs that overlap no input (so the CPU engine skips its overlap check),
+        and never changes or destroys the descriptor while a launch runs: from now on
+        ``set_attributes`` and ``destroy`` refuse (the descriptor is public:
+        ``descriptor_cache.descriptors()``), so that no thread can change or close the build
+        a launch runs. A kernel with ``direct()`` (the CPU engine's one-call passes, which
+        raise nothing) is called as it says, without the pointer tuple."""
         build = self._live()
         self._owner = owner
         self._checked_sizes(build, workspace_size, reserve_size, reserve)
-        run = getattr(build.kernel, "run_disjoint", build.kernel.run)
-        checks_workspace = bool(build.kernel.workspace_size)
+        kernel = build.kernel
+        direct = kernel.direct() if hasattr(kernel, "direct") else None
+        if direct is not None:  # such a kernel takes no workspace
+            return Launch(*direct)
+        run = getattr(kernel, "run_disjoint", kernel.run)
+        pointers, checks_workspace = self.pointers, bool(kernel.workspace_size)
 
-        def launch(ptrs: NamedTuple, workspace: int, stream: int) -> None:
+        def call(values: tuple, workspace: int, stream: int) -> None:
             if checks_workspace:
                 self._check_workspace(build, workspace)
             try:
-                run(ptrs, workspace, stream)
+                run(tuple.__new__(pointers, values), workspace, stream)
             except InfiniError as exc:
                 raise self._described(exc, build) from exc
 
-        return launch
+        return Launch(pointers._fields, call)
 
     def _checked_sizes(
         self, build: Build, workspace_size: int, reserve_size: int | None, reserve: bool
