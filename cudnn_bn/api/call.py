@@ -21,7 +21,7 @@ import sys
 import threading
 from dataclasses import dataclass, field
 from math import gcd
-from operator import itemgetter
+from operator import itemgetter, sub
 from typing import Any, Protocol
 
 import numpy as np
@@ -106,22 +106,13 @@ class Plan:
     returns: Any
     launch: Any
     aligned: "Aligned"  # the operands read by attributes
-    # (written, other, low, high): the operands' bytes meet where low < written's pointer
-    # - other's < high; then ``overlap`` of their descs (the last two) decides.
-    overlaps: tuple[tuple[int, int, int, int, TensorDesc, TensorDesc], ...]
+    disjoint: "Disjoint"
     used: bool = True  # descriptor_cache's CLOCK bit
 
     def __call__(self, arrays: tuple, ptrs: list[int], like: Any, stream: Any) -> Any:
         """Run the plan on one call's arrays and pointers; returns ``spec.result``."""
         self.aligned.check(ptrs, arrays, self.spec)
-        for written, other, low, high, w_desc, o_desc in self.overlaps:
-            w, o = ptrs[written], ptrs[other]
-            if low < w - o < high and overlap(w_desc, w, o_desc, o):
-                names, spelling = self.spec.names, self.spec.spelling
-                raise refuse_overlap(
-                    spelling.get(names[written], names[written]),
-                    spelling.get(names[other], names[other]),
-                )
+        self.disjoint.check(ptrs, self.spec)
         if self.device == Device.CPU:
             return self._run(arrays, ptrs, like, 0)
         call_on = call_stream(stream, like, self.device, self.device_id)
@@ -291,6 +282,35 @@ class Aligned:
                         raise InfiniError(Status.BAD_PARAM, f"{name} is misaligned or NULL")
 
 
+class Disjoint:
+    """The pairs of a written operand and another one (indices into a call's pointers) that
+    must not overlap, with ``(low, high)``: their bytes meet where low < written's pointer -
+    other's < high; then ``overlap`` of their descs decides. A call scans the pairs'
+    differences at C level and looks closer only at those in range."""
+
+    def __init__(self, pairs: list[tuple[int, int, int, int, TensorDesc, TensorDesc]]) -> None:
+        self.pairs = pairs
+        self.written = _picker([pair[0] for pair in pairs]) if pairs else None
+        self.other = _picker([pair[1] for pair in pairs]) if pairs else None
+        self.meet = tuple(range(low + 1, high) for _, _, low, high, _, _ in pairs)
+
+    def check(self, ptrs: list[int], spec: Any) -> None:
+        """BAD_PARAM (``refuse_overlap``) naming the first pair that overlaps (``spec``: its
+        ``names`` and ``spelling``)."""
+        if not self.pairs or not any(
+            map(range.__contains__, self.meet, map(sub, self.written(ptrs), self.other(ptrs)))
+        ):
+            return
+        for (written, other, _, _, w_desc, o_desc), meet in zip(self.pairs, self.meet, strict=True):
+            w, o = ptrs[written], ptrs[other]
+            if w - o in meet and overlap(w_desc, w, o_desc, o):
+                names, spelling = spec.names, spec.spelling
+                raise refuse_overlap(
+                    spelling.get(names[written], names[written]),
+                    spelling.get(names[other], names[other]),
+                )
+
+
 def _picker(indices: list[int]) -> Any:
     """A function taking the items at ``indices`` of a sequence, as a tuple."""
     if len(indices) == 1:
@@ -370,18 +390,20 @@ def _build(
         returns,
         launch.call,
         Aligned({index[n]: op.desc for n, op in ops.items() if index[n] not in described}),
-        tuple(  # each written operand against every other one (each pair once)
-            (
-                index[w],
-                index[o],
-                extents[o][0] - extents[w][1],
-                extents[o][1] - extents[w][0],
-                ops[w].desc,
-                ops[o].desc,
-            )
-            for i, w in enumerate(present)
-            if w in spec.written
-            for o in present[i + 1 :] + [n for n in present[:i] if n not in spec.written]
+        Disjoint(  # each written operand against every other one (each pair once)
+            [
+                (
+                    index[w],
+                    index[o],
+                    extents[o][0] - extents[w][1],
+                    extents[o][1] - extents[w][0],
+                    ops[w].desc,
+                    ops[o].desc,
+                )
+                for i, w in enumerate(present)
+                if w in spec.written
+                for o in present[i + 1 :] + [n for n in present[:i] if n not in spec.written]
+            ]
         ),
     )
     return plan
