@@ -4,16 +4,19 @@
 current stream per device (CuPy's stream stack), ``Stream.from_external`` and the deprecated
 ``ExternalStream``, events, ``cudaPointerGetAttributes`` over the fake arrays it made, and a
 memory pool that records the device and current stream of every allocation (CuPy's pool
-takes memory from the current stream's arena). ``FakeArray`` looks like a CuPy array to the
-package (``__module__`` is ``cupy``, ``.device.id``, ``.data.ptr``, the CUDA array
-interface). ``fake_torch`` patches torch's stream and allocation calls in the same way.
-Nothing is ever dereferenced: the stub libcudnn (``cudnn_stub.py``) only records pointers.
+takes memory from the current stream's arena), fills and stream synchronizations, and streams
+marked as capturing a CUDA graph (``capturing``), which refuse to synchronize as CUDA
+does. ``FakeArray`` looks like a CuPy array to the package (``__module__`` is ``cupy``,
+``.device.id``, ``.data.ptr``, the CUDA array interface). ``fake_torch`` patches torch's
+stream and allocation calls in the same way. Nothing is ever dereferenced: the stub
+libcudnn (``cudnn_stub.py``) only records pointers.
 
 ``RecordingLibrary`` wraps the stub libcudnn and records, for each cuDNN call that matters
 here, the fake current device and the calling thread.
 """
 
 import ctypes
+import dataclasses
 import itertools
 import math
 import threading
@@ -36,6 +39,13 @@ class _Pointer:
         self.ptr = ptr
 
 
+@dataclasses.dataclass(frozen=True)
+class FakeDevice:
+    """CuPy's ``Device``: its ``id``; hashable, as the package keys its constants by it."""
+
+    id: int
+
+
 class FakeArray:
     """A strided array on a fake device: what the package reads of a CuPy array."""
 
@@ -45,7 +55,7 @@ class FakeArray:
         self.strides = strides or tuple(
             math.prod(self.shape[i + 1 :]) * self.itemsize for i in range(self.ndim)
         )
-        self.data, self.device = _Pointer(ptr), types.SimpleNamespace(id=device)
+        self.data, self.device = _Pointer(ptr), FakeDevice(device)
         self.nbytes = math.prod(self.shape) * self.itemsize
 
     def __getitem__(self, index: int) -> "FakeArray":
@@ -129,6 +139,14 @@ class FakeStream:
     def wait_event(self, event: "FakeEvent") -> None:
         self._fake.log.append(("wait", self._fake.device, self.ptr, event.recorded))
 
+    def is_capturing(self) -> bool:
+        return self.ptr in self._fake.capturing
+
+    def synchronize(self) -> None:
+        if self.is_capturing():  # cudaErrorStreamCaptureUnsupported
+            raise RuntimeError("operation not permitted when stream is capturing")
+        self._fake.log.append(("sync", self._fake.device, self.ptr))
+
 
 class FakeEvent:
     def __init__(self, fake, block: bool = False, disable_timing: bool = False) -> None:
@@ -153,6 +171,7 @@ class FakeCupy(types.ModuleType):
         self.log: list[tuple] = []  # ("alloc", device, stream, nbytes, ptr), events, memsets
         self.owners: dict[int, int] = {}  # allocation base -> device
         self.external_streams = 0  # ExternalStream objects made (deprecated in CuPy 14)
+        self.capturing: set[int] = set()  # streams capturing a CUDA graph
         self._addresses = itertools.count(BASE, 0x10_0000)
         fake = self
 
@@ -204,6 +223,12 @@ class FakeCupy(types.ModuleType):
         shape = shape if isinstance(shape, tuple) else (shape,)
         array = FakeArray(self, shape, dtype, ptr, self.device)
         self.log.append(("alloc", self.device, self.stacks[self.device][-1], array.nbytes, ptr))
+        return array
+
+    def full(self, shape: int | tuple[int, ...], value: float, dtype: Any) -> FakeArray:
+        """``empty``, then a fill kernel on the current stream (logged; nothing is written)."""
+        array = self.empty(shape, dtype)
+        self.log.append(("fill", self.device, self.stacks[self.device][-1], array.data.ptr, value))
         return array
 
     def allocations(self) -> list[tuple[int, int]]:

@@ -37,6 +37,7 @@ from cudnn_bn.api import (
     batch_norm_forward_inference,
     batch_norm_forward_training,
 )
+from cudnn_bn.errors import InfiniError
 from cudnn_bn.ops.batch_norm_forward_inference import BatchNormForwardInferenceDescriptor
 from cudnn_bn.ops.batch_norm_forward_training import BatchNormForwardTrainingDescriptor
 
@@ -352,3 +353,49 @@ def test_forward_inference_graph_replays_on_new_input(dtype, param_dtype):
         decode(eager["output"], dtype), first, rtol=tol, atol=tol, err_msg="eager vs CPU backend"
     )
     assert_close(outputs, {"output": second}, tol, "replay on new input vs the CPU backend")
+
+
+# --- the array API: constants standing in for an absent weight or bias -------------------
+
+
+def test_array_api_with_weight_none_is_captured_once_an_eager_call_made_its_constants():
+    """``weight=None``/``bias=None`` read ones and zeros that a problem's first call makes
+    and waits for (``arrays.kinds``): made by an eager call, the same call captured replays
+    the eager output; a problem whose constants do not exist yet is refused by name while
+    the stream captures (the fill would only be recorded), and the capture is ended."""
+    host = problem(DataType.F32, DataType.F32)
+    stream = cupy.cuda.Stream(non_blocking=True)
+    with stream:
+        x, mean, var = (
+            cupy.asarray(host[n].astype(np.float32))
+            for n in ("input", "running_mean", "running_var")
+        )
+        out = cupy.full(SHAPE, cupy.nan, cupy.float32)
+
+    def compute():
+        batch_norm_forward_inference(x, None, None, mean, var, eps=EPS, stream=stream.ptr, out=out)
+
+    compute()
+    stream.synchronize()
+    eager = cupy.asnumpy(out)
+    graph = capture(stream, compute)
+    with stream:
+        out.fill(0)
+    graph.launch(stream)
+    stream.synchronize()
+    np.testing.assert_array_equal(cupy.asnumpy(out), eager)
+    expected = batch_norm_forward_inference(
+        host["input"], None, None, host["running_mean"], host["running_var"], eps=EPS
+    )
+    np.testing.assert_allclose(eager, expected, rtol=1e-5, atol=1e-5)
+
+    channels = 11  # a layout no other test has made constants for
+    with stream:
+        x = cupy.ones((2, channels, 3, 3), cupy.float32)
+        stats = cupy.ones(channels, cupy.float32)
+    with pytest.raises(InfiniError, match=r"^BAD_PARAM: weight is None"):
+        capture(
+            stream,
+            lambda: batch_norm_forward_inference(x, None, None, stats, stats, stream=stream.ptr),
+        )
+    assert not stream.is_capturing()

@@ -38,6 +38,7 @@ from cudnn_bn import (
 )
 from cudnn_bn import arrays as arrays_module
 from cudnn_bn._cudnn import library as library_module
+from cudnn_bn.api import call
 from cudnn_bn.arrays import operand
 from cudnn_bn.arrays.dlpack import _DLDataType, _DLDevice, _DLTensor
 from cudnn_bn.backends import cuda
@@ -294,6 +295,45 @@ def test_handles_outlive_their_threads(recording):
     gc.collect()
     assert recording.named("cudnnCreate")
     assert recording.named("cudnnDestroy") == []
+
+
+# --- constants standing in for an absent weight or bias ------------------------------------
+
+
+def test_a_stand_in_parameter_is_filled_and_waited_for_before_any_call_reads_it(fake, monkeypatch):
+    """The ones and zeros standing in for ``weight=None``/``bias=None`` are made once per
+    layout and then read by calls on every stream: a fill only queued on the first call's
+    stream could still be pending when a call on another stream reads the constant."""
+    monkeypatch.setattr(call, "_constants", {})
+    p = problem(fake.array, 0)
+    batch_norm_forward_inference(p["input"], None, None, p["mean"], p["var"], stream=CALL_STREAM)
+    steps = [entry[:3] for entry in fake.log if entry[0] in ("fill", "sync")]
+    assert steps == [("fill", 0, CALL_STREAM), ("sync", 0, CALL_STREAM)] * 2
+    fake.log.clear()
+    batch_norm_forward_inference(p["input"], None, None, p["mean"], p["var"], stream=0xC00)
+    assert not [entry for entry in fake.log if entry[0] in ("fill", "sync")], "made once"
+
+
+def test_a_stand_in_parameter_is_refused_while_capturing_until_a_call_made_it(fake, monkeypatch):
+    """Under CUDA graph capture the fill would only be recorded (and waiting is not
+    allowed): the first call of such a problem is refused by name, writing nothing; once an
+    eager call has made the constant, the problem is captured like any other."""
+    monkeypatch.setattr(call, "_constants", {})
+    p = problem(fake.array, 0)
+    args = (p["input"], None, p["bias"], p["mean"], p["var"])
+    out = fake.array(SHAPE, 0)
+    fake.capturing.add(CALL_STREAM)
+    with pytest.raises(InfiniError, match=r"^BAD_PARAM: weight is None.*before the capture"):
+        batch_norm_forward_inference(*args, stream=CALL_STREAM, out=out)
+    assert not [entry for entry in fake.log if entry[0] in ("fill", "sync")]
+    assert not fake.cudnn.named("cudnnBatchNormalizationForwardInference")
+    fake.capturing.clear()
+    batch_norm_forward_inference(*args, stream=CALL_STREAM, out=out)
+    fake.capturing.add(CALL_STREAM)
+    fake.log.clear()
+    batch_norm_forward_inference(*args, stream=CALL_STREAM, out=out)
+    assert not [entry for entry in fake.log if entry[0] in ("fill", "sync", "alloc")]
+    assert len(fake.cudnn.named("cudnnBatchNormalizationForwardInference")) == 2
 
 
 # --- finding 11: CuPy 14 --------------------------------------------------------------------

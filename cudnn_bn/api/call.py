@@ -136,16 +136,19 @@ class Plan:
 
 
 # Constants standing in for an absent weight (ones) or bias (zeros), one per kind, device,
-# value and layout, never freed: a kernel on any stream may still be reading one.
+# value and layout, never freed: a kernel on any stream may still be reading one. Each is
+# ready for every stream when made (``arrays.kinds``).
 _constants: dict[tuple, tuple[Any, int]] = {}
 _constants_lock = threading.Lock()
 
 
-def _constant(kind: Any, like: Any, device_id: int, value: float, desc: TensorDesc) -> int:
+def _constant(
+    kind: Any, like: Any, device_id: int, value: float, desc: TensorDesc, name: str
+) -> int:
     key = (kind.name, getattr(like, "device", None), device_id, value, desc)
     with _constants_lock:
         if key not in _constants:
-            _constants[key] = kind.constant(like, value, desc)
+            _constants[key] = kind.constant(like, value, desc, name)
         return _constants[key][1]
 
 
@@ -354,7 +357,7 @@ def _build(
     if built.constants:
         with kind.scope(like, call_on, device_id):
             constants = {
-                n: _constant(kind, like, device_id, value, desc)
+                n: _constant(kind, like, device_id, value, desc, spelled[n])
                 for n, (value, desc) in built.constants.items()
             }
     # Where each value of a call lies (the Plan docstring).

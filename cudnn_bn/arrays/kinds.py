@@ -11,7 +11,13 @@ a tensor was allocated", the ``Tensor.record_stream`` documentation), so memory 
 the call's stream must come from it.
 
 ``current`` says that the stream is the current one of the device (the caller gave none),
-so that a scope is entered only where it changes something."""
+so that a scope is entered only where it changes something.
+
+A constant (``constant``: the ones or zeros standing in for an absent weight or bias) is
+made once per layout and then read by calls on any stream, so on a GPU it is filled and
+waited for before it is handed out, which a stream capturing a CUDA graph cannot do (its
+fill would only be recorded): there it is refused, naming the argument, until a call made
+before the capture has made it."""
 
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
@@ -20,7 +26,8 @@ from typing import Any
 import numpy as np
 
 from ..dtypes import FLOAT_TYPES
-from ..enums import DataType
+from ..enums import DataType, Status
+from ..errors import InfiniError
 from ..tensor import TensorDesc, contiguous_strides
 from .numpy_arrays import ndarray_data
 from .torch_tensors import torch_dtypes, torch_stream
@@ -86,7 +93,7 @@ class NumpyKind:
             return None, 0
         return _with_pointer(np.empty(nbytes, np.uint8))
 
-    def constant(self, like: Any, value: float, desc: TensorDesc) -> tuple[Any, int]:
+    def constant(self, like: Any, value: float, desc: TensorDesc, name: str) -> tuple[Any, int]:
         return _with_pointer(np.full(desc.shape, value, self.storage(like, desc.dtype)))
 
 
@@ -130,10 +137,15 @@ class TorchKind:
         buffer = torch.empty(nbytes, dtype=torch.uint8, device=like.device)
         return buffer, buffer.data_ptr()
 
-    def constant(self, like: Any, value: float, desc: TensorDesc) -> tuple[Any, int]:
+    def constant(self, like: Any, value: float, desc: TensorDesc, name: str) -> tuple[Any, int]:
         import torch
 
+        on_gpu = like.device.type == "cuda"
+        if on_gpu and torch.cuda.is_current_stream_capturing():
+            raise _captured(name)
         array = torch.full(desc.shape, value, dtype=torch_dtypes()[desc.dtype], device=like.device)
+        if on_gpu:
+            torch.cuda.current_stream(like.device).synchronize()
         return array, array.data_ptr()
 
 
@@ -171,11 +183,24 @@ class CupyKind:
         buffer = cupy.empty(nbytes, cupy.uint8)
         return buffer, buffer.data.ptr
 
-    def constant(self, like: Any, value: float, desc: TensorDesc) -> tuple[Any, int]:
+    def constant(self, like: Any, value: float, desc: TensorDesc, name: str) -> tuple[Any, int]:
         import cupy
 
+        stream = cupy.cuda.get_current_stream()
+        if stream.is_capturing():
+            raise _captured(name)
         array = cupy.full(desc.shape, value, NUMPY.storage(like, desc.dtype))
+        stream.synchronize()
         return array, array.data.ptr
+
+
+def _captured(name: str) -> InfiniError:
+    return InfiniError(
+        Status.BAD_PARAM,
+        f"{name} is None, whose stand-in this problem's first call makes and waits for, "
+        "which a stream capturing a CUDA graph cannot do: make one call of the problem "
+        "before the capture",
+    )
 
 
 NUMPY, TORCH, CUPY = NumpyKind(), TorchKind(), CupyKind()
