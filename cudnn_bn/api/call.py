@@ -194,15 +194,16 @@ def read(arrays: tuple, writes: tuple[bool, ...], signatures: list) -> tuple[lis
     ptrs, others = [], []
     cupy_array = None
     for array, written in zip(arrays, writes, strict=True):
+        if array is None:  # most of a call's operands (absent ones, out= entries)
+            signatures.append(None)
+            ptrs.append(0)
+            continue
         kind = type(array)
         if kind is np.ndarray:
             signatures.append(
                 (kind, array.dtype, array.shape, array.strides, written and array.flags.writeable)
             )
             ptrs.append(ndarray_data(array))
-        elif array is None:
-            signatures.append(None)
-            ptrs.append(0)
         elif kind is (cupy_array or (cupy_array := _cupy_array_type())):
             signatures.append((kind, array.dtype, array.shape, array.strides, array.device.id))
             ptrs.append(array.data.ptr)
