@@ -4,8 +4,10 @@
 status and catch by class (``except BadParamError``) or by ``.status``. Statuses with a
 natural Python builtin also derive from it (BAD_PARAM and the shape/stride ones from
 ``ValueError``, BAD_TENSOR_DTYPE from ``TypeError``), so code written to catch those keeps
-working. ``raises_only_infini_errors`` keeps a public entry point to that contract and
-spells argument names in its messages as that entry point's caller does.
+working. ``public_error`` keeps a public entry point to that contract and spells argument
+names in its messages as that entry point's caller does: the array API's passes apply it in
+their one call path (``api.call.run``), other entry points through the decorator
+``raises_only_infini_errors``.
 """
 
 import functools
