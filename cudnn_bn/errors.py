@@ -162,6 +162,8 @@ def raises_only_infini_errors(
             try:
                 return func(*args, **kwargs)
             except Exception as exc:
+                if exc.__traceback__.tb_next is None:  # the arguments do not bind: Python's
+                    raise  # TypeError, as for any function (the array API's passes included)
                 raised = public_error(exc, spelling, func.__name__)
                 if raised is exc:
                     raise

@@ -812,3 +812,25 @@ def test_python_descriptor_after_destroy_raises():
             use()
         assert caught.value.status == Status.BAD_PARAM
     cudnn_bn.descriptor_cache.clear()  # closing a destroyed descriptor is quiet
+
+
+@pytest.mark.parametrize(
+    "entry",
+    [
+        "batch_norm_forward_training",
+        "batch_norm_forward_inference",
+        "batch_norm_backward",
+        "batch_norm_backward_batched",
+    ],
+)
+def test_arguments_that_do_not_bind_raise_pythons_type_error(entry):
+    """A misspelled keyword or a missing argument is the call's own mistake, refused by Python
+    before the package runs (as by any function): a ``TypeError`` naming it, alike on every
+    entry point, never an INTERNAL_ERROR blaming the package."""
+    function = getattr(cudnn_bn, entry)
+    with pytest.raises(TypeError, match="unexpected keyword argument 'epss'") as caught:
+        function(np.ones((2, 3, 4)), np.ones((2, 3, 4)), None, None, None, epss=1e-5)
+    assert not isinstance(caught.value, InfiniError)
+    with pytest.raises(TypeError, match="missing") as caught:
+        function(np.ones((2, 3, 4)))
+    assert not isinstance(caught.value, InfiniError)
