@@ -21,7 +21,14 @@ import ml_dtypes
 import numpy as np
 import pytest
 from cudnn_stub import POINTERS
-from fake_devices import FakeArray, FakeCupy, RecordingLibrary, fake_torch, torch_tensor
+from fake_devices import (
+    FakeArray,
+    FakeCupy,
+    FakeStream,
+    RecordingLibrary,
+    fake_torch,
+    torch_tensor,
+)
 
 import cudnn_bn
 from cudnn_bn import (
@@ -100,6 +107,24 @@ def test_every_allocation_comes_from_the_call_stream(fake, stub):
     assert set(fake.allocations()) == {(0, CALL_STREAM)}
     assert stub.set_stream.stream == CALL_STREAM
     assert fake.stacks == {d: [s] for d, s in CURRENT.items()}, "current streams restored"
+
+
+def test_a_call_given_the_current_stream_switches_nothing(fake, stub, monkeypatch):
+    """The current stream of the arrays' device, given as ``stream=`` with that device
+    current, is where CuPy allocates already: a call pushes no stream and switches no device
+    (``kinds.CupyKind.scope``), and still allocates from and runs on that stream."""
+    switches = []
+    enter = FakeStream.__enter__
+    monkeypatch.setattr(FakeStream, "__enter__", lambda s: switches.append(s.ptr) or enter(s))
+    set_device = fake.cuda.runtime.setDevice
+    monkeypatch.setattr(
+        fake.cuda.runtime, "setDevice", lambda d: switches.append(("device", d)) or set_device(d)
+    )
+    run_all(problem(fake.array, 0), stream=CURRENT[0])
+    run_batched(fake.array, 0, stream=CURRENT[0])
+    assert switches == []
+    assert len(fake.allocations()) >= 10 and set(fake.allocations()) == {(0, CURRENT[0])}
+    assert stub.set_stream.stream == CURRENT[0]
 
 
 def test_every_torch_allocation_comes_from_the_call_stream(fake, monkeypatch):

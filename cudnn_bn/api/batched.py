@@ -29,7 +29,7 @@ from .backward import batch_norm_backward, statistics
 from .call import Aligned, options_key, read
 from .outputs import packed_like, statistics_dtype
 from .spelling import array_api
-from .streams import call_stream
+from .streams import call_place, call_stream
 
 _DATA = ("input", "grad_output", "output")
 _PER_CHANNEL = ("weight", "running_mean", "running_var", "saved_mean", "saved_invstd", "bias")
@@ -265,9 +265,9 @@ class _Fold:
         like, kind, batch = natives[0], self.kind, self.batch
         if ptrs is not None:
             self.aligned.check(ptrs, natives, self)
-        call_on = call_stream(stream, like, self.device, self.device_id)
+        call_on, scope = call_place(stream, like, kind, self.device, self.device_id)
         mode, eps, output_mask, fusion, persistent, _ = self.options
-        with kind.scope(like, call_on, self.device_id, current=stream is None):
+        with scope:
             if batch == 0:  # nothing to compute: checked as one problem, empty results
 
                 def made(desc: TensorDesc) -> Any:

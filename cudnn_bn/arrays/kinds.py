@@ -10,15 +10,19 @@ allocators hand a freed block back only to allocations from the stream it was al
 a tensor was allocated", the ``Tensor.record_stream`` documentation), so memory written on
 the call's stream must come from it.
 
-``current`` says that the stream is the current one of the device (the caller gave none),
-so that a scope is entered only where it changes something."""
+``current`` is the place of a call given no stream: the current stream of the operands'
+device, with the scope that only makes that device current where it is not (one device
+query and one stream query). ``scope`` enters nothing where its device and stream are
+current already, so a call costs its library no stream or device switch it does not need."""
 
+import sys
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
 import numpy as np
 
+from ..backends import cuda
 from ..dtypes import FLOAT_TYPES
 from ..enums import DataType
 from ..tensor import TensorDesc, contiguous_strides
@@ -58,9 +62,7 @@ class NumpyKind:
 
     name = "numpy"
 
-    def scope(
-        self, like: Any, stream: int, device_id: int, current: bool = False
-    ) -> AbstractContextManager:
+    def scope(self, like: Any, stream: int, device_id: int) -> AbstractContextManager:
         return _ANYWHERE
 
     def storage(self, like: Any, dtype: DataType) -> np.dtype:
@@ -99,13 +101,14 @@ class TorchKind:
 
     name = "torch"
 
-    def scope(
-        self, like: Any, stream: int, device_id: int, current: bool = False
-    ) -> AbstractContextManager:
-        if like.device.type != "cuda" or current:  # allocations go to like's device
-            return _ANYWHERE
-        import torch
+    def current(self, like: Any, device_id: int) -> tuple[int, AbstractContextManager]:
+        """torch's current stream on ``like``'s device, where torch allocates for it."""
+        return sys.modules["torch"].cuda.current_stream(like.device).cuda_stream, _ANYWHERE
 
+    def scope(self, like: Any, stream: int, device_id: int) -> AbstractContextManager:
+        if like.device.type != "cuda":  # allocations go to like's device
+            return _ANYWHERE
+        torch = sys.modules["torch"]
         if stream == torch.cuda.current_stream(like.device).cuda_stream:
             return _ANYWHERE
         return torch.cuda.stream(torch_stream(stream, like.device.index or 0))
@@ -125,8 +128,7 @@ class TorchKind:
     def scratch(self, like: Any, nbytes: int) -> tuple[Any, int]:
         if nbytes == 0:
             return None, 0
-        import torch
-
+        torch = sys.modules["torch"]  # imported: like is a tensor
         buffer = torch.empty(nbytes, dtype=torch.uint8, device=like.device)
         return buffer, buffer.data_ptr()
 
@@ -142,23 +144,24 @@ class CupyKind:
 
     name = "cupy"
 
-    def scope(
-        self, like: Any, stream: int, device_id: int, current: bool = False
-    ) -> AbstractContextManager:
-        from ..backends.cuda import current_device, stream_scope
+    def current(self, like: Any, device_id: int) -> tuple[int, AbstractContextManager]:
+        """CuPy's current stream on ``device_id``; CuPy allocates from it once that device
+        is current."""
+        here = cuda.current_device()
+        stream = cuda.current_stream(device_id)
+        return stream, _ANYWHERE if here == device_id else cuda.on_device(device_id)
 
-        if current and current_device() == device_id:  # CuPy allocates there, on stream
+    def scope(self, like: Any, stream: int, device_id: int) -> AbstractContextManager:
+        if cuda.current_device() == device_id and cuda.current_stream(device_id) == stream:
             return _ANYWHERE
-        return stream_scope(stream, device_id)
+        return cuda.stream_scope(stream, device_id)
 
     def allocator(self, like: Any, desc: TensorDesc) -> Allocator:
         storage = NUMPY.storage(like, desc.dtype)
         shape, inverse = _in_memory_order(desc)
 
         def allocate() -> tuple[Any, int]:
-            import cupy
-
-            array = cupy.empty(shape, storage)
+            array = cuda.cupy_module().empty(shape, storage)
             return array if inverse is None else array.transpose(inverse), array.data.ptr
 
         return allocate
@@ -166,15 +169,11 @@ class CupyKind:
     def scratch(self, like: Any, nbytes: int) -> tuple[Any, int]:
         if nbytes == 0:
             return None, 0
-        import cupy
-
-        buffer = cupy.empty(nbytes, cupy.uint8)
+        buffer = cuda.cupy_module().empty(nbytes, np.uint8)
         return buffer, buffer.data.ptr
 
     def constant(self, like: Any, value: float, desc: TensorDesc) -> tuple[Any, int]:
-        import cupy
-
-        array = cupy.full(desc.shape, value, NUMPY.storage(like, desc.dtype))
+        array = cuda.cupy_module().full(desc.shape, value, NUMPY.storage(like, desc.dtype))
         return array, array.data.ptr
 
 
