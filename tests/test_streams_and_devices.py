@@ -377,3 +377,35 @@ def test_a_channels_last_output_is_one_packed_block_in_the_inputs_layout(fake, s
     assert y.shape == x.shape and y.strides == x.strides
     blocks = [entry for entry in fake.log if entry[0] == "alloc"]
     assert [(size, ptr) for *_, size, ptr in blocks] == [(base.nbytes, y.data.ptr)]
+
+
+# --- finding 12: host cost of a repeated call (issue 17) ----------------------------------------
+
+
+def package_calls(call) -> int:
+    """Python functions of ``cudnn_bn`` entered by one ``call()`` after a first one planned it."""
+    call()
+    entered = [0]
+
+    def profile(frame, event, arg) -> None:
+        entered[0] += event == "call" and "/cudnn_bn/" in frame.f_code.co_filename
+
+    sys.setprofile(profile)
+    try:
+        call()
+    finally:
+        sys.setprofile(None)
+    return entered[0]
+
+
+def test_a_batched_call_adds_little_to_the_backward_it_runs(fake):
+    """A repeated batched call folds, runs the backward's plan and unfolds: it does not go
+    through the public ``batch_norm_backward`` again (its argument handling, options and
+    error wrapper), so it enters at most 17 more of the package's functions than the one
+    backward call on its folded arrays (15 today; 19 through ``batch_norm_backward``)."""
+    x, w = fake.array((4, *SHAPE)), fake.array((4, C))
+    n, c, *rest = SHAPE
+    folded_x, folded_w = fake.array((n, 4 * c, *rest)), fake.array((4 * c,))
+    batched = package_calls(lambda: batch_norm_backward_batched(x, x, w, None, None))
+    one = package_calls(lambda: batch_norm_backward(folded_x, folded_x, folded_w, None, None))
+    assert batched - one <= 17, (batched, one)

@@ -25,8 +25,8 @@ from ..ops.batch_norm_backward import parse_fusion, validate_tensors
 from ..ops.validation import check_eps, check_output_mask
 from ..problems import BackwardTensors, Fusion
 from ..tensor import TensorDesc
-from .backward import batch_norm_backward, statistics
-from .call import Aligned, options_key, read
+from .backward import BACKWARD, raw_options, statistics
+from .call import Aligned, options_key, read, run
 from .outputs import packed_like, statistics_dtype
 from .spelling import array_api
 from .streams import call_place, call_stream
@@ -251,7 +251,8 @@ class _Fold:
     ) -> None:
         self.descs, self.kind, self.device, self.device_id = descs, kind, device, device_id
         (self.batch, self.channels), self.mask, self.wants_z = sizes, mask, wants_z
-        self.options = options
+        mode, eps, output_mask, fusion, persistent, _ = options
+        self.raw = raw_options(mode, eps, fusion, output_mask, persistent, False)
         self.aligned = Aligned({_NAMES.index(n): desc for n, desc in descs.items()})
         self.foldings = {}  # name -> (index in the arrays, allocator of a copy or None, shape)
         for n, desc in descs.items():
@@ -266,7 +267,6 @@ class _Fold:
         if ptrs is not None:
             self.aligned.check(ptrs, natives, self)
         call_on, scope = call_place(stream, like, kind, self.device, self.device_id)
-        mode, eps, output_mask, fusion, persistent, _ = self.options
         with scope:
             if batch == 0:  # nothing to compute: checked as one problem, empty results
 
@@ -282,22 +282,12 @@ class _Fold:
                     copy[...] = native
                     native = copy
                 folded[name] = native.reshape(shape)
-            grads = batch_norm_backward(
-                folded["input"],
-                folded["grad_output"],
-                folded.get("weight"),
-                folded.get("running_mean"),
-                folded.get("running_var"),
-                saved_mean=folded.get("saved_mean"),
-                saved_invstd=folded.get("saved_invstd"),
-                output=folded.get("output"),
-                bias=folded.get("bias"),
-                eps=eps,
-                mode=mode,
-                stream=None if self.device == Device.CPU or stream is None else call_on,
-                output_mask=output_mask,
-                fusion=fusion,
-                persistent=persistent,
+            # ``batch_norm_backward`` on the folded arrays, its options made once (``raw``).
+            grads = run(
+                BACKWARD,
+                tuple(map(folded.get, BACKWARD.names)),
+                self.raw,
+                None if self.device == Device.CPU or stream is None else call_on,
             )
         x = self.descs["input"].shape
         data_shape = (x[1], batch, self.channels, *x[3:])
