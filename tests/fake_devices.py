@@ -210,6 +210,15 @@ class FakeCupy(types.ModuleType):
         self.log.append(("alloc", self.device, self.stacks[self.device][-1], array.nbytes, ptr))
         return array
 
+    def ascontiguousarray(self, array: FakeArray) -> FakeArray:
+        """``array`` where it is packed, else a packed copy: allocated, and copied, on the
+        current stream (what CuPy's own does)."""
+        if array.strides == _packed_strides(array.shape, array.itemsize):
+            return array
+        copy = self.empty(array.shape, array.dtype)
+        copy[...] = array
+        return copy
+
     def allocations(self) -> list[tuple[int, int]]:
         """``(device, stream)`` of every allocation so far."""
         return [entry[1:3] for entry in self.log if entry[0] == "alloc"]
@@ -250,6 +259,16 @@ class FakeTensor:
 
     def __setitem__(self, index: Any, value: Any) -> None:
         """A copy: its data is not simulated."""
+
+    def contiguous(self) -> "FakeTensor":
+        """A packed copy, from torch's allocator on the current stream (its data is not
+        simulated), or the tensor itself where it is packed."""
+        import torch
+
+        if tuple(self._strides) == _packed(self.shape):
+            return self
+        return torch.empty_strided(self.shape, _packed(self.shape), dtype=self.dtype,
+                                   device=self.device)  # fmt: skip
 
     def is_neg(self) -> bool:
         return False

@@ -409,3 +409,23 @@ def test_a_batched_call_adds_little_to_the_backward_it_runs(fake):
     batched = package_calls(lambda: batch_norm_backward_batched(x, x, w, None, None))
     one = package_calls(lambda: batch_norm_backward(folded_x, folded_x, folded_w, None, None))
     assert batched - one <= 17, (batched, one)
+
+
+def test_batched_data_are_copied_by_one_call_of_their_library(fake, monkeypatch):
+    """Data that no view folds (contiguous ``(B, N, C, ...)`` with N > 1) are copied with
+    CuPy's own ``ascontiguousarray`` (an allocation and a copy on the call's stream, one
+    call), not allocated and then assigned through CuPy's indexing, which makes a view and
+    parses the index first."""
+    assigned_by_package = []
+    setitem = FakeArray.__setitem__
+
+    def recorded(self, index, value) -> None:
+        assigned_by_package.append("/cudnn_bn/" in sys._getframe(1).f_code.co_filename)
+        setitem(self, index, value)
+
+    monkeypatch.setattr(FakeArray, "__setitem__", recorded)
+    x, w = fake.array((2, *SHAPE)), fake.array((2, C))  # weight rows: a view folds them
+    batch_norm_backward_batched(x, x, w, None, None, stream=CALL_STREAM)
+    assert assigned_by_package == [False, False]  # input and grad_output, by CuPy itself
+    copies = [e for e in fake.events() if e[0] == "copy"]
+    assert copies == [("copy", 0, CALL_STREAM)] * 2

@@ -75,6 +75,27 @@ def _folding(name: str, desc: TensorDesc, batch: int) -> tuple[TensorDesc | None
     return TensorDesc.contiguous(desc.dtype, (batch, desc.shape[-1])), (-1,)
 
 
+def _copier(
+    name: str, copy: TensorDesc | None, kind: Any, like: Any
+) -> Callable[[Any], Any] | None:
+    """How operand ``name`` is copied where no view folds it (``_folding``'s ``copy``; None:
+    a view does): data, swapped to ``(N, B, C, ...)``, by its library's packed copy (one
+    call, not an allocation and an assignment); a per-channel operand into a new packed
+    ``(B, C)`` array (a shared ``(C,)`` one on every row)."""
+    if copy is None:
+        return None
+    if name in _DATA:
+        return kind.packed
+    allocate = kind.allocator(like, copy)
+
+    def rows(native: Any) -> Any:
+        array = allocate()[0]
+        array[...] = native
+        return array
+
+    return rows
+
+
 def _check_shapes(ops: dict[str, Operand]) -> tuple[int, int]:
     """``(B, C)``: data operands ``(B, N, C, ...)`` like ``input``, per-channel ones ``(C,)``
     or ``(B, C)``."""
@@ -254,11 +275,10 @@ class _Fold:
         mode, eps, output_mask, fusion, persistent, _ = options
         self.raw = raw_options(mode, eps, fusion, output_mask, persistent, False)
         self.aligned = Aligned({_NAMES.index(n): desc for n, desc in descs.items()})
-        self.foldings = {}  # name -> (index in the arrays, allocator of a copy or None, shape)
+        self.foldings = {}  # name -> (index in the arrays, its copy or None, shape)
         for n, desc in descs.items():
             copy, shape = _folding(n, desc, self.batch)
-            allocate = None if copy is None else kind.allocator(like, copy)
-            self.foldings[n] = (_NAMES.index(n), allocate, shape)
+            self.foldings[n] = (_NAMES.index(n), _copier(n, copy, kind, like), shape)
 
     def __call__(
         self, natives: tuple, stream: Any, ptrs: list[int] | None = None
@@ -275,12 +295,10 @@ class _Fold:
 
                 return _no_problems(self.descs, made, self.mask, self.wants_z)
             folded = {}
-            for name, (at, allocate, shape) in self.foldings.items():
+            for name, (at, copy, shape) in self.foldings.items():
                 native = natives[at].swapaxes(0, 1) if name in _DATA else natives[at]
-                if allocate is not None:
-                    copy = allocate()[0]
-                    copy[...] = native
-                    native = copy
+                if copy is not None:
+                    native = copy(native)
                 folded[name] = native.reshape(shape)
             # ``batch_norm_backward`` on the folded arrays, its options made once (``raw``).
             grads = run(

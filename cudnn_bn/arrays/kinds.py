@@ -88,6 +88,11 @@ class NumpyKind:
             return None, 0
         return _with_pointer(np.empty(nbytes, np.uint8))
 
+    def packed(self, array: Any) -> Any:
+        """``array`` in row-major order: itself where it is, else a copy by its library in
+        one call (on a GPU, allocated from and copied on the current stream)."""
+        return np.ascontiguousarray(array)
+
     def constant(self, like: Any, value: float, desc: TensorDesc) -> tuple[Any, int]:
         return _with_pointer(np.full(desc.shape, value, self.storage(like, desc.dtype)))
 
@@ -132,6 +137,9 @@ class TorchKind:
         buffer = torch.empty(nbytes, dtype=torch.uint8, device=like.device)
         return buffer, buffer.data_ptr()
 
+    def packed(self, array: Any) -> Any:
+        return array.contiguous()
+
     def constant(self, like: Any, value: float, desc: TensorDesc) -> tuple[Any, int]:
         import torch
 
@@ -171,6 +179,9 @@ class CupyKind:
             return None, 0
         buffer = cuda.cupy_module().empty(nbytes, np.uint8)
         return buffer, buffer.data.ptr
+
+    def packed(self, array: Any) -> Any:
+        return cuda.cupy_module().ascontiguousarray(array)
 
     def constant(self, like: Any, value: float, desc: TensorDesc) -> tuple[Any, int]:
         array = cuda.cupy_module().full(desc.shape, value, NUMPY.storage(like, desc.dtype))
