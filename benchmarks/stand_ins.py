@@ -103,7 +103,8 @@ def own_share(fake: FakeCupy, call: Callable[[], object], calls: int) -> float:
         patch.setattr(FakeArray, "__cuda_array_interface__", property(timed(interface.fget)))
         for name in ("transpose", "swapaxes", "reshape", "__setitem__"):
             patch.setattr(FakeArray, name, timed(getattr(FakeArray, name)))
-        patch.setattr(fake, "empty", timed(fake.empty))
+        for name in ("empty", "ascontiguousarray"):
+            patch.setattr(fake, name, timed(getattr(fake, name)))
         for name in ("__enter__", "__exit__"):
             patch.setattr(FakeStream, name, timed(getattr(FakeStream, name)))
         patch.setattr(fake.cuda, "get_current_stream", timed(fake.cuda.get_current_stream))

@@ -443,7 +443,7 @@ def precision(a, marks: Marks | None = None) -> float:
 
 
 class Tripwire:
-    """Counts the package's first step into CUDA (``backends.cuda._cupy``)."""
+    """Counts the package's first step into CUDA (``backends.cuda.cupy_module``)."""
 
     touched = 0
 
@@ -451,13 +451,13 @@ class Tripwire:
     def install(cls) -> None:
         from cudnn_bn.backends import cuda
 
-        original = cuda._cupy
+        original = cuda.cupy_module
 
         def counted():
             cls.touched += 1
             return original()
 
-        cuda._cupy = counted
+        cuda.cupy_module = counted
 
 
 def attempt(p: Problem, must_refuse: str = "") -> None:

@@ -371,7 +371,7 @@ def test_a_cuda_interface_input_among_host_arrays_is_refused_before_cuda(monkeyp
     from cudnn_bn.backends import cuda
 
     asked = []
-    monkeypatch.setattr(cuda, "_cupy", lambda: asked.append(1) or pytest.fail("CUDA asked"))
+    monkeypatch.setattr(cuda, "cupy_module", lambda: asked.append(1) or pytest.fail("CUDA asked"))
     x, dy, w, _ = problem()
     device = CudaInterface(
         {"version": 3, "shape": x.shape, "typestr": "<f8", "data": (x.ctypes.data, 0)}
@@ -389,7 +389,7 @@ def test_cupyx_compat_refuses_a_cuda_interface_among_host_arrays_before_cuda(mon
     from cudnn_bn.backends import cuda
 
     asked = []
-    monkeypatch.setattr(cuda, "_cupy", lambda: asked.append(1) or pytest.fail("CUDA asked"))
+    monkeypatch.setattr(cuda, "cupy_module", lambda: asked.append(1) or pytest.fail("CUDA asked"))
     x, _, w, b = problem()
     device = CudaInterface(
         {"version": 3, "shape": (C,), "typestr": "<f8", "data": (w.ctypes.data, 0)}

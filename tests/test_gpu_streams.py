@@ -91,6 +91,41 @@ def test_a_call_without_a_stream_runs_on_the_current_one():
     np.testing.assert_allclose(cupy.asnumpy(y), expected(operands()), rtol=1e-5, atol=1e-5)
 
 
+def test_a_call_given_the_current_stream_runs_on_it():
+    """``stream=`` the current stream of the arrays' current device: the call enters no
+    scope (``kinds.CupyKind.scope``) and still allocates from, and runs on, that stream."""
+    p = {n: cupy.asarray(t) for n, t in operands().items()}
+    stream = cupy.cuda.Stream(non_blocking=True)
+    recorder = _StreamRecorder()
+    with recorder, stream:
+        recorder.streams.clear()
+        y = infer(p, stream=stream)
+        cudnn_bn.batch_norm_backward(
+            p["input"], p["input"], p["weight"], None, None, stream=stream.ptr
+        )
+    stream.synchronize()
+    assert recorder.streams and set(recorder.streams) == {stream.ptr}
+    np.testing.assert_allclose(cupy.asnumpy(y), expected(operands()), rtol=1e-5, atol=1e-5)
+
+
+def test_a_batched_call_allocates_and_copies_on_the_call_stream():
+    """The batched backward's folding copies (CuPy's ``ascontiguousarray``) and outputs come
+    from the call's stream, and each problem's results are the unbatched call's."""
+    p = operands()
+    x = cupy.stack([cupy.asarray(p["input"]), cupy.asarray(p["input"]) * 2])
+    w = cupy.stack([cupy.asarray(p["weight"])] * 2)
+    stream = cupy.cuda.Stream(non_blocking=True)
+    recorder = _StreamRecorder()
+    with recorder:
+        got = cudnn_bn.batch_norm_backward_batched(x, x, w, None, None, stream=stream)
+    stream.synchronize()
+    assert recorder.streams and set(recorder.streams) == {stream.ptr}
+    for b in range(2):
+        want = cudnn_bn.batch_norm_backward(x[b], x[b], w[b], None, None)
+        for g, h in zip(got, want, strict=True):
+            np.testing.assert_allclose(cupy.asnumpy(g[b]), cupy.asnumpy(h), rtol=1e-5, atol=1e-5)
+
+
 def test_a_channels_last_cupy_output_has_the_inputs_layout():
     """CuPy outputs are allocated packed in the input's memory order, then transposed
     (``kinds._in_memory_order``): a channels-last input gets a channels-last output."""

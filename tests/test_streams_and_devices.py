@@ -21,7 +21,14 @@ import ml_dtypes
 import numpy as np
 import pytest
 from cudnn_stub import POINTERS
-from fake_devices import FakeArray, FakeCupy, RecordingLibrary, fake_torch, torch_tensor
+from fake_devices import (
+    FakeArray,
+    FakeCupy,
+    FakeStream,
+    RecordingLibrary,
+    fake_torch,
+    torch_tensor,
+)
 
 import cudnn_bn
 from cudnn_bn import (
@@ -101,6 +108,24 @@ def test_every_allocation_comes_from_the_call_stream(fake, stub):
     assert set(fake.allocations()) == {(0, CALL_STREAM)}
     assert stub.set_stream.stream == CALL_STREAM
     assert fake.stacks == {d: [s] for d, s in CURRENT.items()}, "current streams restored"
+
+
+def test_a_call_given_the_current_stream_switches_nothing(fake, stub, monkeypatch):
+    """The current stream of the arrays' device, given as ``stream=`` with that device
+    current, is where CuPy allocates already: a call pushes no stream and switches no device
+    (``kinds.CupyKind.scope``), and still allocates from and runs on that stream."""
+    switches = []
+    enter = FakeStream.__enter__
+    monkeypatch.setattr(FakeStream, "__enter__", lambda s: switches.append(s.ptr) or enter(s))
+    set_device = fake.cuda.runtime.setDevice
+    monkeypatch.setattr(
+        fake.cuda.runtime, "setDevice", lambda d: switches.append(("device", d)) or set_device(d)
+    )
+    run_all(problem(fake.array, 0), stream=CURRENT[0])
+    run_batched(fake.array, 0, stream=CURRENT[0])
+    assert switches == []
+    assert len(fake.allocations()) >= 10 and set(fake.allocations()) == {(0, CURRENT[0])}
+    assert stub.set_stream.stream == CURRENT[0]
 
 
 def test_every_torch_allocation_comes_from_the_call_stream(fake, monkeypatch):
@@ -392,3 +417,55 @@ def test_a_channels_last_output_is_one_packed_block_in_the_inputs_layout(fake, s
     assert y.shape == x.shape and y.strides == x.strides
     blocks = [entry for entry in fake.log if entry[0] == "alloc"]
     assert [(size, ptr) for *_, size, ptr in blocks] == [(base.nbytes, y.data.ptr)]
+
+
+# --- finding 12: host cost of a repeated call (issue 17) ----------------------------------------
+
+
+def package_calls(call) -> int:
+    """Python functions of ``cudnn_bn`` entered by one ``call()`` after a first one planned it."""
+    call()
+    entered = [0]
+
+    def profile(frame, event, arg) -> None:
+        entered[0] += event == "call" and "/cudnn_bn/" in frame.f_code.co_filename
+
+    sys.setprofile(profile)
+    try:
+        call()
+    finally:
+        sys.setprofile(None)
+    return entered[0]
+
+
+def test_a_batched_call_adds_little_to_the_backward_it_runs(fake):
+    """A repeated batched call folds, runs the backward's plan and unfolds: it does not go
+    through the public ``batch_norm_backward`` again (its argument handling, options and
+    error wrapper), so it enters at most 17 more of the package's functions than the one
+    backward call on its folded arrays (15 today; 19 through ``batch_norm_backward``)."""
+    x, w = fake.array((4, *SHAPE)), fake.array((4, C))
+    n, c, *rest = SHAPE
+    folded_x, folded_w = fake.array((n, 4 * c, *rest)), fake.array((4 * c,))
+    batched = package_calls(lambda: batch_norm_backward_batched(x, x, w, None, None))
+    one = package_calls(lambda: batch_norm_backward(folded_x, folded_x, folded_w, None, None))
+    assert batched - one <= 17, (batched, one)
+
+
+def test_batched_data_are_copied_by_one_call_of_their_library(fake, monkeypatch):
+    """Data that no view folds (contiguous ``(B, N, C, ...)`` with N > 1) are copied with
+    CuPy's own ``ascontiguousarray`` (an allocation and a copy on the call's stream, one
+    call), not allocated and then assigned through CuPy's indexing, which makes a view and
+    parses the index first."""
+    assigned_by_package = []
+    setitem = FakeArray.__setitem__
+
+    def recorded(self, index, value) -> None:
+        assigned_by_package.append("/cudnn_bn/" in sys._getframe(1).f_code.co_filename)
+        setitem(self, index, value)
+
+    monkeypatch.setattr(FakeArray, "__setitem__", recorded)
+    x, w = fake.array((2, *SHAPE)), fake.array((2, C))  # weight rows: a view folds them
+    batch_norm_backward_batched(x, x, w, None, None, stream=CALL_STREAM)
+    assert assigned_by_package == [False, False]  # input and grad_output, by CuPy itself
+    copies = [e for e in fake.events() if e[0] == "copy"]
+    assert copies == [("copy", 0, CALL_STREAM)] * 2

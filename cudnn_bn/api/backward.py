@@ -212,9 +212,17 @@ def batch_norm_backward(
         bias,
         reserve,
     )
-    mask_types = None  # a plan is keyed by the mask's items' types too (options_key)
+    raw = raw_options(mode, eps, fusion, output_mask, persistent, check_overflow)
+    return run(BACKWARD, arrays, raw, stream, out)
+
+
+def raw_options(
+    mode: Any, eps: Any, fusion: Any, output_mask: Any, persistent: Any, check_overflow: Any
+) -> tuple:
+    """A backward's options as ``call.run`` takes them (``Backward.options`` checks them): an
+    output mask given as a list as its tuple, keyed with its items' types (``options_key``)."""
+    mask_types = None
     if type(output_mask) in (tuple, list):
         output_mask = tuple(output_mask)
         mask_types = tuple(map(type, output_mask))
-    raw = (mode, eps, fusion, output_mask, persistent, check_overflow, mask_types)
-    return run(BACKWARD, arrays, raw, stream, out)
+    return mode, eps, fusion, output_mask, persistent, check_overflow, mask_types

@@ -25,11 +25,11 @@ from ..ops.batch_norm_backward import parse_fusion, validate_tensors
 from ..ops.validation import check_eps, check_output_mask
 from ..problems import BackwardTensors, Fusion
 from ..tensor import TensorDesc
-from .backward import batch_norm_backward, statistics
-from .call import Aligned, options_key, read
+from .backward import BACKWARD, raw_options, statistics
+from .call import Aligned, options_key, read, run
 from .outputs import packed_like, statistics_dtype
 from .spelling import array_api
-from .streams import call_stream
+from .streams import call_place, call_stream
 
 _DATA = ("input", "grad_output", "output")
 _PER_CHANNEL = ("weight", "running_mean", "running_var", "saved_mean", "saved_invstd", "bias")
@@ -73,6 +73,27 @@ def _folding(name: str, desc: TensorDesc, batch: int) -> tuple[TensorDesc | None
     if desc.ndim == 2 and desc.is_contiguous():
         return None, (-1,)
     return TensorDesc.contiguous(desc.dtype, (batch, desc.shape[-1])), (-1,)
+
+
+def _copier(
+    name: str, copy: TensorDesc | None, kind: Any, like: Any
+) -> Callable[[Any], Any] | None:
+    """How operand ``name`` is copied where no view folds it (``_folding``'s ``copy``; None:
+    a view does): data, swapped to ``(N, B, C, ...)``, by its library's packed copy (one
+    call, not an allocation and an assignment); a per-channel operand into a new packed
+    ``(B, C)`` array (a shared ``(C,)`` one on every row)."""
+    if copy is None:
+        return None
+    if name in _DATA:
+        return kind.packed
+    allocate = kind.allocator(like, copy)
+
+    def rows(native: Any) -> Any:
+        array = allocate()[0]
+        array[...] = native
+        return array
+
+    return rows
 
 
 def _check_shapes(ops: dict[str, Operand]) -> tuple[int, int]:
@@ -201,6 +222,7 @@ def batch_norm_backward_batched(
 
 _NAMES = (*_DATA, *_PER_CHANNEL)
 _READ_ONLY = (False,) * len(_NAMES)  # the call writes none of its operands
+_BACKWARD_OPERANDS = BACKWARD.names[: len(BACKWARD.names) - len(BACKWARD.out_names)]  # no out=
 _FOLDS = 256  # problems remembered; all are forgotten at once beyond this
 _folds: dict[tuple, "_Fold"] = {}
 
@@ -252,13 +274,13 @@ class _Fold:
     ) -> None:
         self.descs, self.kind, self.device, self.device_id = descs, kind, device, device_id
         (self.batch, self.channels), self.mask, self.wants_z = sizes, mask, wants_z
-        self.options = options
+        mode, eps, output_mask, fusion, persistent, _ = options
+        self.raw = raw_options(mode, eps, fusion, output_mask, persistent, False)
         self.aligned = Aligned({_NAMES.index(n): desc for n, desc in descs.items()})
-        self.foldings = {}  # name -> (index in the arrays, allocator of a copy or None, shape)
+        self.foldings = {}  # name -> (index in the arrays, its copy or None, shape)
         for n, desc in descs.items():
             copy, shape = _folding(n, desc, self.batch)
-            allocate = None if copy is None else kind.allocator(like, copy)
-            self.foldings[n] = (_NAMES.index(n), allocate, shape)
+            self.foldings[n] = (_NAMES.index(n), _copier(n, copy, kind, like), shape)
 
     def __call__(
         self, natives: tuple, stream: Any, ptrs: list[int] | None = None
@@ -266,9 +288,8 @@ class _Fold:
         like, kind, batch = natives[0], self.kind, self.batch
         if ptrs is not None:
             self.aligned.check(ptrs, natives, self)
-        call_on = call_stream(stream, like, self.device, self.device_id)
-        mode, eps, output_mask, fusion, persistent, _ = self.options
-        with kind.scope(like, call_on, self.device_id, current=stream is None):
+        call_on, scope = call_place(stream, like, kind, self.device, self.device_id)
+        with scope:
             if batch == 0:  # nothing to compute: checked as one problem, empty results
 
                 def made(desc: TensorDesc) -> Any:
@@ -276,29 +297,17 @@ class _Fold:
 
                 return _no_problems(self.descs, made, self.mask, self.wants_z)
             folded = {}
-            for name, (at, allocate, shape) in self.foldings.items():
+            for name, (at, copy, shape) in self.foldings.items():
                 native = natives[at].swapaxes(0, 1) if name in _DATA else natives[at]
-                if allocate is not None:
-                    copy = allocate()[0]
-                    copy[...] = native
-                    native = copy
+                if copy is not None:
+                    native = copy(native)
                 folded[name] = native.reshape(shape)
-            grads = batch_norm_backward(
-                folded["input"],
-                folded["grad_output"],
-                folded.get("weight"),
-                folded.get("running_mean"),
-                folded.get("running_var"),
-                saved_mean=folded.get("saved_mean"),
-                saved_invstd=folded.get("saved_invstd"),
-                output=folded.get("output"),
-                bias=folded.get("bias"),
-                eps=eps,
-                mode=mode,
-                stream=None if self.device == Device.CPU or stream is None else call_on,
-                output_mask=output_mask,
-                fusion=fusion,
-                persistent=persistent,
+            # ``batch_norm_backward`` on the folded arrays, its options made once (``raw``).
+            grads = run(
+                BACKWARD,
+                tuple(map(folded.get, _BACKWARD_OPERANDS)),
+                self.raw,
+                None if self.device == Device.CPU or stream is None else call_on,
             )
         x = self.descs["input"].shape
         data_shape = (x[1], batch, self.channels, *x[3:])

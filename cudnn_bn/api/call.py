@@ -37,7 +37,7 @@ from ..runtime import Handle
 from ..tensor import ITEMSIZE, TensorDesc
 from .outputs import out_arrays
 from .spelling import SPELLING
-from .streams import call_stream
+from .streams import call_place, call_stream
 
 descriptor_cache = DescriptorCache()
 
@@ -115,8 +115,8 @@ class Plan:
         self.disjoint.check(ptrs, self.spec)
         if self.device == Device.CPU:
             return self._run(arrays, ptrs, like, 0)
-        call_on = call_stream(stream, like, self.device, self.device_id)
-        with self.kind.scope(like, call_on, self.device_id, current=stream is None):
+        call_on, scope = call_place(stream, like, self.kind, self.device, self.device_id)
+        with scope:
             return self._run(arrays, ptrs, like, call_on)
 
     def _run(self, arrays: tuple, ptrs: list[int], like: Any, stream: int) -> Any:

@@ -1,12 +1,15 @@
-"""The CUDA stream an array-API call runs on."""
+"""The CUDA stream an array-API call runs on, and the scope its allocations need."""
 
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
 from ..arrays import common_place
+from ..arrays.kinds import CUPY, TORCH
 from ..arrays.torch_tensors import is_torch
-from ..backends.cuda import current_stream
 from ..enums import Device, Status
 from ..errors import InfiniError
+
+_ON_HOST = nullcontext()
 
 
 def resolve_stream(stream: Any, like: Any) -> int:
@@ -23,11 +26,27 @@ def call_stream(stream: Any, like: Any, device: Device, device_id: int) -> int:
     if device == Device.CPU:
         return 0
     if stream is None:
-        if is_torch(like):
-            import torch
+        return (TORCH if is_torch(like) else CUPY).current(like, device_id)[0]
+    return given_stream(stream, device_id)
 
-            return torch.cuda.current_stream(like.device).cuda_stream
-        return current_stream(device_id)
+
+def call_place(
+    stream: Any, like: Any, kind: Any, device: Device, device_id: int
+) -> tuple[int, AbstractContextManager]:
+    """``(stream, scope)`` of a call whose input ``like`` is of ``kind`` (``arrays.kinds``):
+    ``call_stream``'s stream, and the scope in which ``kind`` allocates on it (entering
+    nothing where its device and stream are current already)."""
+    if device == Device.CPU:
+        return 0, _ON_HOST
+    if stream is None:
+        return kind.current(like, device_id)
+    ptr = given_stream(stream, device_id)
+    return ptr, kind.scope(like, ptr, device_id)
+
+
+def given_stream(stream: Any, device_id: int) -> int:
+    """The ``cudaStream_t`` address of a ``stream=`` the caller gave, which must not belong
+    to a device other than ``device_id``."""
     if isinstance(stream, int) and not isinstance(stream, bool):
         if not 0 <= stream < 1 << 64:
             raise InfiniError(Status.BAD_PARAM, f"stream {stream} is not a cudaStream_t")

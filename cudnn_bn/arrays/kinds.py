@@ -10,8 +10,10 @@ allocators hand a freed block back only to allocations from the stream it was al
 a tensor was allocated", the ``Tensor.record_stream`` documentation), so memory written on
 the call's stream must come from it.
 
-``current`` says that the stream is the current one of the device (the caller gave none),
-so that a scope is entered only where it changes something.
+``current`` is the place of a call given no stream: the current stream of the operands'
+device, with the scope that only makes that device current where it is not (one device
+query and one stream query). ``scope`` enters nothing where its device and stream are
+current already, so a call costs its library no stream or device switch it does not need.
 
 A constant (``constant``: the ones or zeros standing in for an absent weight or bias) is
 made once per layout and then read by calls on any stream, so on a GPU it is filled and
@@ -19,12 +21,14 @@ waited for before it is handed out, which a stream capturing a CUDA graph cannot
 fill would only be recorded): there it is refused, naming the argument, until a call made
 before the capture has made it."""
 
+import sys
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
 import numpy as np
 
+from ..backends import cuda
 from ..dtypes import FLOAT_TYPES
 from ..enums import DataType, Status
 from ..errors import InfiniError
@@ -65,9 +69,7 @@ class NumpyKind:
 
     name = "numpy"
 
-    def scope(
-        self, like: Any, stream: int, device_id: int, current: bool = False
-    ) -> AbstractContextManager:
+    def scope(self, like: Any, stream: int, device_id: int) -> AbstractContextManager:
         return _ANYWHERE
 
     def storage(self, like: Any, dtype: DataType) -> np.dtype:
@@ -93,6 +95,11 @@ class NumpyKind:
             return None, 0
         return _with_pointer(np.empty(nbytes, np.uint8))
 
+    def packed(self, array: Any) -> Any:
+        """``array`` in row-major order: itself where it is, else a copy by its library in
+        one call (on a GPU, allocated from and copied on the current stream)."""
+        return np.ascontiguousarray(array)
+
     def constant(self, like: Any, value: float, desc: TensorDesc, name: str) -> tuple[Any, int]:
         return _with_pointer(np.full(desc.shape, value, self.storage(like, desc.dtype)))
 
@@ -106,13 +113,14 @@ class TorchKind:
 
     name = "torch"
 
-    def scope(
-        self, like: Any, stream: int, device_id: int, current: bool = False
-    ) -> AbstractContextManager:
-        if like.device.type != "cuda" or current:  # allocations go to like's device
-            return _ANYWHERE
-        import torch
+    def current(self, like: Any, device_id: int) -> tuple[int, AbstractContextManager]:
+        """torch's current stream on ``like``'s device, where torch allocates for it."""
+        return sys.modules["torch"].cuda.current_stream(like.device).cuda_stream, _ANYWHERE
 
+    def scope(self, like: Any, stream: int, device_id: int) -> AbstractContextManager:
+        if like.device.type != "cuda":  # allocations go to like's device
+            return _ANYWHERE
+        torch = sys.modules["torch"]
         if stream == torch.cuda.current_stream(like.device).cuda_stream:
             return _ANYWHERE
         return torch.cuda.stream(torch_stream(stream, like.device.index or 0))
@@ -132,10 +140,12 @@ class TorchKind:
     def scratch(self, like: Any, nbytes: int) -> tuple[Any, int]:
         if nbytes == 0:
             return None, 0
-        import torch
-
+        torch = sys.modules["torch"]  # imported: like is a tensor
         buffer = torch.empty(nbytes, dtype=torch.uint8, device=like.device)
         return buffer, buffer.data_ptr()
+
+    def packed(self, array: Any) -> Any:
+        return array.contiguous()
 
     def constant(self, like: Any, value: float, desc: TensorDesc, name: str) -> tuple[Any, int]:
         import torch
@@ -154,23 +164,24 @@ class CupyKind:
 
     name = "cupy"
 
-    def scope(
-        self, like: Any, stream: int, device_id: int, current: bool = False
-    ) -> AbstractContextManager:
-        from ..backends.cuda import current_device, stream_scope
+    def current(self, like: Any, device_id: int) -> tuple[int, AbstractContextManager]:
+        """CuPy's current stream on ``device_id``; CuPy allocates from it once that device
+        is current."""
+        here = cuda.current_device()
+        stream = cuda.current_stream(device_id)
+        return stream, _ANYWHERE if here == device_id else cuda.on_device(device_id)
 
-        if current and current_device() == device_id:  # CuPy allocates there, on stream
+    def scope(self, like: Any, stream: int, device_id: int) -> AbstractContextManager:
+        if cuda.current_device() == device_id and cuda.current_stream(device_id) == stream:
             return _ANYWHERE
-        return stream_scope(stream, device_id)
+        return cuda.stream_scope(stream, device_id)
 
     def allocator(self, like: Any, desc: TensorDesc) -> Allocator:
         storage = NUMPY.storage(like, desc.dtype)
         shape, inverse = _in_memory_order(desc)
 
         def allocate() -> tuple[Any, int]:
-            import cupy
-
-            array = cupy.empty(shape, storage)
+            array = cuda.cupy_module().empty(shape, storage)
             return array if inverse is None else array.transpose(inverse), array.data.ptr
 
         return allocate
@@ -178,14 +189,14 @@ class CupyKind:
     def scratch(self, like: Any, nbytes: int) -> tuple[Any, int]:
         if nbytes == 0:
             return None, 0
-        import cupy
-
-        buffer = cupy.empty(nbytes, cupy.uint8)
+        buffer = cuda.cupy_module().empty(nbytes, np.uint8)
         return buffer, buffer.data.ptr
 
-    def constant(self, like: Any, value: float, desc: TensorDesc, name: str) -> tuple[Any, int]:
-        import cupy
+    def packed(self, array: Any) -> Any:
+        return cuda.cupy_module().ascontiguousarray(array)
 
+    def constant(self, like: Any, value: float, desc: TensorDesc, name: str) -> tuple[Any, int]:
+        cupy = cuda.cupy_module()
         stream = cupy.cuda.get_current_stream()
         if stream.is_capturing():
             raise _captured(name)

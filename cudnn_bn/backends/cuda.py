@@ -12,7 +12,8 @@ from ..enums import Status
 from ..errors import InfiniError
 
 
-def _cupy() -> Any:
+def cupy_module() -> Any:
+    """CuPy, imported on first use (DEVICE_NOT_INITIALIZED where it cannot be)."""
     cupy = sys.modules.get("cupy")  # imported already: no import statement on each call
     if cupy is not None:
         return cupy
@@ -27,21 +28,30 @@ def _cupy() -> Any:
 
 
 def _runtime_call(what: str, fn: Any, *args: Any) -> Any:
-    cupy = _cupy()
+    cupy = cupy_module()
     try:
         return fn(*args)
     except cupy.cuda.runtime.CUDARuntimeError as exc:
-        raise InfiniError(Status.DEVICE_NOT_INITIALIZED, f"{what} failed: {exc}") from exc
+        raise _failed(what, exc) from exc
+
+
+def _failed(what: str, exc: Exception) -> InfiniError:
+    return InfiniError(Status.DEVICE_NOT_INITIALIZED, f"{what} failed: {exc}")
 
 
 def device_count() -> int:
     """How many CUDA devices there are; DEVICE_NOT_INITIALIZED where CUDA cannot start."""
-    return _runtime_call("cudaGetDeviceCount", _cupy().cuda.runtime.getDeviceCount)
+    return _runtime_call("cudaGetDeviceCount", cupy_module().cuda.runtime.getDeviceCount)
 
 
 def current_device() -> int:
-    """The CUDA device current in this thread."""
-    return _runtime_call("cudaGetDevice", _cupy().cuda.runtime.getDevice)
+    """The CUDA device current in this thread (asked on every call on CuPy arrays, so with
+    no ``_runtime_call`` in between; likewise ``current_stream``)."""
+    runtime = cupy_module().cuda.runtime
+    try:
+        return runtime.getDevice()
+    except runtime.CUDARuntimeError as exc:
+        raise _failed("cudaGetDevice", exc) from exc
 
 
 class on_device:
@@ -56,18 +66,21 @@ class on_device:
     def __enter__(self) -> None:
         self.previous = current_device()
         if self.previous != self.device_id:
-            _runtime_call("cudaSetDevice", _cupy().cuda.runtime.setDevice, self.device_id)
+            _runtime_call("cudaSetDevice", cupy_module().cuda.runtime.setDevice, self.device_id)
 
     def __exit__(self, *exc_info: object) -> None:
         if self.previous != self.device_id:
-            _cupy().cuda.runtime.setDevice(self.previous)
+            cupy_module().cuda.runtime.setDevice(self.previous)
 
 
 def current_stream(device_id: int) -> int:
     """CuPy's current stream on ``device_id`` (each device has its own), as a
     ``cudaStream_t`` address."""
-    cuda = _cupy().cuda
-    return _runtime_call("cudaGetDevice", lambda: cuda.get_current_stream(device_id).ptr)
+    cuda = cupy_module().cuda
+    try:
+        return cuda.get_current_stream(device_id).ptr
+    except cuda.runtime.CUDARuntimeError as exc:
+        raise _failed("cudaGetDevice", exc) from exc
 
 
 def pointer_device(ptr: int) -> int:
@@ -75,7 +88,7 @@ def pointer_device(ptr: int) -> int:
     device for NULL (an empty array has no memory)."""
     if not ptr:
         return current_device()
-    cupy = _cupy()
+    cupy = cupy_module()
     attributes = _runtime_call(
         "cudaPointerGetAttributes", cupy.cuda.runtime.pointerGetAttributes, ptr
     )
@@ -113,7 +126,7 @@ def cupy_stream(stream: int, device_id: int) -> Any:
     (``stream_scope``): ``from_external`` records no device and takes the current one."""
     key = (stream, device_id)
     if (wrapped := _streams.get(key)) is None:
-        cuda = _cupy().cuda
+        cuda = cupy_module().cuda
         if stream == 0:
             wrapped = cuda.Stream.null
         elif hasattr(cuda.Stream, "from_external"):
@@ -157,7 +170,7 @@ def wait_for(stream: int, producer: int, device_id: int) -> None:
     host does not block, and ``stream`` may be capturing a CUDA graph."""
     if producer == stream or {producer, stream} <= _LEGACY_DEFAULT:
         return
-    cuda = _cupy().cuda
+    cuda = cupy_module().cuda
     with on_device(device_id):
         event = cuda.Event(block=False, disable_timing=True)
         event.record(cupy_stream(producer, device_id))
@@ -170,7 +183,7 @@ def zero_rows_async(
     """Zero ``height`` rows of ``width`` bytes, ``pitch`` bytes apart, at device address
     ``ptr``, queued on ``stream`` (no sync): ``cudaMemset2DAsync``'s contract, on CuPy's
     ``memsetAsync`` (CuPy binds no 2-D memset): one call for packed rows, else one a row."""
-    runtime = _cupy().cuda.runtime
+    runtime = cupy_module().cuda.runtime
     rows = (
         [(ptr, width * height)]
         if pitch == width or height == 1

@@ -177,13 +177,13 @@ class _CudnnKernel:
         with cuda.on_device(self.device_id):
             handle = handles.borrow(self.device_id)
             try:
-                args[0] = handle.ref
-                self._set_stream(handle.ref, stream)
+                args[0] = ref = handle.ref
+                self._set_stream(ref, stream)
                 self.staging.read(ptrs, workspace, stream)
                 self._call(*args)
                 self.staging.write(ptrs, workspace, stream)
                 if self.check_overflow:
-                    self.warn_on_overflow(handle.ref)
+                    self.warn_on_overflow(ref)
             finally:
                 handles.give_back(self.device_id, handle)
 
