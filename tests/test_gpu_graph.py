@@ -399,3 +399,48 @@ def test_array_api_with_weight_none_is_captured_once_an_eager_call_made_its_cons
             lambda: batch_norm_forward_inference(x, None, None, stats, stats, stream=stream.ptr),
         )
     assert not stream.is_capturing()
+
+
+class _Mallocs(cupy.cuda.MemoryHook):
+    """Counts CuPy's pool allocations."""
+
+    name = "cudnn_bn malloc counter"
+
+    def __init__(self) -> None:
+        self.count = 0
+
+    def malloc_preprocess(self, **kwargs) -> None:
+        self.count += 1
+
+
+def test_array_api_backward_with_out_is_captured_allocating_nothing():
+    """A backward with ``out=`` whose plan ran once on the stream allocates nothing when
+    captured (its workspace is the plan's for that stream: ``api.call.Plan``), and the
+    replay gives the eager gradients."""
+    host = problem(DataType.F32, DataType.F32)
+    stream = cupy.cuda.Stream(non_blocking=True)
+    with stream:
+        x, dy, w = (
+            cupy.asarray(host[n].astype(np.float32)) for n in ("input", "grad_output", "weight")
+        )
+        out = tuple(
+            cupy.full(shape, cupy.nan, cupy.float32) for shape in (SHAPE, CHANNELS, CHANNELS)
+        )
+
+    def compute():
+        batch_norm_backward(x, dy, w, None, None, eps=EPS, stream=stream.ptr, out=out)
+
+    compute()
+    stream.synchronize()
+    eager = [cupy.asnumpy(o) for o in out]
+    mallocs = _Mallocs()
+    with mallocs:
+        graph = capture(stream, compute)
+    assert mallocs.count == 0
+    with stream:
+        for o in out:
+            o.fill(0)
+    graph.launch(stream)
+    stream.synchronize()
+    for got, want in zip(out, eager, strict=True):
+        np.testing.assert_array_equal(cupy.asnumpy(got), want)

@@ -15,6 +15,7 @@ import ctypes
 import gc
 import sys
 import threading
+import time
 import warnings
 
 import ml_dtypes
@@ -320,6 +321,63 @@ def test_handles_outlive_their_threads(recording):
     gc.collect()
     assert recording.named("cudnnCreate")
     assert recording.named("cudnnDestroy") == []
+
+
+# --- workspaces: one per plan and stream, kept ---------------------------------------------
+
+
+def test_a_problem_keeps_a_workspace_per_stream_and_allocates_none_with_out(fake, stub):
+    """A repeated backward with ``out=`` allocates nothing: its workspace, made from the
+    call stream's memory by the first call there, is the plan's for that stream (so a CUDA
+    graph captured after one call on its stream allocates none); another stream gets its
+    own, from its own memory."""
+    p = problem(fake.array, 0)
+    out = (fake.array(SHAPE, 0), fake.array((C,), 0), fake.array((C,), 0))
+    args = (p["input"], p["grad_output"], p["weight"], None, None)
+    workspaces = []
+    for stream in (CALL_STREAM, CALL_STREAM, CALL_STREAM, 0xC00):
+        fake.log.clear()
+        batch_norm_backward(*args, stream=stream, out=out)
+        workspaces.append((stub.backward.workspace, fake.allocations()))
+    first, *again, other = workspaces
+    assert first[1] == [(0, CALL_STREAM)] and first[0]
+    assert again == [(first[0], [])] * 2, "the same workspace, nothing allocated"
+    assert other[1] == [(0, 0xC00)] and other[0] != first[0]
+
+
+def test_launches_on_a_plans_workspace_never_interleave(fake, monkeypatch):
+    """A launch may be several kernels on one workspace (staging around cuDNN's call): two
+    threads' launches on a stream's workspace must not interleave."""
+    inside, overlaps = [], []
+    launcher = cudnn_bn.BatchNormBackwardDescriptor.launcher
+
+    def recording(self, *args, **kwargs):
+        launch = launcher(self, *args, **kwargs)
+
+        def call(*a):
+            inside.append(threading.get_ident())
+            overlaps.append(len(inside) > 1)
+            time.sleep(0.001)
+            launch.call(*a)
+            inside.remove(threading.get_ident())
+
+        return launch._replace(call=call)
+
+    monkeypatch.setattr(cudnn_bn.BatchNormBackwardDescriptor, "launcher", recording)
+    p = problem(fake.array, 0)
+    args = (p["input"], p["grad_output"], p["weight"], None, None)
+    batch_norm_backward(*args, stream=CALL_STREAM)  # the plan, built once
+    threads = [
+        threading.Thread(
+            target=lambda: [batch_norm_backward(*args, stream=CALL_STREAM) for _ in range(10)]
+        )
+        for _ in range(4)
+    ]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert len(overlaps) == 41 and not any(overlaps)
 
 
 # --- constants standing in for an absent weight or bias ------------------------------------

@@ -9,8 +9,9 @@ written in place, the operator's validation and descriptor, output layouts, work
 reserve sizes, constants standing in for an absent weight or bias, and the operator's
 launch with its size checks made (``OperatorDescriptor.launcher``). A hit re-checks only
 what depends on addresses (each attribute-read operand non-NULL and aligned, no written
-operand overlapping another), resolves the stream, allocates the outputs and launches: an
-operand that differs in any checked property is a different key, so no check is skipped.
+operand overlapping another), resolves the stream, allocates the outputs (and a reserve)
+and launches, with the workspace its plan keeps for that stream: an operand that differs in
+any checked property is a different key, so no check is skipped.
 
 Plans live in ``descriptor_cache``, looked up without a lock; a plan's descriptor closes when
 its last reference goes, so eviction by another thread never closes a descriptor that a
@@ -108,6 +109,11 @@ class Plan:
     aligned: "Aligned"  # the operands read by attributes
     disjoint: "Disjoint"
     used: bool = True  # descriptor_cache's CLOCK bit
+    # The workspace of each stream the plan has run on, made by its first launch there from
+    # that stream's memory and kept: a loop (or a CUDA graph captured after one call on its
+    # stream) allocates none. ``lock``: one launch at a time uses them.
+    workspaces: dict[int, tuple[Any, int]] = field(default_factory=dict)
+    lock: threading.Lock = field(default_factory=threading.Lock)
 
     def __call__(self, arrays: tuple, ptrs: list[int], like: Any, stream: Any) -> Any:
         """Run the plan on one call's arrays and pointers; returns ``spec.result``."""
@@ -129,9 +135,16 @@ class Plan:
             array, ptr = self.kind.scratch(like, self.reserve_size)
             made.append(array)
             ptrs.append(ptr)
-        workspace = self.kind.scratch(like, self.workspace_size) if self.workspace_size else None
         ptrs.extend(self.tail)
-        self.launch(self.pick(ptrs), 0 if workspace is None else workspace[1], stream)
+        if not self.workspace_size:
+            self.launch(self.pick(ptrs), 0, stream)
+        else:  # one launch (staging kernels and cuDNN's) at a time on a stream's workspace
+            with self.lock:
+                workspace = self.workspaces.get(stream)
+                if workspace is None:
+                    workspace = self.kind.scratch(like, self.workspace_size)
+                    self.workspaces[stream] = workspace
+                self.launch(self.pick(ptrs), workspace[1], stream)
         return self.spec.result(self.returns((*arrays, *made, None)))
 
 
