@@ -42,7 +42,7 @@ import numpy as np
 from llvmlite import ir
 from numba import types
 from numba.core import cgutils
-from numba.extending import intrinsic, overload
+from numba.extending import intrinsic
 
 from ..enums import DataType
 
@@ -139,131 +139,114 @@ def _call(typingctx, address, args):
 
 
 # --- element conversions -----------------------------------------------------------------
+# Intrinsics: LLVM instructions written straight into the calling kernel, so that no
+# conversion is a function of its own to compile (a dozen small ones, each through numba's
+# whole pipeline, were a quarter of a first call's compile time).
+
+_I16, _I32 = ir.IntType(16), ir.IntType(32)
+_F16, _F32, _F64 = ir.HalfType(), ir.FloatType(), ir.DoubleType()
+_WIDTHS = {_F16: 16, _F32: 32, _F64: 64}
+
+
+def _resized(builder, value, target):
+    """Float ``value`` as LLVM float type ``target`` (exact if wider, else rounded to
+    nearest even)."""
+    if value.type == target:
+        return value
+    if _WIDTHS[value.type] < _WIDTHS[target]:
+        return builder.fpext(value, target)
+    return builder.fptrunc(value, target)
+
+
+def _read(builder, stored, stored_type, target):
+    """The value of one stored element of numba type ``stored_type`` as float type
+    ``target``, exactly: a float as it is; F16 bits (``uint16``) through LLVM's half
+    (one instruction where the CPU has it, x86 F16C); BF16 bits (``int16``) as the high
+    half of a float32."""
+    if isinstance(stored_type, types.Float):
+        return _resized(builder, stored, target)
+    bits = stored if stored.type.width == 16 else builder.trunc(stored, _I16)
+    if stored_type == types.uint16:
+        return _resized(builder, builder.bitcast(bits, _F16), target)
+    high = builder.shl(builder.zext(bits, _I32), _I32(16))
+    return _resized(builder, builder.bitcast(high, _F32), target)
+
+
+def _rounded_to_odd(builder, value):
+    """float64 ``value`` as a float32 rounded to odd (toward zero, then the last bit set if
+    anything was cut off): rounding that to half by the hardware's round to nearest even
+    gives the correctly rounded half, since float32 keeps more than two bits beyond a
+    half's precision (Boldo and Melquiond, "When double rounding is odd", 2005); NaN and
+    inf pass through."""
+    single = builder.fptrunc(value, _F32)
+    bits = builder.bitcast(single, _I32)
+    back = builder.fpext(single, _F64)
+    inexact = builder.fcmp_ordered("!=", back, value)
+    fabs = builder.module.declare_intrinsic("llvm.fabs", [_F64])
+    away = builder.fcmp_ordered(">", builder.call(fabs, [back]), builder.call(fabs, [value]))
+    bits = builder.select(builder.and_(inexact, away), builder.sub(bits, _I32(1)), bits)
+    bits = builder.select(inexact, builder.or_(bits, _I32(1)), bits)
+    return builder.bitcast(bits, _F32)
+
+
+def _written(builder, value, stored_type):
+    """What to store for float ``value`` in an element of numba type ``stored_type``,
+    rounded once to nearest even: F16 bits through LLVM's half (from float64 by way of
+    ``_rounded_to_odd``), BF16 bits from float32 (as torch; NaN stays a quiet NaN) in
+    32-bit integer arithmetic, so that a loop of it vectorizes 8 wide."""
+    if isinstance(stored_type, types.Float):
+        return _resized(builder, value, _F32 if stored_type == types.float32 else _F64)
+    if stored_type == types.uint16:
+        single = _rounded_to_odd(builder, value) if value.type == _F64 else value
+        return builder.bitcast(builder.fptrunc(single, _F16), _I16)
+    bits = builder.bitcast(_resized(builder, value, _F32), _I32)
+    high = builder.lshr(bits, _I32(16))
+    rounded = builder.add(builder.add(bits, _I32(0x7FFF)), builder.and_(high, _I32(1)))
+    nan = builder.fcmp_unordered("uno", value, value)
+    word = builder.select(nan, builder.or_(high, _I32(0x40)), builder.lshr(rounded, _I32(16)))
+    return builder.trunc(word, _I16)
 
 
 @intrinsic
-def _f16_to_f64(typingctx, stored):
-    """The float64 value of F16 bits (exact): LLVM's half extension, which is one
-    instruction where the CPU has it (x86 F16C) and a compiler-rt call elsewhere."""
+def decode(typingctx, stored):
+    """The float64 value of one stored element (exact)."""
 
     def codegen(context, builder, signature, args):
-        bits = args[0]
-        if bits.type.width != 16:
-            bits = builder.trunc(bits, ir.IntType(16))
-        return builder.fpext(builder.bitcast(bits, ir.HalfType()), ir.DoubleType())
+        return _read(builder, args[0], signature.args[0], _F64)
 
     return types.float64(stored), codegen
 
 
 @intrinsic
-def _f16_to_f32(typingctx, stored):
-    """The float32 value of F16 bits (exact), as ``_f16_to_f64``."""
+def widen(typingctx, stored):
+    """The float32 value of one F16/BF16 element (exact)."""
 
     def codegen(context, builder, signature, args):
-        return builder.fpext(builder.bitcast(args[0], ir.HalfType()), ir.FloatType())
+        return _read(builder, args[0], signature.args[0], _F32)
 
-    return types.float32(types.uint16), codegen
+    return types.float32(stored), codegen
 
 
 @intrinsic
-def _f32_to_f16(typingctx, value):
-    """F16 bits of a float32, rounded to nearest even (LLVM's half truncation)."""
+def narrow(typingctx, value, like):
+    """Float ``value`` in the type the forward's elementwise pass works in for data of
+    ``like``'s dtype: float32 for F16/BF16 (as torch), float64 otherwise."""
+    result = types.float64 if isinstance(like.dtype, types.Float) else types.float32
 
     def codegen(context, builder, signature, args):
-        return builder.bitcast(builder.fptrunc(args[0], ir.HalfType()), ir.IntType(16))
+        return _resized(builder, args[0], context.get_value_type(result))
 
-    return types.uint16(types.float32), codegen
-
-
-@helper
-def _f64_to_f16(value):
-    # One rounding from float64: first to float32 rounding to odd (toward zero, then the
-    # last bit set if anything was cut off), then to half by the hardware's round to
-    # nearest even. float32 keeps more than two bits beyond a half's precision, so the
-    # result is the correctly rounded half (Boldo and Melquiond, "When double rounding is
-    # odd", 2005); NaN and inf pass through.
-    single = np.float32(value)
-    bits = np.int64(single.view(np.int32))
-    back = np.float64(single)
-    inexact = back != value and value == value
-    bits = bits - 1 if inexact and abs(back) > abs(value) else bits  # one step toward zero
-    bits = bits | 1 if inexact else bits
-    return _f32_to_f16(np.int32(bits).view(np.float32))
+    return result(value, like), codegen
 
 
-@helper
-def _bf16_to_f64(stored):
-    return np.float64(np.uint32((np.int64(stored) & 0xFFFF) << 16).view(np.float32))
+@intrinsic
+def encode(typingctx, value, dtype):
+    """What to store for float ``value`` in an array of ``dtype`` (``array.dtype``)."""
 
+    def codegen(context, builder, signature, args):
+        return _written(builder, args[0], dtype.dtype)
 
-@helper
-def _bf16_to_f32(stored):
-    return np.uint32((np.uint32(stored) & np.uint32(0xFFFF)) << 16).view(np.float32)
-
-
-@helper
-def _f32_to_bf16(value):
-    # 32-bit integer arithmetic throughout, so that a loop of it vectorizes 8 wide.
-    bits = np.float32(value).view(np.uint32)
-    half = np.uint32(bits >> 16)
-    if value != value:
-        return np.uint32(half | np.uint32(0x40))  # keep NaN a (quiet) NaN
-    return np.uint32(np.uint32(bits + np.uint32(0x7FFF) + (half & np.uint32(1))) >> 16)
-
-
-@helper
-def _f64_to_bf16(value):
-    return _f32_to_bf16(np.float32(value))
-
-
-def decode(stored):
-    """float64 value of one stored element (compiled through the overload below)."""
-    raise NotImplementedError
-
-
-def encode(value, dtype):
-    """What to store for float64 ``value`` in an array of ``dtype`` (compiled only)."""
-    raise NotImplementedError
-
-
-def widen(stored):
-    """The float32 value of one F16/BF16 element (exact; compiled only)."""
-    raise NotImplementedError
-
-
-def narrow(value, like):
-    """float64 ``value`` in the type the forward's elementwise pass works in for data of
-    ``like``'s dtype: float32 for F16/BF16 (as torch), float64 otherwise."""
-    raise NotImplementedError
-
-
-@overload(decode)
-def _decode(stored):
-    if isinstance(stored, types.Float):
-        return lambda stored: np.float64(stored)
-    if stored == types.uint16:
-        return lambda stored: _f16_to_f64(np.uint16(stored))
-    return lambda stored: _bf16_to_f64(stored)
-
-
-@overload(widen)
-def _widen(stored):
-    if stored == types.uint16:
-        return lambda stored: _f16_to_f32(np.uint16(stored))
-    return lambda stored: _bf16_to_f32(stored)
-
-
-@overload(narrow)
-def _narrow(value, like):
-    if isinstance(like.dtype, types.Float):
-        return lambda value, like: value
-    return lambda value, like: np.float32(value)
-
-
-def normalize(stored, k):
-    """``(x - mean)*scale + shift`` for one stored element, coefficients ``k`` from
-    ``_working`` (compiled only)."""
-    raise NotImplementedError
+    return dtype.dtype(value, dtype), codegen
 
 
 @intrinsic
@@ -276,41 +259,38 @@ def _fma(typingctx, a, b, c):
     return a(a, b, c), codegen
 
 
-@overload(normalize)
-def _normalize(stored, k):
-    if isinstance(stored, types.Float):
-        return lambda stored, k: _fma(np.float64(stored) - k[0][0], k[0][1], k[0][2])
-
-    def compensated(stored, k):
-        # float32 with each coefficient as hi + lo and x - mean kept exactly as d + e
-        # (Knuth's two-sum): the only sizable rounding is the last one, so the result is
-        # within one F16/BF16 ulp of the float64 one even where y cancels to near zero
-        # (plain float32 is not: tests/test_cpu_engine.py). The mean's low part is folded
-        # into b_lo and the small terms are fused multiply-adds: this loop is bound by its
-        # operation count, not by memory.
-        (m, a, b), (a_lo, b_lo) = k
-        xv = widen(stored)
-        d = xv - m
-        back = d - xv
-        e = (xv - (d - back)) + (-m - back)
-        hi = _fma(d, a, b)
-        lo = _fma(d, a_lo, _fma(e, a, b_lo))
-        return hi + lo if lo == lo else hi  # x infinite (lo NaN): hi says it all
-
-    return compensated
+def _compensated(stored, k):
+    # float32 with each coefficient as hi + lo and x - mean kept exactly as d + e
+    # (Knuth's two-sum): the only sizable rounding is the last one, so the result is
+    # within one F16/BF16 ulp of the float64 one even where y cancels to near zero
+    # (plain float32 is not: tests/test_cpu_engine.py). The mean's low part is folded
+    # into b_lo and the small terms are fused multiply-adds: this loop is bound by its
+    # operation count, not by memory.
+    (m, a, b), (a_lo, b_lo) = k
+    xv = widen(stored)
+    d = xv - m
+    back = d - xv
+    e = (xv - (d - back)) + (-m - back)
+    hi = _fma(d, a, b)
+    lo = _fma(d, a_lo, _fma(e, a, b_lo))
+    return hi + lo if lo == lo else hi  # x infinite (lo NaN): hi says it all
 
 
-@overload(encode)
-def _encode(value, dtype):
-    if isinstance(dtype.dtype, types.Float):
-        return lambda value, dtype: value
-    if dtype.dtype == types.uint16:
-        if value == types.float32:  # one rounding, the hardware's
-            return lambda value, dtype: _f32_to_f16(value)
-        return lambda value, dtype: _f64_to_f16(value)
-    if value == types.float32:
-        return lambda value, dtype: _f32_to_bf16(value)
-    return lambda value, dtype: _f64_to_bf16(value)
+@intrinsic
+def normalize(typingctx, stored, k):
+    """``(x - mean)*scale + shift`` for one stored element, coefficients ``k`` from
+    ``_working``: one fma in float64 for F32/F64 data, ``_compensated`` float32 for
+    F16/BF16."""
+    result = k.types[0].dtype
+
+    def codegen(context, builder, signature, args):
+        if result != types.float64:
+            return context.compile_internal(builder, _compensated, signature, args)
+        m, a, b = (builder.extract_value(args[1], [0, i]) for i in range(3))
+        x = _read(builder, args[0], signature.args[0], _F64)
+        return builder.fma(builder.fsub(x, m), a, b)
+
+    return result(stored, k), codegen
 
 
 # --- per-channel operands ------------------------------------------------------------------
