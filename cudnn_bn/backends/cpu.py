@@ -36,7 +36,7 @@ from ..problems import (
 from ..tensor import TensorDesc
 from . import cpu_kernels, cpu_pool
 from .cpu_layout import SLOTS, Layout
-from .host import host_array
+from .host import flat_array, host_array
 
 # The kernels see F16 as uint16 and BF16 as int16 bits (cpu_kernels); a zero-length array
 # of the storage dtype tells them which.
@@ -141,8 +141,8 @@ class _HostKernel:
 
     def views(self, addresses: list[int]) -> list[np.ndarray]:
         """Flat arrays over the data slots (what the item kernels take)."""
-        spans = self.layout.spans
-        return [cpu_kernels.flat(a, n, self.like) for a, n in zip(addresses, spans, strict=True)]
+        spans, storage = self.layout.spans, self.like.dtype
+        return [flat_array(a, n, storage) for a, n in zip(addresses, spans, strict=True)]
 
     def channel_inputs(self, channel: tuple[int, ...], x: int) -> tuple:
         """The per-channel addresses ``channel`` (and the input's, ``x``) as an array, the

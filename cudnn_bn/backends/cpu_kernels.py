@@ -43,6 +43,7 @@ from llvmlite import ir
 from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
+from numba.np.arrayobj import populate_array
 
 from ..enums import DataType
 
@@ -90,19 +91,23 @@ def helper(function=None, **options):
 
 
 @intrinsic
-def _pointer(typingctx, address):
-    """The void pointer at integer ``address``."""
+def flat(typingctx, address, span, dtype):
+    """A 1-D view of ``span`` elements of ``dtype`` (an array's dtype, a NumPy scalar type,
+    or an array of that dtype) at integer ``address``, no copy, no owner: an intrinsic, so
+    that no function is compiled for it (numba's ``carray`` compiles one per dtype)."""
+    element = dtype.instance_type if isinstance(dtype, types.NumberClass) else dtype.dtype
+    array_type = types.Array(element, 1, "C")
 
     def codegen(context, builder, signature, args):
-        return builder.inttoptr(args[0], cgutils.voidptr_t)
+        array = context.make_array(array_type)(context, builder)
+        data_type = context.get_data_type(element)
+        itemsize = context.get_constant(types.intp, context.get_abi_sizeof(data_type))
+        count = context.cast(builder, args[1], signature.args[1], types.intp)
+        data = builder.inttoptr(args[0], data_type.as_pointer())
+        populate_array(array, data, [count], [itemsize], itemsize, None)
+        return array._getvalue()
 
-    return types.voidptr(address), codegen
-
-
-@jit
-def flat(address, span, like):
-    """A 1-D view of ``span`` elements of ``like``'s dtype at ``address`` (no copy)."""
-    return numba.carray(_pointer(address), (span,), like.dtype)
+    return array_type(address, span, dtype), codegen
 
 
 # --- calls by address ----------------------------------------------------------------------
@@ -328,21 +333,21 @@ def copy_channels(at, args, bits, values, shift, shift_row, half, store):
         stride, code, row = args[t, 0], args[t, 1], values[t]
         span = (count - 1) * stride + 1
         if code == F64:
-            v64 = numba.carray(_pointer(at[t]), (span,), np.float64)
+            v64 = flat(at[t], span, np.float64)
             for c in range(count):
                 if store:
                     v64[c * stride] = row[c]
                 else:
                     row[c] = v64[c * stride]
         elif code == F32:
-            v32 = numba.carray(_pointer(at[t]), (span,), np.float32)
+            v32 = flat(at[t], span, np.float32)
             for c in range(count):
                 if store:
                     v32[c * stride] = row[c]
                 else:
                     row[c] = v32[c * stride]
         else:
-            vh = numba.carray(_pointer(at[t]), (span,), half.dtype)
+            vh = flat(at[t], span, half)
             for c in range(count):
                 if store:
                     vh[c * stride] = encode(row[c], vh.dtype)
