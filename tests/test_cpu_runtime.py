@@ -237,6 +237,17 @@ def test_conversions_and_views_compile_no_function_of_their_own(tmp_path):
     assert_printed(run_child(script, NUMBA_CACHE_DIR=str(tmp_path)), "[]")
 
 
+def test_only_the_kernels_have_cache_entries(tmp_path):
+    """Helpers (functions only the kernels call) are linked into each kernel that calls
+    them, and that is cached: entries of their own were looked up and written on first
+    use (about 15 ms each) and never read."""
+    child = run_child(PROBLEM, NUMBA_CACHE_DIR=str(tmp_path))
+    assert child.returncode == 0, child.stderr[-3000:]
+    names = sorted({p.name.split("-")[0].split(".")[-1] for p in tmp_path.rglob("*.nbi")})
+    kernels = ["channel_results", "copy_channels", "item_backward_along", "item_forward_along"]
+    assert names == [*kernels, "item_sums_along"]
+
+
 def test_a_small_call_compiles_no_kernel_of_its_own(tmp_path):
     """After large calls, small calls of the same dtype and walk compile only the whole-pass
     function: it calls the large calls' compiled steps (the one-call passes compiled a copy

@@ -62,13 +62,14 @@ NO_CACHE_WARNING = (
 _cache = [True]  # whether numba found a cache location; one warning where it did not
 
 
-def jit(function=None, **options):
+def jit(function=None, *, cache=True, **options):
     """``numba.njit`` with the engine's options (GIL released, NumPy's error model: 1/0 is
-    inf, not an exception), cached on disk where numba finds a writable location."""
+    inf, not an exception), cached on disk (``cache``) where numba finds a writable
+    location."""
 
     def compile_lazily(f):
         settings = {"nogil": True, "error_model": "numpy", **options}
-        if _cache[0]:
+        if cache and _cache[0]:
             try:
                 return numba.njit(cache=True, **settings)(f)
             except RuntimeError as error:  # numba's "cannot cache ...: no locator available"
@@ -83,8 +84,10 @@ def jit(function=None, **options):
 
 def helper(function=None, **options):
     """``jit`` for a function only other kernels call: no wrappers for calls from Python or
-    C, which is less to compile on first use."""
-    return jit(function, no_cpython_wrapper=True, no_cfunc_wrapper=True, **options)
+    C, which is less to compile on first use, and no cache entry of its own (its code is
+    linked into each kernel that calls it, which is cached: looking up and writing a
+    helper's entry cost about 15 ms each on first use, and nothing ever read it)."""
+    return jit(function, cache=False, no_cpython_wrapper=True, no_cfunc_wrapper=True, **options)
 
 
 # --- memory --------------------------------------------------------------------------------
