@@ -23,12 +23,15 @@ F16 and BF16 have no numba type: the kernels see their bits (``uint16`` for F16,
 for BF16, so the dtype alone picks the conversion) and convert element by element: exact
 reads, and one round-to-nearest-even write from float64 (BF16 through float32, as torch).
 F16 goes through LLVM's ``half`` type, so it uses the CPU's conversion instructions. The
-forward's elementwise pass on half data works in float32, compensated (``normalize``):
+conversions, the views of raw pointers and the element index are intrinsics (LLVM
+instructions written into the kernel that uses them), not functions: each function a
+kernel calls is compiled apart on first use, which cost more than its few instructions.
+The forward's elementwise pass on half data works in float32, compensated (``normalize``):
 twice as fast, and within one ulp of the float64 result.
 Per-channel operands may have another dtype than the data (F32 for half data); they are
 read and written through a runtime dtype code, since they are small.
 
-Compiled code is cached on disk (numba's ``cache=True``: in ``NUMBA_CACHE_DIR``, else in
+Kernels are cached on disk (numba's ``cache=True``: in ``NUMBA_CACHE_DIR``, else in
 ``__pycache__`` beside this file, else the user's cache directory); where none is writable
 the kernels compile in memory in every process, with one warning. References: numba's
 "Notes on caching", "Releasing the GIL" and ``numba.extending.intrinsic``; NumPy's
