@@ -248,6 +248,17 @@ def test_only_the_kernels_have_cache_entries(tmp_path):
     assert names == [*kernels, "item_sums_along"]
 
 
+def test_one_per_channel_copy_serves_every_dtype(tmp_path):
+    """The per-channel tensors' dtype is a runtime choice: F32 and F16 data share one
+    compiled ``copy_channels`` (half data compiled one of its own, 0.5 s of its first call)."""
+    script = PROBLEM + (
+        "from cudnn_bn.backends import cpu_kernels as k\n"
+        "cudnn_bn.batch_norm_forward_training(x.astype(np.float16), w, b, None, None)\n"
+        "print(len(k.copy_channels.signatures))\n"
+    )
+    assert_printed(run_child(script, NUMBA_CACHE_DIR=str(tmp_path)), "1")
+
+
 def test_a_small_call_compiles_no_kernel_of_its_own(tmp_path):
     """After large calls, small calls of the same dtype and walk compile only the whole-pass
     function: it calls the large calls' compiled steps (the one-call passes compiled a copy

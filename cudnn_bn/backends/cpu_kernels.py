@@ -307,7 +307,7 @@ def normalize(typingctx, stored, k):
 # --- per-channel operands ------------------------------------------------------------------
 # A pass's per-channel tensors are the rows of one float64 table (``CHANNEL_SLOTS``, C):
 # one function reads and writes them (``copy_channels``), one computes its results
-# (``channel_results``), each compiled once for every pass and F32/F64 data (a dozen small
+# (``channel_results``), each compiled once for every pass and dtype (a dozen small
 # functions, each compiled apart and linked again into its callers, were most of a first
 # call's compile time).
 
@@ -318,47 +318,42 @@ CHANNEL_SLOTS = 7
 FIRST_VALUES = 6
 
 
-def channel_like(like):
-    """What the per-channel functions take for data of ``like``'s dtype: a per-channel
-    tensor is F32, F64 or the data's own F16/BF16, so only half data compiles the code
-    that converts halves (float64 stands for no half type)."""
-    return like if like.dtype.itemsize == 2 else np.empty(0)
-
-
 @jit
-def copy_channels(at, args, bits, values, shift, shift_row, half, store):
+def copy_channels(at, args, bits, values, shift, shift_row, store):
     """Read the per-channel tensors at addresses ``at`` whose bit is set in ``bits`` into
     their rows of ``values``, as float64, or, where ``store``, write those rows into them,
-    rounded once to their dtype (``args``: each one's element stride and dtype code; an
-    F16/BF16 one has ``half``'s dtype, ``channel_like``). Row ``shift_row`` (when not
-    negative) also into ``shift``, tiled."""
+    rounded once to their dtype (``args``: each one's element stride and dtype code, F16,
+    BF16, F32 or F64, a runtime choice: one compiled version serves every pass and dtype).
+    Row ``shift_row`` (when not negative) also into ``shift``, tiled."""
     count = values.shape[1]
     for t in range(at.size):
         if not bits >> t & 1:
             continue
         stride, code, row = args[t, 0], args[t, 1], values[t]
-        span = (count - 1) * stride + 1
-        if code == F64:
-            v64 = flat(at[t], span, np.float64)
-            for c in range(count):
-                if store:
-                    v64[c * stride] = row[c]
+        a, span = at[t], (count - 1) * stride + 1  # a view of each dtype; only one not empty
+        f64 = flat(a, span * (code == F64), np.float64)
+        f32 = flat(a, span * (code == F32), np.float32)
+        f16 = flat(a, span * (code == F16), np.uint16)
+        bf16 = flat(a, span * (code == BF16), np.int16)
+        for c in range(count):
+            i = c * stride
+            if store:
+                if code == F64:
+                    f64[i] = row[c]
+                elif code == F32:
+                    f32[i] = row[c]
+                elif code == F16:
+                    f16[i] = encode(row[c], f16.dtype)
                 else:
-                    row[c] = v64[c * stride]
-        elif code == F32:
-            v32 = flat(at[t], span, np.float32)
-            for c in range(count):
-                if store:
-                    v32[c * stride] = row[c]
-                else:
-                    row[c] = v32[c * stride]
-        else:
-            vh = flat(at[t], span, half)
-            for c in range(count):
-                if store:
-                    vh[c * stride] = encode(row[c], vh.dtype)
-                else:
-                    row[c] = decode(vh[c * stride])
+                    bf16[i] = encode(row[c], bf16.dtype)
+            elif code == F64:
+                row[c] = f64[i]
+            elif code == F32:
+                row[c] = f32[i]
+            elif code == F16:
+                row[c] = decode(f16[i])
+            else:
+                row[c] = decode(bf16[i])
     if shift_row >= 0:
         for i in range(shift.size):
             shift[i] = values[shift_row, i % count]
@@ -823,11 +818,11 @@ def entries(like, geometry, strides, steps) -> np.ndarray:
     ``like``'s dtype walked as ``geometry`` says (``COPY``...; 0 for a slot not in
     ``steps``), compiled for the very argument types the threaded path gives them."""
     walk = "across" if geometry[3] else "along"
-    one, two, bounds, half = np.zeros(1), np.zeros((1, 1)), (0, 0, 0, 0), channel_like(like)
+    one, two, bounds = np.zeros(1), np.zeros((1, 1)), (0, 0, 0, 0)
     at, args = np.zeros(CHANNEL_SLOTS, np.int64), np.zeros((CHANNEL_SLOTS, 2), np.int64)
     data = (like, like, like, geometry, strides)
     calls = {
-        COPY: (copy_channels, at, args, 0, two, one, 0, half, False),
+        COPY: (copy_channels, at, args, 0, two, one, 0, False),
         ITEM_SUMS: (globals()[f"item_sums_{walk}"], *data, one, two, bounds),
         RESULTS: (channel_results, 0, two, one, two, 0, 0.0, 0.0, 0, two),
         ITEM_FORWARD: (globals()[f"item_forward_{walk}"], *data, one, one, one, (False,) * 2,
@@ -889,7 +884,7 @@ def channel_results(kind, sums, shift, values, count, eps, momentum, mode, coeff
 
 
 @jit
-def whole_pass(plan, eps, momentum, like, half, x_at, a_at, y_at, gi_at, gz_at, c0, c1, c2, c3,
+def whole_pass(plan, eps, momentum, like, x_at, a_at, y_at, gi_at, gz_at, c0, c1, c2, c3,
                c4, c5):  # fmt: skip
     """A pass (``kind``, as ``channel_results``) as one item (``whole``: every channel and
     row), its steps called by address (``steps``, ``entries``), its fixed arguments read
@@ -897,9 +892,9 @@ def whole_pass(plan, eps, momentum, like, half, x_at, a_at, y_at, gi_at, gz_at, 
     0..4: x, then dy (backward) or z (training forward), the fused forward's y (backward) or
     y, then gi and gz (backward); an absent one's span is 0 (its address is not read).
     ``c0``...``c5``: the per-channel tensors' addresses (``channel_args``, ``reads``,
-    ``writes`` and ``shift_row`` as ``copy_channels`` takes them; ``half``:
-    ``channel_like(like)``). ``flags``: the forward's add z and ReLU, or the backward's use
-    x (all modes but eval), mask dy by ``y > 0``, write gi, write gz."""
+    ``writes`` and ``shift_row`` as ``copy_channels`` takes them). ``flags``: the forward's
+    add z and ReLU, or the backward's use x (all modes but eval), mask dy by ``y > 0``,
+    write gi, write gz."""
     kind, reads, writes = plan[PLAN_KIND], plan[PLAN_READS], plan[PLAN_WRITES]
     shift_row, mode = plan[PLAN_SHIFT_ROW], plan[PLAN_MODE]
     f = PLAN_FLAGS
@@ -918,7 +913,7 @@ def whole_pass(plan, eps, momentum, like, half, x_at, a_at, y_at, gi_at, gz_at, 
     at[FIRST_VALUES] = x_at
     channels, tile = geometry[0], geometry[TILE]
     values, shift = np.zeros((CHANNEL_SLOTS, channels)), np.zeros(channels * tile)
-    _call(steps[COPY], (at, channel_args, reads, values, shift, shift_row, half, False))
+    _call(steps[COPY], (at, channel_args, reads, values, shift, shift_row, False))
     sums = np.zeros((SUMS, 0 if kind == INFERENCE else channels * tile + PAD))
     if kind == BACKWARD:
         _call(steps[ITEM_SUMS], (x, a, y, geometry, strides, shift, sums, whole))
@@ -928,7 +923,7 @@ def whole_pass(plan, eps, momentum, like, half, x_at, a_at, y_at, gi_at, gz_at, 
     count = geometry[1] * geometry[2] * tile
     _call(steps[RESULTS], (kind, sums, shift, values, count, eps, momentum, mode, k))
     if writes:
-        _call(steps[COPY], (at, channel_args, writes, values, shift, -1, half, True))
+        _call(steps[COPY], (at, channel_args, writes, values, shift, -1, True))
     data = (geometry, strides, k[0], k[1], k[2])
     if kind != BACKWARD:
         _call(steps[ITEM_FORWARD], (x, a, y, *data, (flags[0], flags[1]), whole))
