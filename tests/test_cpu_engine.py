@@ -280,13 +280,10 @@ def _channel(address: int, code: DataType) -> tuple[np.ndarray, np.ndarray]:
     return at, args
 
 
-_HALF = {DataType.F16: np.empty(0, np.uint16), DataType.BF16: np.empty(0, np.int16)}
-
-
 def _load(values: np.ndarray, code: DataType) -> np.ndarray:
     table = np.zeros((cpu_kernels.CHANNEL_SLOTS, values.size))
     at, args = _channel(values.ctypes.data, code)
-    cpu_kernels.copy_channels(at, args, 1, table, table[0, :0], -1, _HALF[code], False)
+    cpu_kernels.copy_channels(at, args, 1, table, table[0, :0], -1, False)
     return table[0]
 
 
@@ -295,7 +292,7 @@ def _store(values: np.ndarray, code: DataType) -> np.ndarray:
     table = np.zeros((cpu_kernels.CHANNEL_SLOTS, values.size))
     table[0] = values
     at, args = _channel(out.ctypes.data, code)
-    cpu_kernels.copy_channels(at, args, 1, table, table[0, :0], -1, _HALF[code], True)
+    cpu_kernels.copy_channels(at, args, 1, table, table[0, :0], -1, True)
     return out
 
 

@@ -38,7 +38,7 @@ from ..problems import (
 from ..tensor import TensorDesc
 from . import cpu_kernels, cpu_pool
 from .cpu_layout import SLOTS, Layout
-from .host import host_array
+from .host import flat_array, host_array
 
 # The kernels see F16 as uint16 and BF16 as int16 bits (cpu_kernels); a zero-length array
 # of the storage dtype tells them which.
@@ -100,7 +100,6 @@ class _HostKernel:
         self.spans[: len(data)] = self.layout.spans
         self.channel_args = _channel_args(channel, data[0])
         self.like = _LIKE[data[0].dtype]
-        self.half = cpu_kernels.channel_like(self.like)
         itemsize = FLOAT_TYPES[data[0].dtype].itemsize
         self.nbytes = [span * itemsize for span in self.layout.spans]
         self.parallel = self.layout.count * self.layout.channels >= PARALLEL_MIN_VALUES
@@ -147,13 +146,13 @@ class _HostKernel:
             self.threaded(at, channel, chunks)
             return
         plan = self._plan if self._plan is not None else self.plan()
-        cpu_kernels.whole_pass(plan, self.eps, self.momentum, self.like, self.half, *at,
+        cpu_kernels.whole_pass(plan, self.eps, self.momentum, self.like, *at,
                                *self.absent, *channel, *self.channels_absent)  # fmt: skip
 
     def views(self, addresses: list[int]) -> list[np.ndarray]:
         """Flat arrays over the data slots (what the item kernels take)."""
-        spans = self.layout.spans
-        return [cpu_kernels.flat(a, n, self.like) for a, n in zip(addresses, spans, strict=True)]
+        spans, storage = self.layout.spans, self.like.dtype
+        return [flat_array(a, n, storage) for a, n in zip(addresses, spans, strict=True)]
 
     def channel_inputs(self, channel: tuple[int, ...], x: int) -> tuple:
         """The per-channel addresses ``channel`` (and the input's, ``x``) as an array, the
@@ -164,8 +163,7 @@ class _HostKernel:
         at[: len(channel)], at[k.FIRST_VALUES] = channel, x
         values = np.zeros((k.CHANNEL_SLOTS, layout.channels))
         shift = np.zeros(layout.channels * self.tile)
-        k.copy_channels(at, self.channel_args, self.reads, values, shift, self.shift_row,
-                        self.half, False)  # fmt: skip
+        k.copy_channels(at, self.channel_args, self.reads, values, shift, self.shift_row, False)
         return at, values, shift
 
     def channel_results(self, at, values, sums, shift):
@@ -174,7 +172,7 @@ class _HostKernel:
         coefficients = np.empty((3, self.layout.channels * self.tile))
         k.channel_results(self.kind, sums, shift, values, self.layout.count, self.eps,
                           self.momentum, self.mode, coefficients)  # fmt: skip
-        k.copy_channels(at, self.channel_args, self.writes, values, shift, -1, self.half, True)
+        k.copy_channels(at, self.channel_args, self.writes, values, shift, -1, True)
         return coefficients
 
     def sums(self, x, dy, y, shift, items: list) -> np.ndarray:

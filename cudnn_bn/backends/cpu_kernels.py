@@ -23,12 +23,15 @@ F16 and BF16 have no numba type: the kernels see their bits (``uint16`` for F16,
 for BF16, so the dtype alone picks the conversion) and convert element by element: exact
 reads, and one round-to-nearest-even write from float64 (BF16 through float32, as torch).
 F16 goes through LLVM's ``half`` type, so it uses the CPU's conversion instructions. The
-forward's elementwise pass on half data works in float32, compensated (``normalize``):
+conversions, the views of raw pointers and the element index are intrinsics (LLVM
+instructions written into the kernel that uses them), not functions: each function a
+kernel calls is compiled apart on first use, which cost more than its few instructions.
+The forward's elementwise pass on half data works in float32, compensated (``normalize``):
 twice as fast, and within one ulp of the float64 result.
 Per-channel operands may have another dtype than the data (F32 for half data); they are
 read and written through a runtime dtype code, since they are small.
 
-Compiled code is cached on disk (numba's ``cache=True``: in ``NUMBA_CACHE_DIR``, else in
+Kernels are cached on disk (numba's ``cache=True``: in ``NUMBA_CACHE_DIR``, else in
 ``__pycache__`` beside this file, else the user's cache directory); where none is writable
 the kernels compile in memory in every process, with one warning. References: numba's
 "Notes on caching", "Releasing the GIL" and ``numba.extending.intrinsic``; NumPy's
@@ -42,7 +45,8 @@ import numpy as np
 from llvmlite import ir
 from numba import types
 from numba.core import cgutils
-from numba.extending import intrinsic, overload
+from numba.extending import intrinsic
+from numba.np.arrayobj import populate_array
 
 from ..enums import DataType
 
@@ -61,13 +65,14 @@ NO_CACHE_WARNING = (
 _cache = [True]  # whether numba found a cache location; one warning where it did not
 
 
-def jit(function=None, **options):
+def jit(function=None, *, cache=True, **options):
     """``numba.njit`` with the engine's options (GIL released, NumPy's error model: 1/0 is
-    inf, not an exception), cached on disk where numba finds a writable location."""
+    inf, not an exception), cached on disk (``cache``) where numba finds a writable
+    location."""
 
     def compile_lazily(f):
         settings = {"nogil": True, "error_model": "numpy", **options}
-        if _cache[0]:
+        if cache and _cache[0]:
             try:
                 return numba.njit(cache=True, **settings)(f)
             except RuntimeError as error:  # numba's "cannot cache ...: no locator available"
@@ -82,27 +87,33 @@ def jit(function=None, **options):
 
 def helper(function=None, **options):
     """``jit`` for a function only other kernels call: no wrappers for calls from Python or
-    C, which is less to compile on first use."""
-    return jit(function, no_cpython_wrapper=True, no_cfunc_wrapper=True, **options)
+    C, which is less to compile on first use, and no cache entry of its own (its code is
+    linked into each kernel that calls it, which is cached: looking up and writing a
+    helper's entry cost about 15 ms each on first use, and nothing ever read it)."""
+    return jit(function, cache=False, no_cpython_wrapper=True, no_cfunc_wrapper=True, **options)
 
 
 # --- memory --------------------------------------------------------------------------------
 
 
 @intrinsic
-def _pointer(typingctx, address):
-    """The void pointer at integer ``address``."""
+def flat(typingctx, address, span, dtype):
+    """A 1-D view of ``span`` elements of ``dtype`` (an array's dtype, a NumPy scalar type,
+    or an array of that dtype) at integer ``address``, no copy, no owner: an intrinsic, so
+    that no function is compiled for it (numba's ``carray`` compiles one per dtype)."""
+    element = dtype.instance_type if isinstance(dtype, types.NumberClass) else dtype.dtype
+    array_type = types.Array(element, 1, "C")
 
     def codegen(context, builder, signature, args):
-        return builder.inttoptr(args[0], cgutils.voidptr_t)
+        array = context.make_array(array_type)(context, builder)
+        data_type = context.get_data_type(element)
+        itemsize = context.get_constant(types.intp, context.get_abi_sizeof(data_type))
+        count = context.cast(builder, args[1], signature.args[1], types.intp)
+        data = builder.inttoptr(args[0], data_type.as_pointer())
+        populate_array(array, data, [count], [itemsize], itemsize, None)
+        return array._getvalue()
 
-    return types.voidptr(address), codegen
-
-
-@jit
-def flat(address, span, like):
-    """A 1-D view of ``span`` elements of ``like``'s dtype at ``address`` (no copy)."""
-    return numba.carray(_pointer(address), (span,), like.dtype)
+    return array_type(address, span, dtype), codegen
 
 
 # --- calls by address ----------------------------------------------------------------------
@@ -139,131 +150,114 @@ def _call(typingctx, address, args):
 
 
 # --- element conversions -----------------------------------------------------------------
+# Intrinsics: LLVM instructions written straight into the calling kernel, so that no
+# conversion is a function of its own to compile (a dozen small ones, each through numba's
+# whole pipeline, were a quarter of a first call's compile time).
+
+_I16, _I32 = ir.IntType(16), ir.IntType(32)
+_F16, _F32, _F64 = ir.HalfType(), ir.FloatType(), ir.DoubleType()
+_WIDTHS = {_F16: 16, _F32: 32, _F64: 64}
+
+
+def _resized(builder, value, target):
+    """Float ``value`` as LLVM float type ``target`` (exact if wider, else rounded to
+    nearest even)."""
+    if value.type == target:
+        return value
+    if _WIDTHS[value.type] < _WIDTHS[target]:
+        return builder.fpext(value, target)
+    return builder.fptrunc(value, target)
+
+
+def _read(builder, stored, stored_type, target):
+    """The value of one stored element of numba type ``stored_type`` as float type
+    ``target``, exactly: a float as it is; F16 bits (``uint16``) through LLVM's half
+    (one instruction where the CPU has it, x86 F16C); BF16 bits (``int16``) as the high
+    half of a float32."""
+    if isinstance(stored_type, types.Float):
+        return _resized(builder, stored, target)
+    bits = stored if stored.type.width == 16 else builder.trunc(stored, _I16)
+    if stored_type == types.uint16:
+        return _resized(builder, builder.bitcast(bits, _F16), target)
+    high = builder.shl(builder.zext(bits, _I32), _I32(16))
+    return _resized(builder, builder.bitcast(high, _F32), target)
+
+
+def _rounded_to_odd(builder, value):
+    """float64 ``value`` as a float32 rounded to odd (toward zero, then the last bit set if
+    anything was cut off): rounding that to half by the hardware's round to nearest even
+    gives the correctly rounded half, since float32 keeps more than two bits beyond a
+    half's precision (Boldo and Melquiond, "When double rounding is odd", 2005); NaN and
+    inf pass through."""
+    single = builder.fptrunc(value, _F32)
+    bits = builder.bitcast(single, _I32)
+    back = builder.fpext(single, _F64)
+    inexact = builder.fcmp_ordered("!=", back, value)
+    fabs = builder.module.declare_intrinsic("llvm.fabs", [_F64])
+    away = builder.fcmp_ordered(">", builder.call(fabs, [back]), builder.call(fabs, [value]))
+    bits = builder.select(builder.and_(inexact, away), builder.sub(bits, _I32(1)), bits)
+    bits = builder.select(inexact, builder.or_(bits, _I32(1)), bits)
+    return builder.bitcast(bits, _F32)
+
+
+def _written(builder, value, stored_type):
+    """What to store for float ``value`` in an element of numba type ``stored_type``,
+    rounded once to nearest even: F16 bits through LLVM's half (from float64 by way of
+    ``_rounded_to_odd``), BF16 bits from float32 (as torch; NaN stays a quiet NaN) in
+    32-bit integer arithmetic, so that a loop of it vectorizes 8 wide."""
+    if isinstance(stored_type, types.Float):
+        return _resized(builder, value, _F32 if stored_type == types.float32 else _F64)
+    if stored_type == types.uint16:
+        single = _rounded_to_odd(builder, value) if value.type == _F64 else value
+        return builder.bitcast(builder.fptrunc(single, _F16), _I16)
+    bits = builder.bitcast(_resized(builder, value, _F32), _I32)
+    high = builder.lshr(bits, _I32(16))
+    rounded = builder.add(builder.add(bits, _I32(0x7FFF)), builder.and_(high, _I32(1)))
+    nan = builder.fcmp_unordered("uno", value, value)
+    word = builder.select(nan, builder.or_(high, _I32(0x40)), builder.lshr(rounded, _I32(16)))
+    return builder.trunc(word, _I16)
 
 
 @intrinsic
-def _f16_to_f64(typingctx, stored):
-    """The float64 value of F16 bits (exact): LLVM's half extension, which is one
-    instruction where the CPU has it (x86 F16C) and a compiler-rt call elsewhere."""
+def decode(typingctx, stored):
+    """The float64 value of one stored element (exact)."""
 
     def codegen(context, builder, signature, args):
-        bits = args[0]
-        if bits.type.width != 16:
-            bits = builder.trunc(bits, ir.IntType(16))
-        return builder.fpext(builder.bitcast(bits, ir.HalfType()), ir.DoubleType())
+        return _read(builder, args[0], signature.args[0], _F64)
 
     return types.float64(stored), codegen
 
 
 @intrinsic
-def _f16_to_f32(typingctx, stored):
-    """The float32 value of F16 bits (exact), as ``_f16_to_f64``."""
+def widen(typingctx, stored):
+    """The float32 value of one F16/BF16 element (exact)."""
 
     def codegen(context, builder, signature, args):
-        return builder.fpext(builder.bitcast(args[0], ir.HalfType()), ir.FloatType())
+        return _read(builder, args[0], signature.args[0], _F32)
 
-    return types.float32(types.uint16), codegen
+    return types.float32(stored), codegen
 
 
 @intrinsic
-def _f32_to_f16(typingctx, value):
-    """F16 bits of a float32, rounded to nearest even (LLVM's half truncation)."""
+def narrow(typingctx, value, like):
+    """Float ``value`` in the type the forward's elementwise pass works in for data of
+    ``like``'s dtype: float32 for F16/BF16 (as torch), float64 otherwise."""
+    result = types.float64 if isinstance(like.dtype, types.Float) else types.float32
 
     def codegen(context, builder, signature, args):
-        return builder.bitcast(builder.fptrunc(args[0], ir.HalfType()), ir.IntType(16))
+        return _resized(builder, args[0], context.get_value_type(result))
 
-    return types.uint16(types.float32), codegen
-
-
-@helper
-def _f64_to_f16(value):
-    # One rounding from float64: first to float32 rounding to odd (toward zero, then the
-    # last bit set if anything was cut off), then to half by the hardware's round to
-    # nearest even. float32 keeps more than two bits beyond a half's precision, so the
-    # result is the correctly rounded half (Boldo and Melquiond, "When double rounding is
-    # odd", 2005); NaN and inf pass through.
-    single = np.float32(value)
-    bits = np.int64(single.view(np.int32))
-    back = np.float64(single)
-    inexact = back != value and value == value
-    bits = bits - 1 if inexact and abs(back) > abs(value) else bits  # one step toward zero
-    bits = bits | 1 if inexact else bits
-    return _f32_to_f16(np.int32(bits).view(np.float32))
+    return result(value, like), codegen
 
 
-@helper
-def _bf16_to_f64(stored):
-    return np.float64(np.uint32((np.int64(stored) & 0xFFFF) << 16).view(np.float32))
+@intrinsic
+def encode(typingctx, value, dtype):
+    """What to store for float ``value`` in an array of ``dtype`` (``array.dtype``)."""
 
+    def codegen(context, builder, signature, args):
+        return _written(builder, args[0], dtype.dtype)
 
-@helper
-def _bf16_to_f32(stored):
-    return np.uint32((np.uint32(stored) & np.uint32(0xFFFF)) << 16).view(np.float32)
-
-
-@helper
-def _f32_to_bf16(value):
-    # 32-bit integer arithmetic throughout, so that a loop of it vectorizes 8 wide.
-    bits = np.float32(value).view(np.uint32)
-    half = np.uint32(bits >> 16)
-    if value != value:
-        return np.uint32(half | np.uint32(0x40))  # keep NaN a (quiet) NaN
-    return np.uint32(np.uint32(bits + np.uint32(0x7FFF) + (half & np.uint32(1))) >> 16)
-
-
-@helper
-def _f64_to_bf16(value):
-    return _f32_to_bf16(np.float32(value))
-
-
-def decode(stored):
-    """float64 value of one stored element (compiled through the overload below)."""
-    raise NotImplementedError
-
-
-def encode(value, dtype):
-    """What to store for float64 ``value`` in an array of ``dtype`` (compiled only)."""
-    raise NotImplementedError
-
-
-def widen(stored):
-    """The float32 value of one F16/BF16 element (exact; compiled only)."""
-    raise NotImplementedError
-
-
-def narrow(value, like):
-    """float64 ``value`` in the type the forward's elementwise pass works in for data of
-    ``like``'s dtype: float32 for F16/BF16 (as torch), float64 otherwise."""
-    raise NotImplementedError
-
-
-@overload(decode)
-def _decode(stored):
-    if isinstance(stored, types.Float):
-        return lambda stored: np.float64(stored)
-    if stored == types.uint16:
-        return lambda stored: _f16_to_f64(np.uint16(stored))
-    return lambda stored: _bf16_to_f64(stored)
-
-
-@overload(widen)
-def _widen(stored):
-    if stored == types.uint16:
-        return lambda stored: _f16_to_f32(np.uint16(stored))
-    return lambda stored: _bf16_to_f32(stored)
-
-
-@overload(narrow)
-def _narrow(value, like):
-    if isinstance(like.dtype, types.Float):
-        return lambda value, like: value
-    return lambda value, like: np.float32(value)
-
-
-def normalize(stored, k):
-    """``(x - mean)*scale + shift`` for one stored element, coefficients ``k`` from
-    ``_working`` (compiled only)."""
-    raise NotImplementedError
+    return dtype.dtype(value, dtype), codegen
 
 
 @intrinsic
@@ -276,47 +270,44 @@ def _fma(typingctx, a, b, c):
     return a(a, b, c), codegen
 
 
-@overload(normalize)
-def _normalize(stored, k):
-    if isinstance(stored, types.Float):
-        return lambda stored, k: _fma(np.float64(stored) - k[0][0], k[0][1], k[0][2])
-
-    def compensated(stored, k):
-        # float32 with each coefficient as hi + lo and x - mean kept exactly as d + e
-        # (Knuth's two-sum): the only sizable rounding is the last one, so the result is
-        # within one F16/BF16 ulp of the float64 one even where y cancels to near zero
-        # (plain float32 is not: tests/test_cpu_engine.py). The mean's low part is folded
-        # into b_lo and the small terms are fused multiply-adds: this loop is bound by its
-        # operation count, not by memory.
-        (m, a, b), (a_lo, b_lo) = k
-        xv = widen(stored)
-        d = xv - m
-        back = d - xv
-        e = (xv - (d - back)) + (-m - back)
-        hi = _fma(d, a, b)
-        lo = _fma(d, a_lo, _fma(e, a, b_lo))
-        return hi + lo if lo == lo else hi  # x infinite (lo NaN): hi says it all
-
-    return compensated
+def _compensated(stored, k):
+    # float32 with each coefficient as hi + lo and x - mean kept exactly as d + e
+    # (Knuth's two-sum): the only sizable rounding is the last one, so the result is
+    # within one F16/BF16 ulp of the float64 one even where y cancels to near zero
+    # (plain float32 is not: tests/test_cpu_engine.py). The mean's low part is folded
+    # into b_lo and the small terms are fused multiply-adds: this loop is bound by its
+    # operation count, not by memory.
+    (m, a, b), (a_lo, b_lo) = k
+    xv = widen(stored)
+    d = xv - m
+    back = d - xv
+    e = (xv - (d - back)) + (-m - back)
+    hi = _fma(d, a, b)
+    lo = _fma(d, a_lo, _fma(e, a, b_lo))
+    return hi + lo if lo == lo else hi  # x infinite (lo NaN): hi says it all
 
 
-@overload(encode)
-def _encode(value, dtype):
-    if isinstance(dtype.dtype, types.Float):
-        return lambda value, dtype: value
-    if dtype.dtype == types.uint16:
-        if value == types.float32:  # one rounding, the hardware's
-            return lambda value, dtype: _f32_to_f16(value)
-        return lambda value, dtype: _f64_to_f16(value)
-    if value == types.float32:
-        return lambda value, dtype: _f32_to_bf16(value)
-    return lambda value, dtype: _f64_to_bf16(value)
+@intrinsic
+def normalize(typingctx, stored, k):
+    """``(x - mean)*scale + shift`` for one stored element, coefficients ``k`` from
+    ``_working``: one fma in float64 for F32/F64 data, ``_compensated`` float32 for
+    F16/BF16."""
+    result = k.types[0].dtype
+
+    def codegen(context, builder, signature, args):
+        if result != types.float64:
+            return context.compile_internal(builder, _compensated, signature, args)
+        m, a, b = (builder.extract_value(args[1], [0, i]) for i in range(3))
+        x = _read(builder, args[0], signature.args[0], _F64)
+        return builder.fma(builder.fsub(x, m), a, b)
+
+    return result(stored, k), codegen
 
 
 # --- per-channel operands ------------------------------------------------------------------
 # A pass's per-channel tensors are the rows of one float64 table (``CHANNEL_SLOTS``, C):
 # one function reads and writes them (``copy_channels``), one computes its results
-# (``channel_results``), each compiled once for every pass and F32/F64 data (a dozen small
+# (``channel_results``), each compiled once for every pass and dtype (a dozen small
 # functions, each compiled apart and linked again into its callers, were most of a first
 # call's compile time).
 
@@ -327,47 +318,42 @@ CHANNEL_SLOTS = 7
 FIRST_VALUES = 6
 
 
-def channel_like(like):
-    """What the per-channel functions take for data of ``like``'s dtype: a per-channel
-    tensor is F32, F64 or the data's own F16/BF16, so only half data compiles the code
-    that converts halves (float64 stands for no half type)."""
-    return like if like.dtype.itemsize == 2 else np.empty(0)
-
-
 @jit
-def copy_channels(at, args, bits, values, shift, shift_row, half, store):
+def copy_channels(at, args, bits, values, shift, shift_row, store):
     """Read the per-channel tensors at addresses ``at`` whose bit is set in ``bits`` into
     their rows of ``values``, as float64, or, where ``store``, write those rows into them,
-    rounded once to their dtype (``args``: each one's element stride and dtype code; an
-    F16/BF16 one has ``half``'s dtype, ``channel_like``). Row ``shift_row`` (when not
-    negative) also into ``shift``, tiled."""
+    rounded once to their dtype (``args``: each one's element stride and dtype code, F16,
+    BF16, F32 or F64, a runtime choice: one compiled version serves every pass and dtype).
+    Row ``shift_row`` (when not negative) also into ``shift``, tiled."""
     count = values.shape[1]
     for t in range(at.size):
         if not bits >> t & 1:
             continue
         stride, code, row = args[t, 0], args[t, 1], values[t]
-        span = (count - 1) * stride + 1
-        if code == F64:
-            v64 = numba.carray(_pointer(at[t]), (span,), np.float64)
-            for c in range(count):
-                if store:
-                    v64[c * stride] = row[c]
+        a, span = at[t], (count - 1) * stride + 1  # a view of each dtype; only one not empty
+        f64 = flat(a, span * (code == F64), np.float64)
+        f32 = flat(a, span * (code == F32), np.float32)
+        f16 = flat(a, span * (code == F16), np.uint16)
+        bf16 = flat(a, span * (code == BF16), np.int16)
+        for c in range(count):
+            i = c * stride
+            if store:
+                if code == F64:
+                    f64[i] = row[c]
+                elif code == F32:
+                    f32[i] = row[c]
+                elif code == F16:
+                    f16[i] = encode(row[c], f16.dtype)
                 else:
-                    row[c] = v64[c * stride]
-        elif code == F32:
-            v32 = numba.carray(_pointer(at[t]), (span,), np.float32)
-            for c in range(count):
-                if store:
-                    v32[c * stride] = row[c]
-                else:
-                    row[c] = v32[c * stride]
-        else:
-            vh = numba.carray(_pointer(at[t]), (span,), half.dtype)
-            for c in range(count):
-                if store:
-                    vh[c * stride] = encode(row[c], vh.dtype)
-                else:
-                    row[c] = decode(vh[c * stride])
+                    bf16[i] = encode(row[c], bf16.dtype)
+            elif code == F64:
+                row[c] = f64[i]
+            elif code == F32:
+                row[c] = f32[i]
+            elif code == F16:
+                row[c] = decode(f16[i])
+            else:
+                row[c] = decode(bf16[i])
     if shift_row >= 0:
         for i in range(shift.size):
             shift[i] = values[shift_row, i % count]
@@ -415,11 +401,19 @@ def _column(strides, column):
     )
 
 
-@helper
-def _at(offset, i, stride):
-    """Index of element ``i`` of a run: unsigned, so that numba adds no negative-index
-    wraparound, which would keep LLVM from vectorizing the loop (60x slower)."""
-    return np.uint64(offset + i * stride)
+@intrinsic
+def _at(typingctx, offset, i, stride):
+    """Index of element ``i`` of a run, ``offset + i*stride``: unsigned, so that numba adds
+    no negative-index wraparound, which would keep LLVM from vectorizing the loop (60x
+    slower); an intrinsic, as it is in every loop (a function's call costs compile time
+    at each of them)."""
+
+    def codegen(context, builder, signature, args):
+        pairs = zip(args, signature.args, strict=True)
+        o, n, s = (context.cast(builder, v, t, types.int64) for v, t in pairs)
+        return builder.add(o, builder.mul(n, s))
+
+    return types.uint64(offset, i, stride), codegen
 
 
 # --- pass 1: per-channel sums --------------------------------------------------------------
@@ -824,11 +818,11 @@ def entries(like, geometry, strides, steps) -> np.ndarray:
     ``like``'s dtype walked as ``geometry`` says (``COPY``...; 0 for a slot not in
     ``steps``), compiled for the very argument types the threaded path gives them."""
     walk = "across" if geometry[3] else "along"
-    one, two, bounds, half = np.zeros(1), np.zeros((1, 1)), (0, 0, 0, 0), channel_like(like)
+    one, two, bounds = np.zeros(1), np.zeros((1, 1)), (0, 0, 0, 0)
     at, args = np.zeros(CHANNEL_SLOTS, np.int64), np.zeros((CHANNEL_SLOTS, 2), np.int64)
     data = (like, like, like, geometry, strides)
     calls = {
-        COPY: (copy_channels, at, args, 0, two, one, 0, half, False),
+        COPY: (copy_channels, at, args, 0, two, one, 0, False),
         ITEM_SUMS: (globals()[f"item_sums_{walk}"], *data, one, two, bounds),
         RESULTS: (channel_results, 0, two, one, two, 0, 0.0, 0.0, 0, two),
         ITEM_FORWARD: (globals()[f"item_forward_{walk}"], *data, one, one, one, (False,) * 2,
@@ -890,7 +884,7 @@ def channel_results(kind, sums, shift, values, count, eps, momentum, mode, coeff
 
 
 @jit
-def whole_pass(plan, eps, momentum, like, half, x_at, a_at, y_at, gi_at, gz_at, c0, c1, c2, c3,
+def whole_pass(plan, eps, momentum, like, x_at, a_at, y_at, gi_at, gz_at, c0, c1, c2, c3,
                c4, c5):  # fmt: skip
     """A pass (``kind``, as ``channel_results``) as one item (``whole``: every channel and
     row), its steps called by address (``steps``, ``entries``), its fixed arguments read
@@ -898,9 +892,9 @@ def whole_pass(plan, eps, momentum, like, half, x_at, a_at, y_at, gi_at, gz_at, 
     0..4: x, then dy (backward) or z (training forward), the fused forward's y (backward) or
     y, then gi and gz (backward); an absent one's span is 0 (its address is not read).
     ``c0``...``c5``: the per-channel tensors' addresses (``channel_args``, ``reads``,
-    ``writes`` and ``shift_row`` as ``copy_channels`` takes them; ``half``:
-    ``channel_like(like)``). ``flags``: the forward's add z and ReLU, or the backward's use
-    x (all modes but eval), mask dy by ``y > 0``, write gi, write gz."""
+    ``writes`` and ``shift_row`` as ``copy_channels`` takes them). ``flags``: the forward's
+    add z and ReLU, or the backward's use x (all modes but eval), mask dy by ``y > 0``,
+    write gi, write gz."""
     kind, reads, writes = plan[PLAN_KIND], plan[PLAN_READS], plan[PLAN_WRITES]
     shift_row, mode = plan[PLAN_SHIFT_ROW], plan[PLAN_MODE]
     f = PLAN_FLAGS
@@ -919,7 +913,7 @@ def whole_pass(plan, eps, momentum, like, half, x_at, a_at, y_at, gi_at, gz_at, 
     at[FIRST_VALUES] = x_at
     channels, tile = geometry[0], geometry[TILE]
     values, shift = np.zeros((CHANNEL_SLOTS, channels)), np.zeros(channels * tile)
-    _call(steps[COPY], (at, channel_args, reads, values, shift, shift_row, half, False))
+    _call(steps[COPY], (at, channel_args, reads, values, shift, shift_row, False))
     sums = np.zeros((SUMS, 0 if kind == INFERENCE else channels * tile + PAD))
     if kind == BACKWARD:
         _call(steps[ITEM_SUMS], (x, a, y, geometry, strides, shift, sums, whole))
@@ -929,7 +923,7 @@ def whole_pass(plan, eps, momentum, like, half, x_at, a_at, y_at, gi_at, gz_at, 
     count = geometry[1] * geometry[2] * tile
     _call(steps[RESULTS], (kind, sums, shift, values, count, eps, momentum, mode, k))
     if writes:
-        _call(steps[COPY], (at, channel_args, writes, values, shift, -1, half, True))
+        _call(steps[COPY], (at, channel_args, writes, values, shift, -1, True))
     data = (geometry, strides, k[0], k[1], k[2])
     if kind != BACKWARD:
         _call(steps[ITEM_FORWARD], (x, a, y, *data, (flags[0], flags[1]), whole))

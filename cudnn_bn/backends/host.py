@@ -1,9 +1,11 @@
 """Host memory as NumPy arrays: zero-copy views of ``(pointer, TensorDesc)``.
 
-The CPU kernels take raw pointers themselves (``cpu_kernels.flat``); ``host_array`` is the
-NumPy view the backend needs where NumPy does the work (copying an output out of scratch).
+The compiled kernels make their own views of raw pointers (``cpu_kernels.flat``);
+``flat_array`` is the flat view their threaded steps take from Python, ``host_array`` the
+shaped one the backend needs where NumPy does the work (copying an output out of scratch).
 """
 
+import ctypes
 from types import SimpleNamespace
 
 import numpy as np
@@ -40,3 +42,9 @@ def host_array(ptr: int, desc: TensorDesc, *, readonly: bool = False) -> np.ndar
         "strides": tuple(s * storage.itemsize for s in desc.strides),
     }
     return np.asarray(SimpleNamespace(__array_interface__=interface))
+
+
+def flat_array(ptr: int, span: int, storage: np.dtype) -> np.ndarray:
+    """A writable 1-D view (no copy) of ``span`` elements of ``storage`` at host address
+    ``ptr`` (an empty array for a span of 0, whatever ``ptr``)."""
+    return np.frombuffer((ctypes.c_char * (span * storage.itemsize)).from_address(ptr), storage)
