@@ -232,10 +232,7 @@ class _HostKernel:
             return None
         fields = (*self.data_fields, *(None,) * len(self.absent), *self.channel_fields,
                   *(None,) * len(self.channels_absent))  # fmt: skip
-        whole, fixed = (
-            cpu_kernels.whole_pass,
-            (self.plan(), self.eps, self.momentum, self.like, self.half),
-        )
+        whole, fixed = cpu_kernels.whole_pass, (self.plan(), self.eps, self.momentum, self.like)
         return fields, lambda values, workspace, stream: whole(*fixed, *values)
 
     def _picker(self, fields: tuple[str | None, ...]) -> Callable[[tuple], tuple]:
