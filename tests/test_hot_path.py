@@ -143,7 +143,16 @@ BAD_OUT = {
     "wrong shape": Status.BAD_TENSOR_SHAPE,
     "aliases input": Status.BAD_PARAM,
     "wrong count": Status.BAD_PARAM,
+    "iterates past its length": Status.BAD_PARAM,
 }
+
+
+class LongerThanItsLength(tuple):
+    """A tuple whose iteration yields one item more than ``len`` says (found in review: the
+    call counted its items with ``len`` and unpacked them by iterating, INTERNAL_ERROR)."""
+
+    def __iter__(self):
+        return iter((*tuple.__iter__(self), None))
 
 
 @pytest.mark.parametrize("case", BAD_OUT)
@@ -157,6 +166,8 @@ def test_bad_out_arrays_are_refused_and_nothing_is_written(case):
     if case == "aliases input":
         grad_input = dy  # grad_output is read while grad_input is written
     out = (grad_input, grad_weight) if case == "wrong count" else (grad_input, grad_weight, None)
+    if case == "iterates past its length":
+        out = LongerThanItsLength((*out, None))
     before = dy.copy()
     with pytest.raises(InfiniError, match=r"out|grad_weight") as caught:
         cudnn_bn.batch_norm_backward(x, dy, w, None, None, out=out)
