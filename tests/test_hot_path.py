@@ -3,6 +3,9 @@ and the operators make still holds on a hit; ``out=`` arrays for every pass; the
 backward as one call; ``weight=None``/``bias=None`` (issue 16, finding 15) and the saved
 statistics named as the caller named them (finding 11). References: torch in float64."""
 
+import copy
+import pickle
+
 import numpy as np
 import pytest
 import torch
@@ -175,6 +178,18 @@ def test_bad_out_arrays_are_refused_and_nothing_is_written(case):
     assert (grad_weight == 7.0).all() and np.array_equal(dy, before)
     if case != "aliases input":
         assert (grad_input == 7.0).all()
+
+
+def test_a_training_forwards_result_copies_and_pickles_with_its_reserve():
+    """``TrainingOutputs`` takes four arguments: ``copy`` and ``pickle`` called it with the
+    tuple's one and failed (found in review)."""
+    x, _, w, b = problem()
+    got = cudnn_bn.batch_norm_forward_training(x, w, b, None, None)
+    got.reserve = np.arange(4, dtype=np.uint8)  # as an NVIDIA call's would be
+    for again in (copy.copy(got), copy.deepcopy(got), pickle.loads(pickle.dumps(got))):
+        assert type(again) is cudnn_bn.TrainingOutputs and len(again) == 3
+        for mine, theirs in zip((*again, again.reserve), (*got, got.reserve), strict=True):
+            np.testing.assert_array_equal(mine, theirs)
 
 
 # --- weight=None / bias=None: affine=False (finding 15) ------------------------------------
