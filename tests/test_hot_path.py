@@ -3,6 +3,9 @@ and the operators make still holds on a hit; ``out=`` arrays for every pass; the
 backward as one call; ``weight=None``/``bias=None`` (issue 16, finding 15) and the saved
 statistics named as the caller named them (finding 11). References: torch in float64."""
 
+import copy
+import pickle
+
 import numpy as np
 import pytest
 import torch
@@ -143,7 +146,16 @@ BAD_OUT = {
     "wrong shape": Status.BAD_TENSOR_SHAPE,
     "aliases input": Status.BAD_PARAM,
     "wrong count": Status.BAD_PARAM,
+    "iterates past its length": Status.BAD_PARAM,
 }
+
+
+class LongerThanItsLength(tuple):
+    """A tuple whose iteration yields one item more than ``len`` says (found in review: the
+    call counted its items with ``len`` and unpacked them by iterating, INTERNAL_ERROR)."""
+
+    def __iter__(self):
+        return iter((*tuple.__iter__(self), None))
 
 
 @pytest.mark.parametrize("case", BAD_OUT)
@@ -157,6 +169,8 @@ def test_bad_out_arrays_are_refused_and_nothing_is_written(case):
     if case == "aliases input":
         grad_input = dy  # grad_output is read while grad_input is written
     out = (grad_input, grad_weight) if case == "wrong count" else (grad_input, grad_weight, None)
+    if case == "iterates past its length":
+        out = LongerThanItsLength((*out, None))
     before = dy.copy()
     with pytest.raises(InfiniError, match=r"out|grad_weight") as caught:
         cudnn_bn.batch_norm_backward(x, dy, w, None, None, out=out)
@@ -164,6 +178,18 @@ def test_bad_out_arrays_are_refused_and_nothing_is_written(case):
     assert (grad_weight == 7.0).all() and np.array_equal(dy, before)
     if case != "aliases input":
         assert (grad_input == 7.0).all()
+
+
+def test_a_training_forwards_result_copies_and_pickles_with_its_reserve():
+    """``TrainingOutputs`` takes four arguments: ``copy`` and ``pickle`` called it with the
+    tuple's one and failed (found in review)."""
+    x, _, w, b = problem()
+    got = cudnn_bn.batch_norm_forward_training(x, w, b, None, None)
+    got.reserve = np.arange(4, dtype=np.uint8)  # as an NVIDIA call's would be
+    for again in (copy.copy(got), copy.deepcopy(got), pickle.loads(pickle.dumps(got))):
+        assert type(again) is cudnn_bn.TrainingOutputs and len(again) == 3
+        for mine, theirs in zip((*again, again.reserve), (*got, got.reserve), strict=True):
+            np.testing.assert_array_equal(mine, theirs)
 
 
 # --- weight=None / bias=None: affine=False (finding 15) ------------------------------------

@@ -7,6 +7,8 @@ one routed to cuDNN would only reach the stub. Torch CPU tensors go to the NVIDI
 place of the CPU one.
 """
 
+import gc
+
 import numpy as np
 import pytest
 import torch
@@ -82,3 +84,25 @@ def test_2d_input_runs_on_cupy(routed_on_host, shape, mode):
     assert routed_on_host.backward.calls == 0
     for g, r in zip(got, reference(x, dy, w, mode=mode, **ref), strict=True):
         assert_close(g, r, F32)
+
+
+def test_closing_a_plans_descriptor_leaves_the_plan_its_cudnn_descriptors(routed_on_host):
+    """A cached descriptor is public (``descriptor_cache.descriptors()``) and closes as a
+    context manager (``with desc:``), which ``destroy()``'s refusal does not cover: the plan
+    then ran cuDNN on destroyed descriptors (the stub refuses them). The plan holds its build
+    until it is dropped, so it goes on; its descriptors close with it (found in review)."""
+    rng = np.random.default_rng(0)
+    x, dy = (torch.from_numpy(rng.standard_normal((2, 4, 3, 5))).float() for _ in range(2))
+    w = torch.ones(4)
+    cudnn_bn.descriptor_cache.clear()
+    batch_norm_backward(x, dy, w, None, None)
+    assert engines() == ["cudnn"]
+    (desc,) = cudnn_bn.descriptor_cache.descriptors()
+    with desc:
+        pass
+    batch_norm_backward(x, dy, w, None, None)
+    assert routed_on_host.backward.calls == 2
+    del desc
+    cudnn_bn.descriptor_cache.clear()
+    gc.collect()
+    assert routed_on_host.live_tensors.value == 0

@@ -345,6 +345,36 @@ def test_a_problem_keeps_a_workspace_per_stream_and_allocates_none_with_out(fake
     assert other[1] == [(0, 0xC00)] and other[0] != first[0]
 
 
+def test_each_thread_gets_its_own_workspace_on_the_per_thread_default_stream(fake, monkeypatch):
+    """``cudaStreamPerThread`` (2: CuPy's default stream under
+    ``CUPY_CUDA_PER_THREAD_DEFAULT_STREAM=1``) is a different stream in each host thread, whose
+    kernels may run at once: one workspace kept for that address was written by two threads'
+    kernels together (found in review). Each thread gets its own there."""
+    used = []
+    launcher = cudnn_bn.BatchNormBackwardDescriptor.launcher
+
+    def recording(self, *args, **kwargs):
+        launch = launcher(self, *args, **kwargs)
+
+        def call(values, workspace, stream):
+            used.append((threading.get_ident(), stream, workspace))
+            launch.call(values, workspace, stream)
+
+        return launch._replace(call=call)
+
+    monkeypatch.setattr(cudnn_bn.BatchNormBackwardDescriptor, "launcher", recording)
+    p = problem(fake.array, 0)
+    args = (p["input"], p["grad_output"], p["weight"], None, None)
+    run = lambda: [batch_norm_backward(*args, stream=2) for _ in range(2)]  # noqa: E731
+    run()
+    thread = threading.Thread(target=run)
+    thread.start()
+    thread.join()
+    (here, _, mine), _, (there, _, theirs), _ = used
+    assert {stream for _, stream, _ in used} == {2} and here != there
+    assert mine != theirs and used[1][2] == mine and used[3][2] == theirs
+
+
 def test_launches_on_a_plans_workspace_never_interleave(fake, monkeypatch):
     """A launch may be several kernels on one workspace (staging around cuDNN's call): two
     threads' launches on a stream's workspace must not interleave."""

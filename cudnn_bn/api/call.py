@@ -41,6 +41,7 @@ from .spelling import SPELLING
 from .streams import call_place, call_stream
 
 descriptor_cache = DescriptorCache()
+_PER_THREAD = 2  # cudaStreamPerThread: the calling host thread's default stream
 
 
 @dataclass
@@ -111,8 +112,9 @@ class Plan:
     used: bool = True  # descriptor_cache's CLOCK bit
     # The workspace of each stream the plan has run on, made by its first launch there from
     # that stream's memory and kept: a loop (or a CUDA graph captured after one call on its
-    # stream) allocates none. ``lock``: one launch at a time uses them.
-    workspaces: dict[int, tuple[Any, int]] = field(default_factory=dict)
+    # stream) allocates none. ``lock``: one launch at a time uses them. Keyed by the stream,
+    # and by the thread on ``cudaStreamPerThread``, which is each thread's own stream.
+    workspaces: dict[Any, tuple[Any, int]] = field(default_factory=dict)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     def __call__(self, arrays: tuple, ptrs: list[int], like: Any, stream: Any) -> Any:
@@ -139,11 +141,12 @@ class Plan:
         if not self.workspace_size:
             self.launch(self.pick(ptrs), 0, stream)
         else:  # one launch (staging kernels and cuDNN's) at a time on a stream's workspace
+            place = (stream, threading.get_ident()) if stream == _PER_THREAD else stream
             with self.lock:
-                workspace = self.workspaces.get(stream)
+                workspace = self.workspaces.get(place)
                 if workspace is None:
                     workspace = self.kind.scratch(like, self.workspace_size)
-                    self.workspaces[stream] = workspace
+                    self.workspaces[place] = workspace
                 self.launch(self.pick(ptrs), workspace[1], stream)
         return self.spec.result(self.returns((*arrays, *made, None)))
 

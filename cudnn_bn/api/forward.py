@@ -37,6 +37,10 @@ class TrainingOutputs(tuple):
         outputs.reserve = values[3]
         return outputs
 
+    def __getnewargs__(self) -> tuple:
+        """``__new__``'s four arguments, for ``copy`` and ``pickle`` (a tuple's give one)."""
+        return (*self, self.reserve)
+
 
 def parameters(descs: dict[str, TensorDesc | None]) -> tuple[dict, dict]:
     """``(descs, constants)`` with an absent weight (ones) or bias (zeros) stood in for."""

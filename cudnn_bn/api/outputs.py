@@ -39,12 +39,13 @@ def out_arrays(out: Any, names: tuple[str, ...], optional: int = 0) -> tuple[Any
     if out is None:
         return (None,) * len(names)
     shortest = len(names) - optional
-    if not isinstance(out, tuple | list) or not shortest <= len(out) <= len(names):
+    # Its items, taken once: a subclass's len() need not count what its iteration yields.
+    given = tuple(out) if isinstance(out, tuple | list) else None
+    if given is None or not shortest <= len(given) <= len(names):
         count = str(len(names)) if not optional else f"{shortest} to {len(names)}"
         raise InfiniError(
             Status.BAD_PARAM,
             f"out must be a tuple of {count} arrays or None ({', '.join(names)}); "
-            f"got {type(out).__name__}"
-            + (f" of length {len(out)}" if isinstance(out, tuple | list) else ""),
+            f"got {type(out).__name__}" + ("" if given is None else f" of length {len(given)}"),
         )
-    return (*out, *(None,) * (len(names) - len(out)))
+    return (*given, *(None,) * (len(names) - len(given)))

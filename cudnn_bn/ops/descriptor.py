@@ -10,6 +10,7 @@ snippet that reproduces the problem.
 import dataclasses
 import enum
 import threading
+import weakref
 from collections.abc import Callable
 from typing import Any, ClassVar, NamedTuple, Self
 
@@ -188,9 +189,7 @@ class OperatorDescriptor:
             except InfiniError as exc:
                 raise self._described(exc, build) from exc
         finally:
-            with self._lock:
-                build.users -= 1
-                build.close_if_free()
+            self._let_go(build)
 
     def launcher(
         self,
@@ -206,12 +205,24 @@ class OperatorDescriptor:
         elements, outputs that overlap no input (so the CPU engine skips its overlap check),
         and never changes or destroys the descriptor while a launch runs: from now on
         ``set_attributes`` and ``destroy`` refuse (the descriptor is public:
-        ``descriptor_cache.descriptors()``), so that no thread can change or close the build
-        a launch runs. A kernel with ``direct()`` (the CPU engine's one-call passes, which
-        raise nothing) is called as it says, without the pointer tuple."""
-        build = self._live()
-        self._owner = owner
-        self._checked_sizes(build, workspace_size, reserve_size, reserve)
+        ``descriptor_cache.descriptors()``), so that no thread can change the build a launch
+        runs, and the launch holds its build (as a compute does) until it is dropped, so that
+        closing the descriptor (``with descriptor:``) closes no kernel it runs. A kernel with
+        ``direct()`` (the CPU engine's one-call passes, which raise nothing) is called as it
+        says, without the pointer tuple."""
+        build = self._lease()
+        try:
+            self._owner = owner
+            self._checked_sizes(build, workspace_size, reserve_size, reserve)
+            launch = self._launch_of(build)
+        except BaseException:
+            self._let_go(build)
+            raise
+        weakref.finalize(launch.call, self._let_go, build).atexit = False  # as the cache's
+        return launch
+
+    def _launch_of(self, build: Build) -> Launch:
+        """``launcher``'s ``Launch`` of ``build``."""
         kernel = build.kernel
         direct = kernel.direct() if hasattr(kernel, "direct") else None
         if direct is not None:  # such a kernel takes no workspace
@@ -312,11 +323,17 @@ class OperatorDescriptor:
                 build.close_if_free()
 
     def _lease(self) -> Build:
-        """The current build, held until the caller drops ``users``."""
+        """The current build, held until the caller lets it go (``_let_go``)."""
         with self._lock:
             build = self._live()
             build.users += 1
         return build
+
+    def _let_go(self, build: Build) -> None:
+        """Drop a hold on ``build`` (``_lease``); a retired build with no holder closes."""
+        with self._lock:
+            build.users -= 1
+            build.close_if_free()
 
     def _live(self) -> Build:
         build = self._build
