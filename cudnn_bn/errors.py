@@ -162,8 +162,8 @@ def raises_only_infini_errors(
             try:
                 return func(*args, **kwargs)
             except Exception as exc:
-                if exc.__traceback__.tb_next is None:  # the arguments do not bind: Python's
-                    raise  # TypeError, as for any function (the array API's passes included)
+                if isinstance(exc, TypeError) and exc.__traceback__.tb_next is None:
+                    raise  # the arguments do not bind: Python's, as for any function
                 raised = public_error(exc, spelling, func.__name__)
                 if raised is exc:
                     raise
