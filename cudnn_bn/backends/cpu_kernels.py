@@ -422,6 +422,14 @@ def _at(offset, i, stride):
     return np.uint64(offset + i * stride)
 
 
+@helper(inline="always")
+def _pair(j, r0, h):
+    """The rows of step ``j`` of a walk two rows at a time over rows ``r0`` to ``r0 + 2h``
+    (plus one if odd): ``j`` and ``j + h`` in the first ``h`` steps (one row from each half
+    of the item, so that memory is read in sequential streams), then the last row twice."""
+    return (j, j + h) if j < r0 + h else (j + h, j + h)
+
+
 # --- pass 1: per-channel sums --------------------------------------------------------------
 # A run is what the innermost loop visits: one channel's ``inner`` elements ("along"), or
 # every channel of one row when channels are innermost ("across": ``tile`` rows at once
@@ -635,17 +643,29 @@ def _forward_across(x, z, y, geometry, strides, r0, r1, n, mean, scale, shift, f
         (table[0, i], table[1, i], table[2, i]), (table[3, i], table[4, i]) = _working(
             mean[i], scale[i], shift[i], y
         )
-    for r in range(r0, r1):
-        ox, oz = row_offset(r, geometry, strides[0]), row_offset(r, geometry, strides[1])
-        oy = row_offset(r, geometry, strides[2])
-        if not (add_z or relu):
+    if add_z or relu:
+        for r in range(r0, r1):
+            ox, oz = row_offset(r, geometry, strides[0]), row_offset(r, geometry, strides[1])
+            oy = row_offset(r, geometry, strides[2])
             for i in range(n):
-                k = (table[0, i], table[1, i], table[2, i]), (table[3, i], table[4, i])
-                y[_at(oy, i, sy)] = encode(normalize(x[_at(ox, i, sx)], k), y.dtype)
-            continue
+                at = (_at(ox, i, sx), _at(oz, i, sz), _at(oy, i, sy))
+                _forward_element(x, z, y, *at, mean[i], scale[i], shift[i], add_z, relu)
+        return
+    # Two rows per loop (``_pair``): each coefficient is loaded once per two values, which
+    # keeps more of the data's cache misses in flight (1.5-1.8x faster out of cache, C =
+    # 64 and 512). A lone last row is its own pair: both values are read before either is
+    # written, so that is right in place too.
+    h = (r1 - r0) // 2
+    for j in range(r0, r1 - h):
+        r, p = _pair(j, r0, h)
+        ox, oy = row_offset(r, geometry, strides[0]), row_offset(r, geometry, strides[2])
+        px, py = row_offset(p, geometry, strides[0]), row_offset(p, geometry, strides[2])
         for i in range(n):
-            at = (_at(ox, i, sx), _at(oz, i, sz), _at(oy, i, sy))
-            _forward_element(x, z, y, *at, mean[i], scale[i], shift[i], add_z, relu)
+            k = (table[0, i], table[1, i], table[2, i]), (table[3, i], table[4, i])
+            u = encode(normalize(x[_at(ox, i, sx)], k), y.dtype)
+            v = encode(normalize(x[_at(px, i, sx)], k), y.dtype)
+            y[_at(oy, i, sy)] = u
+            y[_at(py, i, sy)] = v
 
 
 @jit
@@ -751,22 +771,32 @@ def _channel_offsets(o, c, strides):
 @helper
 def _backward_across(x, dy, y, gi, gz, geometry, strides, r0, r1, n, k_dy, k_x, k_c, flags):
     use_x, masked, write_gi, write_gz = flags
-    plain = write_gi and not (masked or write_gz)
     s = _column(strides, 0)
-    for r in range(r0, r1):
-        o = _row_offsets(r, geometry, strides)
-        if plain and use_x:
-            for i in range(n):
-                v = _fma(k_x[i], decode(x[_at(o[0], i, s[0])]), k_c[i])
-                v = _fma(k_dy[i], decode(dy[_at(o[1], i, s[1])]), v)
-                gi[_at(o[3], i, s[3])] = encode(v, gi.dtype)
-        elif plain:
-            for i in range(n):
-                v = _fma(k_dy[i], decode(dy[_at(o[1], i, s[1])]), k_c[i])
-                gi[_at(o[3], i, s[3])] = encode(v, gi.dtype)
-        else:
+    if masked or write_gz or not write_gi:
+        for r in range(r0, r1):
+            o = _row_offsets(r, geometry, strides)
             for i in range(n):
                 _backward_element(x, dy, y, gi, gz, o, s, i, k_dy[i], k_x[i], k_c[i], flags)
+        return
+    # The plain grad_input two rows per loop, as ``_forward_across``.
+    h = (r1 - r0) // 2
+    for j in range(r0, r1 - h):
+        r, q = _pair(j, r0, h)
+        o, p = _row_offsets(r, geometry, strides), _row_offsets(q, geometry, strides)
+        if use_x:
+            for i in range(n):
+                u = _fma(k_x[i], decode(x[_at(o[0], i, s[0])]), k_c[i])
+                v = _fma(k_x[i], decode(x[_at(p[0], i, s[0])]), k_c[i])
+                u = _fma(k_dy[i], decode(dy[_at(o[1], i, s[1])]), u)
+                v = _fma(k_dy[i], decode(dy[_at(p[1], i, s[1])]), v)
+                gi[_at(o[3], i, s[3])] = encode(u, gi.dtype)
+                gi[_at(p[3], i, s[3])] = encode(v, gi.dtype)
+        else:
+            for i in range(n):
+                u = _fma(k_dy[i], decode(dy[_at(o[1], i, s[1])]), k_c[i])
+                v = _fma(k_dy[i], decode(dy[_at(p[1], i, s[1])]), k_c[i])
+                gi[_at(o[3], i, s[3])] = encode(u, gi.dtype)
+                gi[_at(p[3], i, s[3])] = encode(v, gi.dtype)
 
 
 @jit
