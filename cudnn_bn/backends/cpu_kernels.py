@@ -820,9 +820,8 @@ def item_backward_along(x, dy, y, gi, gz, geometry, strides, k_dy, k_x, k_c, fla
     c0, c1, r0, r1, _, n, s = _walk(bounds, geometry, strides)
     h = (r1 - r0) // 2
     for j in range(r0, r1 - h):
-        r = j if j < r0 + h else j + h  # rows r and r + h; the last of an odd count alone
-        o = _row_offsets(r, geometry, strides)
-        p = _row_offsets(r + h if j < r0 + h else r, geometry, strides)
+        r, q = _pair(j, r0, h)
+        o, p = _row_offsets(r, geometry, strides), _row_offsets(q, geometry, strides)
         for c in range(c0, c1):
             oc, pc = _channel_offsets(o, c, strides), _channel_offsets(p, c, strides)
             _backward_along(x, dy, y, gi, gz, oc, pc, s, n, k_dy[c], k_x[c], k_c[c], flags)
