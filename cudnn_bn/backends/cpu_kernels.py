@@ -423,7 +423,7 @@ def _at(offset, i, stride):
     return np.uint64(offset + i * stride)
 
 
-@helper(inline="always")
+@helper
 def _pair(j, r0, h):
     """The rows of step ``j`` of a walk two rows at a time over rows ``r0`` to ``r0 + 2h``
     (plus one if odd): ``j`` and ``j + h`` in the first ``h`` steps (one row from each half
