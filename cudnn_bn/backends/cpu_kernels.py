@@ -965,7 +965,7 @@ def whole_pass(plan, eps, momentum, like, half, x_at, a_at, y_at, gi_at, gz_at, 
     if kind == BACKWARD:
         _call(steps[ITEM_SUMS], (x, a, y, geometry, strides, shift, sums, first, whole))
     elif kind == TRAINING:
-        _call(steps[ITEM_SUMS], (x, x[:0], x[:0], geometry, strides, shift, sums, 0, whole))
+        _call(steps[ITEM_SUMS], (x, x[:0], x[:0], geometry, strides, shift, sums, first, whole))
     k = np.empty((3, channels * tile))
     count = geometry[1] * geometry[2] * tile
     _call(steps[RESULTS], (kind, sums, shift, values, count, eps, momentum, mode, k))
