@@ -423,14 +423,6 @@ def _at(offset, i, stride):
     return np.uint64(offset + i * stride)
 
 
-@helper
-def _pair(j, r0, h):
-    """The rows of step ``j`` of a walk two rows at a time over rows ``r0`` to ``r0 + 2h``
-    (plus one if odd): ``j`` and ``j + h`` in the first ``h`` steps (one row from each half
-    of the item, so that memory is read in sequential streams), then the last row twice."""
-    return (j, j + h) if j < r0 + h else (j + h, j + h)
-
-
 # --- pass 1: per-channel sums --------------------------------------------------------------
 # A run is what the innermost loop visits: one channel's ``inner`` elements ("along"), or
 # every channel of one row when channels are innermost ("across": ``tile`` rows at once
@@ -663,13 +655,16 @@ def _forward_across(x, z, y, geometry, strides, r0, r1, n, mean, scale, shift, f
                 at = (_at(ox, i, sx), _at(oz, i, sz), _at(oy, i, sy))
                 _forward_element(x, z, y, *at, mean[i], scale[i], shift[i], add_z, relu)
         return
-    # Two rows per loop (``_pair``): each coefficient is loaded once per two values, which
-    # keeps more of the data's cache misses in flight (1.5-1.8x faster out of cache, C =
-    # 64 and 512). A lone last row is its own pair: both values are read before either is
-    # written, so that is right in place too.
+    # Two rows per loop, one from each half of the item (as ``_sums_across``): each
+    # coefficient is loaded once per two values, which keeps more of the data's cache
+    # misses in flight (1.5-1.8x faster out of cache, C = 64 and 512). A lone last row is
+    # its own pair: both values are read before either is written, so that is right in
+    # place too. (The pairing is written out, not a helper: each helper is one more
+    # function to compile on first use.)
     h = (r1 - r0) // 2
     for j in range(r0, r1 - h):
-        r, p = _pair(j, r0, h)
+        r = j if j < r0 + h else j + h
+        p = r + h if j < r0 + h else r
         ox, oy = row_offset(r, geometry, strides[0]), row_offset(r, geometry, strides[2])
         px, py = row_offset(p, geometry, strides[0]), row_offset(p, geometry, strides[2])
         for i in range(n):
@@ -793,8 +788,9 @@ def _backward_across(x, dy, y, gi, gz, geometry, strides, r0, r1, n, k_dy, k_x, 
     # The plain grad_input two rows per loop, as ``_forward_across``.
     h = (r1 - r0) // 2
     for j in range(r0, r1 - h):
-        r, q = _pair(j, r0, h)
-        o, p = _row_offsets(r, geometry, strides), _row_offsets(q, geometry, strides)
+        r = j if j < r0 + h else j + h
+        o = _row_offsets(r, geometry, strides)
+        p = _row_offsets(r + h if j < r0 + h else r, geometry, strides)
         if use_x:
             for i in range(n):
                 u = _fma(k_x[i], decode(x[_at(o[0], i, s[0])]), k_c[i])
@@ -820,8 +816,9 @@ def item_backward_along(x, dy, y, gi, gz, geometry, strides, k_dy, k_x, k_c, fla
     c0, c1, r0, r1, _, n, s = _walk(bounds, geometry, strides)
     h = (r1 - r0) // 2
     for j in range(r0, r1 - h):
-        r, q = _pair(j, r0, h)
-        o, p = _row_offsets(r, geometry, strides), _row_offsets(q, geometry, strides)
+        r = j if j < r0 + h else j + h  # rows r and r + h; the last of an odd count alone
+        o = _row_offsets(r, geometry, strides)
+        p = _row_offsets(r + h if j < r0 + h else r, geometry, strides)
         for c in range(c0, c1):
             oc, pc = _channel_offsets(o, c, strides), _channel_offsets(p, c, strides)
             _backward_along(x, dy, y, gi, gz, oc, pc, s, n, k_dy[c], k_x[c], k_c[c], flags)
