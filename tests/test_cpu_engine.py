@@ -207,6 +207,36 @@ def test_grad_input_over_grad_output(same_layout, shape):
         assert_close(got, w_)
 
 
+@pytest.mark.parametrize("shape", [(7, 3, 5, 5), (3, 512, 1, 3)], ids=str)
+def test_channels_last_outputs_over_their_inputs(shape):
+    """Channels-last outputs written in place over their inputs: inference's y over x, the
+    backward's grad_input over grad_output. Odd row counts (5 tiles of 35 rows at C = 3, 9
+    rows at C = 512): the channels-last walk pairs rows, its last row with itself."""
+    rng = np.random.default_rng(5)
+    c = shape[1]
+    xv, dyv = rng.standard_normal(shape) + 3.0, rng.standard_normal(shape)
+    w, b = rng.uniform(0.5, 1.5, c).astype(np.float32), rng.standard_normal(c).astype(np.float32)
+    mean, var = rng.standard_normal(c).astype(np.float32), rng.uniform(0.5, 2, c).astype(np.float32)
+    x, dy = laid_out(xv, channels_last(shape)), laid_out(dyv, channels_last(shape))
+    want_y = F.batch_norm(f64(x), f64(mean), f64(var), f64(w), f64(b), False, 0, EPS)
+    want_grads = torch_backward(x, dy, w)
+    pc = desc(w)
+    op = BatchNormForwardInferenceDescriptor(
+        Handle(cudnn_bn.Device.CPU, 0), desc(x), desc(x), pc, pc, pc, pc
+    )
+    op.compute(0, 0, *(a.ctypes.data for a in (x, x, w, b, mean, var)))
+    assert_close(x, want_y)
+    x = laid_out(xv, channels_last(shape))
+    gw, gb = np.empty_like(w), np.empty_like(w)
+    kernel = cpu.BatchNormBackward(
+        BackwardTensors(desc(dy), desc(gw), desc(gb), desc(x), desc(dy), desc(w), None, None),
+        BackwardAttributes(eps=EPS),
+    )
+    kernel.run(BackwardPointers(*(a.ctypes.data for a in (dy, gw, gb, x, dy, w)), 0, 0), 0, 0)
+    for got, want in zip((dy, gw, gb), want_grads, strict=True):
+        assert_close(got, want)
+
+
 def test_inference_output_over_its_input_transposed():
     """The output written channels-last over its NCHW input's memory: through scratch."""
     rng = np.random.default_rng(4)

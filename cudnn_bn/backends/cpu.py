@@ -78,10 +78,11 @@ class _HostKernel:
     mode: int = cpu_kernels.TRAIN
     momentum = 0.0
     # Per-channel slots read and written (bits, ``_bits``); the one whose values (tiled)
-    # shift the sums (none: -1).
+    # shift the sums (none: -1); the first of the sums the pass uses (``item_sums_*``).
     reads: int
     writes: int = 0
     shift_row: int = cpu_kernels.FIRST_VALUES
+    first_sum: int = 0
     # The elementwise pass's flags (the forward's two, then two unset; the backward's four).
     flags: tuple[bool, bool, bool, bool]
     # The steps a one-call pass makes (``cpu_kernels.entries``' slots), and their addresses.
@@ -130,7 +131,8 @@ class _HostKernel:
         if self._plan is None:
             k, layout = cpu_kernels, self.layout
             steps = k.entries(self.like, layout.geometry, layout.strides, self.step_slots)
-            fields = (self.kind, self.reads, self.writes, self.shift_row, self.mode)
+            fields = (self.kind, self.reads, self.writes, self.shift_row, self.mode,
+                      self.first_sum)  # fmt: skip
             parts = (fields, self.flags, self.whole, layout.geometry, self.spans)
             arrays = (self.channel_args.ravel(), layout.strides.ravel(), steps)
             self._plan = np.concatenate([*parts, *arrays]).astype(np.int64)
@@ -180,10 +182,12 @@ class _HostKernel:
         item order (the same sums for the same thread count): ``(SUMS, C * tile + PAD)``."""
         geometry, strides = self.layout.geometry, self.layout.strides
         partial = np.zeros((len(items), cpu_kernels.SUMS, shift.size + cpu_kernels.PAD))
+        first = self.first_sum
         cpu_pool.run(
-            lambda i: self.item_sums(x, dy, y, geometry, strides, shift, partial[i], items[i]),
+            lambda i: self.item_sums(x, dy, y, geometry, strides, shift, partial[i], first,
+                                     items[i]),
             len(items),
-        )
+        )  # fmt: skip
         return partial.sum(axis=0)
 
     def overlapping(self, addresses: list[int]) -> list[int]:
@@ -276,6 +280,7 @@ class BatchNormBackward(_HostKernel):
         self.reads = _bits(True, reads_stats, reads_stats, False, False, False, train)
         self.writes = _bits(False, False, False, *a.output_mask[1:])
         self.shift_row = k.FIRST_VALUES if train else 1
+        self.first_sum = 0 if train else k.DY_SUMS  # x's sums only for batch statistics
         # The elementwise pass's flags: use x (all modes but eval), mask, write gi, write gz.
         self.flags = (self.mode != k.EVAL, fused, a.output_mask[0], with_z)
         self.step_slots = (k.COPY, k.ITEM_SUMS, k.RESULTS)
