@@ -180,6 +180,31 @@ def test_bad_out_arrays_are_refused_and_nothing_is_written(case):
         assert (grad_input == 7.0).all()
 
 
+@pytest.mark.parametrize(
+    ("entry", "out", "spelled"),
+    [
+        ("backward", lambda x, c: (None, np.ones(c + 1), None), r"out\[1\] has shape"),
+        ("backward", lambda x, c: (np.ones((*x.shape[:-1], 9)), None, None), r"out\[0\] has shape"),
+        ("training", lambda x, c: (None, None, np.ones(c + 1)), r"out\[2\] has shape"),
+        ("inference", lambda x, c: np.ones((*x.shape[:-1], 9)), r"out has shape"),
+    ],
+)
+def test_an_out_entry_the_operator_refuses_is_named_as_the_caller_gave_it(entry, out, spelled):
+    """The door names ``out=`` entries ``out[i]``; the operators' own checks (shapes against
+    the input's) once named them ``grad_weight``, ``saved_invstd``, ``output``."""
+    x, dy, w, b = problem()
+    given = out(x, C)
+    calls = {
+        "backward": lambda: cudnn_bn.batch_norm_backward(x, dy, w, None, None, out=given),
+        "training": lambda: cudnn_bn.batch_norm_forward_training(x, w, b, None, None, out=given),
+        "inference": lambda: cudnn_bn.batch_norm_forward_inference(
+            x, w, b, np.zeros(C), np.ones(C), out=given
+        ),
+    }
+    with pytest.raises(InfiniError, match=rf"^BAD_TENSOR_SHAPE: {spelled}"):
+        calls[entry]()
+
+
 def test_a_training_forwards_result_copies_and_pickles_with_its_reserve():
     """``TrainingOutputs`` takes four arguments: ``copy`` and ``pickle`` called it with the
     tuple's one and failed (found in review)."""

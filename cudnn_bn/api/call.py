@@ -243,10 +243,18 @@ def run(spec: Pass, arrays: tuple, raw: tuple, stream: Any, out: Any = None) -> 
             arrays = (*arrays, *out_arrays(out, spec.out_names, spec.out_optional))
         return _run(spec, arrays, raw, stream)
     except Exception as exc:
-        raised = public_error(exc, SPELLING, f"batch_norm_{spec.name}")
+        raised = public_error(exc, _error_spelling(spec), f"batch_norm_{spec.name}")
         if raised is exc:
             raise
         raise raised from exc
+
+
+def _error_spelling(spec: Pass) -> dict[str, str]:
+    """How ``spec``'s errors name arguments: the operators' names as the array API's
+    (``SPELLING``), and the ``out=`` entries as the caller gave them (``spec.spelling``:
+    ``grad_weight`` is ``out[1]``)."""
+    outs = spec.spelling
+    return {name: outs.get(own, own) for name, own in SPELLING.items()} | outs
 
 
 def _run(spec: Pass, arrays: tuple, raw: tuple, stream: Any) -> Any:
