@@ -197,14 +197,20 @@ def test_grad_input_over_grad_output(same_layout, shape):
         gi = np.lib.stride_tricks.as_strided(
             dy, shape, [s * 4 for s in channels_last(shape)], writeable=True
         )
+    for got, w_ in zip(backward_into(gi, x, dy, w), want, strict=True):
+        assert_close(got, w_)
+
+
+def backward_into(gi: np.ndarray, x: np.ndarray, dy: np.ndarray, w: np.ndarray) -> tuple:
+    """``(grad_input, grad_weight, grad_bias)`` of the CPU kernel run on ``grad_input`` ``gi``
+    (which may be ``dy``'s memory) with ``run``, its overlap rule included."""
     gw, gb = np.empty_like(w), np.empty_like(w)
     kernel = cpu.BatchNormBackward(
         BackwardTensors(desc(gi), desc(gw), desc(gb), desc(x), desc(dy), desc(w), None, None),
         BackwardAttributes(eps=EPS),
     )
     kernel.run(BackwardPointers(*(a.ctypes.data for a in (gi, gw, gb, x, dy, w)), 0, 0), 0, 0)
-    for got, w_ in zip((gi, gw, gb), want, strict=True):
-        assert_close(got, w_)
+    return gi, gw, gb
 
 
 @pytest.mark.parametrize("shape", [(7, 3, 5, 5), (3, 512, 1, 3)], ids=str)
@@ -227,13 +233,7 @@ def test_channels_last_outputs_over_their_inputs(shape):
     op.compute(0, 0, *(a.ctypes.data for a in (x, x, w, b, mean, var)))
     assert_close(x, want_y)
     x = laid_out(xv, channels_last(shape))
-    gw, gb = np.empty_like(w), np.empty_like(w)
-    kernel = cpu.BatchNormBackward(
-        BackwardTensors(desc(dy), desc(gw), desc(gb), desc(x), desc(dy), desc(w), None, None),
-        BackwardAttributes(eps=EPS),
-    )
-    kernel.run(BackwardPointers(*(a.ctypes.data for a in (dy, gw, gb, x, dy, w)), 0, 0), 0, 0)
-    for got, want in zip((dy, gw, gb), want_grads, strict=True):
+    for got, want in zip(backward_into(dy, x, dy, w), want_grads, strict=True):
         assert_close(got, want)
 
 
