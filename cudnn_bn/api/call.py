@@ -29,7 +29,7 @@ import numpy as np
 
 from ..arrays import Operand, check_written, common_place, operand
 from ..arrays.kinds import Allocator
-from ..arrays.numpy_arrays import ndarray_data
+from ..arrays.numpy_arrays import DATA_WORDS, ndarray_data
 from ..arrays.operand import byte_extent, overlap, refuse_overlap
 from ..descriptor_cache import DescriptorCache
 from ..enums import Device, Status
@@ -107,6 +107,7 @@ class Plan:
     pick: Any
     returns: Any
     launch: Any
+    direct: bool  # ``launch`` takes the picked values as its arguments (``Launch.direct``)
     aligned: "Aligned"  # the operands read by attributes
     disjoint: "Disjoint"
     used: bool = True  # descriptor_cache's CLOCK bit
@@ -138,7 +139,9 @@ class Plan:
             made.append(array)
             ptrs.append(ptr)
         ptrs.extend(self.tail)
-        if not self.workspace_size:
+        if self.direct:
+            self.launch(*self.pick(ptrs))
+        elif not self.workspace_size:
             self.launch(self.pick(ptrs), 0, stream)
         else:  # one launch (staging kernels and cuDNN's) at a time on a stream's workspace
             place = (stream, threading.get_ident()) if stream == _PER_THREAD else stream
@@ -208,28 +211,29 @@ def read(arrays: tuple, writes: tuple[bool, ...], signatures: list) -> tuple[lis
     ``others``, for the door (their entries None and 0 until then). Signatures are appended
     to ``signatures``."""
     ptrs, others = [], []
-    cupy_array = None
+    signature, pointer = signatures.append, ptrs.append
+    cupy_array, words = None, DATA_WORDS
     for array, written in zip(arrays, writes, strict=True):
         if array is None:  # most of a call's operands (absent ones, out= entries)
-            signatures.append(None)
-            ptrs.append(0)
+            signature(None)
+            pointer(0)
             continue
         kind = type(array)
         if kind is np.ndarray:
-            signatures.append(
+            signature(
                 (kind, array.dtype, array.shape, array.strides, written and array.flags.writeable)
             )
-            ptrs.append(ndarray_data(array))
+            pointer(words[id(array) >> 3] if words is not None else ndarray_data(array))
         elif kind is (cupy_array or (cupy_array := _cupy_array_type())):
-            signatures.append((kind, array.dtype, array.shape, array.strides, array.device.id))
-            ptrs.append(array.data.ptr)
+            signature((kind, array.dtype, array.shape, array.strides, array.device.id))
+            pointer(array.data.ptr)
         elif _plain_torch(array) and (ptr := _torch_data(array)) is not None:
-            signatures.append((kind, array.dtype, array.shape, array.stride(), array.device))
-            ptrs.append(ptr)
+            signature((kind, array.dtype, array.shape, array.stride(), array.device))
+            pointer(ptr)
         else:
             others.append(len(ptrs))
-            signatures.append(None)
-            ptrs.append(0)
+            signature(None)
+            pointer(0)
     return signatures, ptrs, others
 
 
@@ -417,6 +421,7 @@ def _build(
         pick,
         returns,
         launch.call,
+        launch.direct,
         Aligned({index[n]: op.desc for n, op in ops.items() if index[n] not in described}),
         Disjoint(  # each written operand against every other one (each pair once)
             [

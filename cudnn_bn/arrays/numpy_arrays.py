@@ -8,7 +8,6 @@ NumPy itself does not check. A ``mask`` is refused: the masked values would be r
 """
 
 import ctypes
-import struct
 import sys
 from typing import Any
 
@@ -21,22 +20,23 @@ from .checks import described, element_strides, interface_layout, numpy_data_typ
 from .operand import Operand, byte_extent
 
 # PyArrayObject's data pointer is the first field after the object header
-# (``PyArrayObject_fields`` in numpy/ndarraytypes.h): read directly, through one memoryview
-# over the address space and ``struct``, it costs 0.08 us, against 0.16 us through a ctypes
+# (``PyArrayObject_fields`` in numpy/ndarraytypes.h): read directly, as one word of a
+# memoryview over the address space, it costs 0.05 us, against 0.16 us through a ctypes
 # object and 1 us for ``.ctypes.data``; checked below against ``.ctypes.data`` before it is
-# trusted.
+# trusted. ``DATA_WORDS[id(array) >> 3]`` is that word (objects are 16-byte aligned, the
+# view starts one header in); None where the check failed.
 _HEADER = object.__basicsize__
-_MEMORY = memoryview((ctypes.c_char * (sys.maxsize >> 1)).from_address(_HEADER)).cast("B")
-_read_pointer = struct.Struct("P").unpack_from
+_memory = (ctypes.c_char * (sys.maxsize >> 4 << 3)).from_address(_HEADER)
+_words = memoryview(_memory).cast("B").cast("Q")
 _probe = np.arange(3.0)[1:]
-_read_header = _read_pointer(_MEMORY, id(_probe))[0] == _probe.ctypes.data
-del _probe
+DATA_WORDS = _words if _HEADER % 8 == 0 and _words[id(_probe) >> 3] == _probe.ctypes.data else None
+del _probe, _words, _memory
 
 
 def ndarray_data(array: np.ndarray) -> int:
     """The address of ``array``'s first element (an ndarray or a subclass)."""
-    if _read_header:
-        return _read_pointer(_MEMORY, id(array))[0]
+    if DATA_WORDS is not None:
+        return DATA_WORDS[id(array) >> 3]
     return array.ctypes.data
 
 

@@ -16,6 +16,7 @@ end, so the result is what it would be without the overlap.
 """
 
 from collections.abc import Callable
+from functools import partial
 from operator import itemgetter
 from typing import Any, NamedTuple
 
@@ -228,16 +229,17 @@ class _HostKernel:
         absent tensor's pointer is NULL."""
         self.launch(*self.pointers(ptrs))
 
-    def direct(self) -> tuple[tuple[str | None, ...], Callable[[tuple, int, int], None]] | None:
+    def direct(self) -> tuple[tuple[str | None, ...], Callable[..., None]] | None:
         """``run_disjoint`` of a problem of one call, as ``whole_pass`` on the pointers of the
-        fields it takes (``(fields, call)``: ``ops.descriptor.Launch``); None for a larger
-        problem."""
+        fields it takes (``(fields, call)``: ``ops.descriptor.Launch``, whose ``call`` takes
+        those pointers as its arguments); None for a larger problem."""
         if self.parallel:
             return None
         fields = (*self.data_fields, *(None,) * len(self.absent), *self.channel_fields,
                   *(None,) * len(self.channels_absent))  # fmt: skip
-        whole, fixed = cpu_kernels.whole_pass, (self.plan(), self.eps, self.momentum, self.like)
-        return fields, lambda values, workspace, stream: whole(*fixed, *values)
+        fixed = (self.plan(), self.eps, self.momentum, self.like)
+        whole = cpu_kernels.python_entry(cpu_kernels.whole_pass, *fixed, *(0,) * len(fields))
+        return fields, partial(whole, *fixed)
 
     def _picker(self, fields: tuple[str | None, ...]) -> Callable[[tuple], tuple]:
         """The values of ``fields`` from a pointer tuple with a 0 appended (None: that 0)."""

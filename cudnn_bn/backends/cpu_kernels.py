@@ -39,6 +39,7 @@ the kernels compile in memory in every process, with one warning. References: nu
 """
 
 import warnings
+from collections.abc import Callable
 
 import numba
 import numpy as np
@@ -124,13 +125,26 @@ def flat(typingctx, address, span, dtype):
 # first call compiles only its own few lines.
 
 
-def entry(function, *args) -> int:
-    """The address of jit ``function``'s C wrapper for arguments of ``args``' numba types,
-    compiled (or loaded from the cache) if it is not yet: what ``_call`` calls."""
+def _compiled(function, args: tuple):
+    """jit ``function``'s compile result for arguments of ``args``' numba types, compiled (or
+    loaded from the cache) if it is not yet."""
     signature = tuple(numba.typeof(a) for a in args)
     function.compile(signature)
-    result = function.overloads[signature]
+    return function.overloads[signature]
+
+
+def entry(function, *args) -> int:
+    """The address of jit ``function``'s C wrapper for arguments of ``args``' numba types:
+    what ``_call`` calls."""
+    result = _compiled(function, args)
     return result.library.get_pointer_to_function(result.fndesc.llvm_cfunc_wrapper_name)
+
+
+def python_entry(function, *args) -> Callable:
+    """jit ``function``'s Python entry point for arguments of ``args``' numba types: called
+    with arguments of those very types, it skips the dispatcher's typing of each one (0.26 us
+    of a small pass's 15 arguments, most of its dispatch)."""
+    return _compiled(function, args).entry_point
 
 
 @intrinsic

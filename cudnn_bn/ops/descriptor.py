@@ -43,10 +43,12 @@ def _show(value: Any) -> str:
 class Launch(NamedTuple):
     """An owner's launch of a descriptor (``OperatorDescriptor.launcher``): ``call(values,
     workspace, stream)`` runs the kernel on ``values``, the pointers of ``fields`` in order
-    (a None field: give 0)."""
+    (a None field: give 0); a ``direct`` one (a kernel that takes no workspace and no
+    stream: the CPU engine's one-call passes) is ``call(*values)``."""
 
     fields: tuple[str | None, ...]
-    call: Callable[[tuple, int, int], None]
+    call: Callable[..., None]
+    direct: bool = False
 
 
 class Build:
@@ -225,8 +227,8 @@ class OperatorDescriptor:
         """``launcher``'s ``Launch`` of ``build``."""
         kernel = build.kernel
         direct = kernel.direct() if hasattr(kernel, "direct") else None
-        if direct is not None:  # such a kernel takes no workspace
-            return Launch(*direct)
+        if direct is not None:
+            return Launch(*direct, direct=True)
         run = getattr(kernel, "run_disjoint", kernel.run)
         pointers, checks_workspace = self.pointers, bool(kernel.workspace_size)
 
