@@ -4,7 +4,9 @@ backward as one call; ``weight=None``/``bias=None`` (issue 16, finding 15) and t
 statistics named as the caller named them (finding 11). References: torch in float64."""
 
 import copy
+import gc
 import pickle
+import weakref
 
 import numpy as np
 import pytest
@@ -51,6 +53,23 @@ def test_repeated_calls_share_one_plan():
     for _ in range(3):
         cudnn_bn.batch_norm_backward(x, dy, w, None, None)
     assert len(cudnn_bn.descriptor_cache) == 1
+
+
+def test_an_evicted_plan_lets_its_launch_go_without_waiting_for_the_garbage_collector():
+    # A plan's launch holds its kernel (on a GPU, cuDNN's descriptors): it must go with the
+    # plan, not at some later collection of a reference cycle.
+    cudnn_bn.descriptor_cache.clear()
+    x, dy, w, _ = problem()
+    cudnn_bn.batch_norm_backward(x, dy, w, None, None)
+    (plan,) = cudnn_bn.descriptor_cache._entries.values()
+    call = weakref.ref(plan.call)  # it holds the launch
+    del plan
+    gc.disable()
+    try:
+        cudnn_bn.descriptor_cache.clear()
+        assert call() is None
+    finally:
+        gc.enable()
 
 
 def test_a_read_only_running_statistic_is_refused_after_a_writable_one_planned():

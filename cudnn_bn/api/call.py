@@ -28,7 +28,6 @@ from typing import Any, Protocol
 import numpy as np
 
 from ..arrays import Operand, check_written, common_place, operand
-from ..arrays.kinds import Allocator
 from ..arrays.numpy_arrays import DATA_WORDS, ndarray_data
 from ..arrays.operand import byte_extent, overlap, refuse_overlap
 from ..descriptor_cache import DescriptorCache
@@ -89,69 +88,40 @@ class Pass(Protocol):
 class Plan:
     """A problem's plan: everything its calls share, built once (the module docstring).
 
-    A call's values are its operands' pointers (in ``Pass.names`` order), then those of
-    the arrays it allocates (``outputs``, then a reserve), then ``tail`` (constants' pointers
-    and a NULL); ``pick`` takes from them the values its ``launch`` takes (the fields of
-    ``ops.descriptor.Launch``). Its objects are its arrays, then the allocated ones, then a
-    None; ``returns`` picks the results from them."""
+    ``call(arrays, ptrs, like, stream)`` runs it on one call's arrays (in ``Pass.names``
+    order) and their pointers, and returns ``spec.result``: a function written for this
+    problem by ``_plan_call`` (its ``source``), as ``dataclasses`` writes an ``__init__``,
+    so that a call runs no loop over outputs, picks no values through tables and repacks
+    nothing (its checks, allocations, launch and result at (8, 4), 1 thread: a training
+    forward's 5.9 -> 4.8 us against the general function it replaced, an inference's 3.1 ->
+    2.4 us)."""
 
     spec: Any
     descriptor: Any
-    device: Device
-    device_id: int
-    kind: Any
-    outputs: tuple[Allocator, ...]
-    reserve_size: int  # bytes of reserve the call allocates (0: none)
-    workspace_size: int
-    tail: tuple[int, ...]
-    pick: Any
-    returns: Any
-    launch: Any
-    direct: bool  # ``launch`` takes the picked values as its arguments (``Launch.direct``)
-    aligned: "Aligned"  # the operands read by attributes
-    disjoint: "Disjoint"
+    call: Any
+    source: str
     used: bool = True  # descriptor_cache's CLOCK bit
-    # The workspace of each stream the plan has run on, made by its first launch there from
-    # that stream's memory and kept: a loop (or a CUDA graph captured after one call on its
-    # stream) allocates none. ``lock``: one launch at a time uses them. Keyed by the stream,
-    # and by the thread on ``cudaStreamPerThread``, which is each thread's own stream.
-    workspaces: dict[Any, tuple[Any, int]] = field(default_factory=dict)
-    lock: threading.Lock = field(default_factory=threading.Lock)
 
-    def __call__(self, arrays: tuple, ptrs: list[int], like: Any, stream: Any) -> Any:
-        """Run the plan on one call's arrays and pointers; returns ``spec.result``."""
-        self.aligned.check(ptrs, arrays, self.spec)
-        self.disjoint.check(ptrs, self.spec)
-        if self.device == Device.CPU:
-            return self._run(arrays, ptrs, like, 0)
-        call_on, scope = call_place(stream, like, self.kind, self.device, self.device_id)
-        with scope:
-            return self._run(arrays, ptrs, like, call_on)
 
-    def _run(self, arrays: tuple, ptrs: list[int], like: Any, stream: int) -> Any:
-        made = []
-        for allocate in self.outputs:
-            array, ptr = allocate()
-            made.append(array)
-            ptrs.append(ptr)
-        if self.reserve_size:
-            array, ptr = self.kind.scratch(like, self.reserve_size)
-            made.append(array)
-            ptrs.append(ptr)
-        ptrs.extend(self.tail)
-        if self.direct:
-            self.launch(*self.pick(ptrs))
-        elif not self.workspace_size:
-            self.launch(self.pick(ptrs), 0, stream)
-        else:  # one launch (staging kernels and cuDNN's) at a time on a stream's workspace
-            place = (stream, threading.get_ident()) if stream == _PER_THREAD else stream
-            with self.lock:
-                workspace = self.workspaces.get(place)
-                if workspace is None:
-                    workspace = self.kind.scratch(like, self.workspace_size)
-                    self.workspaces[place] = workspace
-                self.launch(self.pick(ptrs), workspace[1], stream)
-        return self.spec.result(self.returns((*arrays, *made, None)))
+class Workspaces:
+    """A plan's workspace for each stream it has run on, made by its first launch there from
+    that stream's memory and kept: a loop (or a CUDA graph captured after one call on its
+    stream) allocates none. ``lock``: one launch at a time uses them (a launch may be staging
+    kernels around cuDNN's call). Keyed by the stream, and by the thread on
+    ``cudaStreamPerThread``, which is each thread's own stream."""
+
+    def __init__(self, kind: Any, size: int) -> None:
+        self.kind, self.size = kind, size
+        self.made: dict[Any, tuple[Any, int]] = {}
+        self.lock = threading.Lock()
+
+    def get(self, like: Any, stream: int) -> int:
+        """The pointer to ``stream``'s workspace (``lock`` held)."""
+        place = (stream, threading.get_ident()) if stream == _PER_THREAD else stream
+        workspace = self.made.get(place)
+        if workspace is None:
+            workspace = self.made[place] = self.kind.scratch(like, self.size)
+        return workspace[1]
 
 
 # Constants standing in for an absent weight (ones) or bias (zeros), one per kind, device,
@@ -284,7 +254,7 @@ def _run(spec: Pass, arrays: tuple, raw: tuple, stream: Any) -> Any:
         raise InfiniError(Status.BAD_PARAM, f"unhashable option among {raw!r}") from None
     if plan is None:
         plan = descriptor_cache.add(key, _build(spec, arrays, raw, described, stream))
-    return plan(arrays, ptrs, like, stream)
+    return plan.call(arrays, ptrs, like, stream)
 
 
 class Aligned:
@@ -317,25 +287,28 @@ class Aligned:
 class Disjoint:
     """The pairs of a written operand and another one (indices into a call's pointers) that
     must not overlap, with ``(low, high)``: their bytes meet where low < written's pointer -
-    other's < high; then ``overlap`` of their descs decides. A call scans the pairs'
-    differences at C level and looks closer only at those in range."""
+    other's < high; then ``overlap`` of their descs decides. A call takes the pairs'
+    differences at C level and looks closer only if one is nearer than ``reach``, the
+    farthest any pair's bytes can meet at (0.8 us for a training forward's 7 pairs, against
+    1.1 us testing each pair's range)."""
 
     def __init__(self, pairs: list[tuple[int, int, int, int, TensorDesc, TensorDesc]]) -> None:
         self.pairs = pairs
         self.written = _picker([pair[0] for pair in pairs]) if pairs else None
         self.other = _picker([pair[1] for pair in pairs]) if pairs else None
-        self.meet = tuple(range(low + 1, high) for _, _, low, high, _, _ in pairs)
+        self.reach = max((max(-low, high) for _, _, low, high, _, _ in pairs), default=0)
 
     def check(self, ptrs: list[int], spec: Any) -> None:
         """BAD_PARAM (``refuse_overlap``) naming the first pair that overlaps (``spec``: its
         ``names`` and ``spelling``)."""
-        if not self.pairs or not any(
-            map(range.__contains__, self.meet, map(sub, self.written(ptrs), self.other(ptrs)))
+        if (
+            not self.pairs
+            or min(map(abs, map(sub, self.written(ptrs), self.other(ptrs)))) >= self.reach
         ):
             return
-        for (written, other, _, _, w_desc, o_desc), meet in zip(self.pairs, self.meet, strict=True):
+        for written, other, low, high, w_desc, o_desc in self.pairs:
             w, o = ptrs[written], ptrs[other]
-            if w - o in meet and overlap(w_desc, w, o_desc, o):
+            if low < w - o < high and overlap(w_desc, w, o_desc, o):
                 names, spelling = spec.names, spec.spelling
                 raise refuse_overlap(
                     spelling.get(names[written], names[written]),
@@ -389,54 +362,113 @@ def _build(
                 n: _constant(kind, like, device_id, value, desc, spelled[n])
                 for n, (value, desc) in built.constants.items()
             }
-    # Where each value of a call lies (the Plan docstring).
-    made = [*built.outputs, *(["reserve"] if reserve_size else [])]
-    at = {n: i for i, n in enumerate(names) if n in ops}
-    at |= {n: len(names) + i for i, n in enumerate([*made, *constants])}
-    null = len(names) + len(made) + len(constants)  # the tail's last value: 0
     launch = descriptor.launcher(
         "the array API's plan cache",
         descriptor.workspace_size,
         built.reserve_size,
         "reserve" in ops,
     )
-    pick = _picker(
-        [null if f is None else at.get(built.pointers.get(f, f), null) for f in launch.fields]
-    )
-    none = len(names) + len(made)  # names with no value (None, an empty reserve) are None
-    returns = _picker([at.get(n, none) for n in built.returns])
     index = {n: i for i, n in enumerate(names)}
     extents = {n: byte_extent(op.desc) for n, op in ops.items()}
     present = list(ops)
-    plan = Plan(
-        spec,
-        descriptor,
-        device,
-        device_id,
-        kind,
-        tuple(kind.allocator(like, desc) for desc in built.outputs.values()),
-        reserve_size,
-        descriptor.workspace_size,
-        (*constants.values(), 0),
-        pick,
-        returns,
-        launch.call,
-        launch.direct,
-        Aligned({index[n]: op.desc for n, op in ops.items() if index[n] not in described}),
-        Disjoint(  # each written operand against every other one (each pair once)
-            [
-                (
-                    index[w],
-                    index[o],
-                    extents[o][0] - extents[w][1],
-                    extents[o][1] - extents[w][0],
-                    ops[w].desc,
-                    ops[o].desc,
-                )
-                for i, w in enumerate(present)
-                if w in spec.written
-                for o in present[i + 1 :] + [n for n in present[:i] if n not in spec.written]
-            ]
-        ),
+    disjoint = Disjoint(  # each written operand against every other one (each pair once)
+        [
+            (
+                index[w],
+                index[o],
+                extents[o][0] - extents[w][1],
+                extents[o][1] - extents[w][0],
+                ops[w].desc,
+                ops[o].desc,
+            )
+            for i, w in enumerate(present)
+            if w in spec.written
+            for o in present[i + 1 :] + [n for n in present[:i] if n not in spec.written]
+        ]
     )
-    return plan
+    aligned = Aligned({index[n]: op.desc for n, op in ops.items() if index[n] not in described})
+    # Each value's expression in a call: its operands' pointers and objects, those of the
+    # arrays it allocates, the constants' pointers; a name with none is NULL (0) and None.
+    values = {n: f"ptrs[{index[n]}]" for n in ops} | {n: str(p) for n, p in constants.items()}
+    objects = {n: f"arrays[{index[n]}]" for n in ops}
+    allocators = {}
+    for k, (n, desc) in enumerate(built.outputs.items()):
+        allocators[f"allocate{k}"] = kind.allocator(like, desc)
+        values[n], objects[n] = f"p{k}", f"o{k}"
+    if reserve_size:
+        values["reserve"], objects["reserve"] = "pr", "r"
+    picked = [
+        "0" if f is None else values.get(built.pointers.get(f, f), "0") for f in launch.fields
+    ]
+    source = _plan_call(
+        aligned.groups != (),
+        bool(disjoint.pairs),
+        device != Device.CPU,
+        len(built.outputs),
+        reserve_size,
+        launch.direct,
+        descriptor.workspace_size,
+        picked,
+        [objects.get(n, "None") for n in built.returns],
+    )
+    namespace = allocators | {
+        "aligned": aligned.check,
+        "disjoint": disjoint.check,
+        "spec": spec,
+        "result": spec.result,
+        "launch": launch.call,
+        "call_place": call_place,
+        "place": (kind, device, device_id),
+        "scratch": kind.scratch,
+        "workspaces": Workspaces(kind, descriptor.workspace_size),
+    }
+    exec(compile(source, f"<plan of batch_norm_{spec.name}>", "exec"), namespace)
+    # Taken out of its namespace, which would hold it in a cycle: the launch's build is let
+    # go with the plan, not at the next garbage collection.
+    return Plan(spec, descriptor, namespace.pop("call"), source)
+
+
+def _plan_call(
+    aligned: bool,
+    disjoint: bool,
+    on_device: bool,
+    outputs: int,
+    reserve_size: int,
+    direct: bool,
+    workspace_size: int,
+    picked: list[str],
+    returned: list[str],
+) -> str:
+    """The source of a plan's ``call`` (``Plan``), in the names ``_build`` gives it
+    (``aligned``, ``launch``...): its checks (where it has operands read by
+    attributes, written operands), the stream and allocation scope on a device, one line per
+    allocated array, the launch on the values ``picked`` (expressions), and the result of
+    the objects ``returned``."""
+    body = ["aligned(ptrs, arrays, spec)"] if aligned else []
+    body += ["disjoint(ptrs, spec)"] if disjoint else []
+    indent = ""
+    if on_device:
+        body += ["stream, scope = call_place(stream, like, *place)", "with scope:"]
+        indent = "    "
+    elif not direct:
+        body += ["stream = 0"]
+    launch = [f"o{k}, p{k} = allocate{k}()" for k in range(outputs)]
+    launch += [f"r, pr = scratch(like, {reserve_size})"] if reserve_size else []
+    values = ", ".join(picked)
+    if direct:
+        launch += [f"launch({values})"]
+    elif not workspace_size:
+        launch += [f"launch({_tuple(picked)}, 0, stream)"]
+    else:  # one launch (staging kernels and cuDNN's) at a time on a stream's workspace
+        launch += [
+            "with workspaces.lock:",
+            f"    launch({_tuple(picked)}, workspaces.get(like, stream), stream)",
+        ]
+    launch += [f"return result({_tuple(returned)})"]
+    body += [indent + line for line in launch]
+    return "def call(arrays, ptrs, like, stream):\n" + "".join(f"    {b}\n" for b in body)
+
+
+def _tuple(items: list[str]) -> str:
+    """The source of a tuple of the expressions ``items``."""
+    return f"({', '.join(items)}{',' if len(items) == 1 else ''})"
