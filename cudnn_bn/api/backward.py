@@ -123,8 +123,7 @@ class Backward:
             reserve_size=_nbytes(reserve),
         )
 
-    def result(self, returned: tuple) -> tuple:
-        return returned
+    result = None  # the tuple of the gradients
 
 
 def _nbytes(desc: TensorDesc | None) -> int:

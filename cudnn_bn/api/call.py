@@ -20,6 +20,7 @@ call is using.
 
 import sys
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from math import gcd
 from operator import itemgetter, sub
@@ -64,8 +65,9 @@ class Pass(Protocol):
     """One array-API pass: its name, its operands in the order its calls give them (the last
     ``out_names`` from its ``out=`` tuple, of which the last ``out_optional`` may be left
     out), those it writes in place (also as one flag per operand: ``writes``), how callers
-    spell them, how it validates its options, builds a problem's operator, and makes its
-    return value from the values ``Plan.returns`` picks."""
+    spell them, how it validates its options and builds a problem's operator, and
+    ``result``, which makes its return value from the values ``Built.returns`` names, given
+    as its arguments (None: the one value itself, or the tuple of several)."""
 
     name: str
     names: tuple[str, ...]
@@ -81,7 +83,7 @@ class Pass(Protocol):
         self, handle: Handle, descs: dict[str, TensorDesc | None], options: tuple
     ) -> Built: ...
 
-    def result(self, returned: tuple) -> Any: ...
+    result: Callable[..., Any] | None
 
 
 @dataclass(eq=False)
@@ -410,6 +412,7 @@ def _build(
         descriptor.workspace_size,
         picked,
         [objects.get(n, "None") for n in built.returns],
+        spec.result is not None,
     )
     namespace = allocators | {
         "aligned": aligned.check,
@@ -438,12 +441,13 @@ def _plan_call(
     workspace_size: int,
     picked: list[str],
     returned: list[str],
+    result: bool,
 ) -> str:
     """The source of a plan's ``call`` (``Plan``), in the names ``_build`` gives it
     (``aligned``, ``launch``...): its checks (where it has operands read by
     attributes, written operands), the stream and allocation scope on a device, one line per
-    allocated array, the launch on the values ``picked`` (expressions), and the result of
-    the objects ``returned``."""
+    allocated array, the launch on the values ``picked`` (expressions), and the objects
+    ``returned``, through the pass's ``result`` if it has one."""
     body = ["aligned(ptrs, arrays, spec)"] if aligned else []
     body += ["disjoint(ptrs, spec)"] if disjoint else []
     indent = ""
@@ -454,9 +458,8 @@ def _plan_call(
         body += ["stream = 0"]
     launch = [f"o{k}, p{k} = allocate{k}()" for k in range(outputs)]
     launch += [f"r, pr = scratch(like, {reserve_size})"] if reserve_size else []
-    values = ", ".join(picked)
     if direct:
-        launch += [f"launch({values})"]
+        launch += [f"launch({', '.join(picked)})"]
     elif not workspace_size:
         launch += [f"launch({_tuple(picked)}, 0, stream)"]
     else:  # one launch (staging kernels and cuDNN's) at a time on a stream's workspace
@@ -464,7 +467,10 @@ def _plan_call(
             "with workspaces.lock:",
             f"    launch({_tuple(picked)}, workspaces.get(like, stream), stream)",
         ]
-    launch += [f"return result({_tuple(returned)})"]
+    if not result:
+        launch += [f"return {returned[0] if len(returned) == 1 else _tuple(returned)}"]
+    else:
+        launch += [f"return result({', '.join(returned)})"]
     body += [indent + line for line in launch]
     return "def call(arrays, ptrs, like, stream):\n" + "".join(f"    {b}\n" for b in body)
 
