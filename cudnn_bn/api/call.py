@@ -217,12 +217,42 @@ def run(spec: Pass, arrays: tuple, raw: tuple, stream: Any, out: Any = None) -> 
     try:
         if spec.out_names:
             arrays = (*arrays, *out_arrays(out, spec.out_names, spec.out_optional))
-        return _run(spec, arrays, raw, stream)
+        like = arrays[0]
+        if like is None:
+            raise InfiniError(Status.NULL_POINTER, "input is None")
+        signatures, ptrs, others = read(arrays, spec.writes, [spec, options_key(raw)])
+        described = _described(spec, arrays, stream, others, signatures, ptrs) if others else {}
+        try:
+            key = tuple(signatures)
+            plan = descriptor_cache.get(key)
+        except TypeError:  # an unhashable option: its validation says which
+            spec.options(raw, dict(zip(spec.names, arrays, strict=True)))
+            raise InfiniError(Status.BAD_PARAM, f"unhashable option among {raw!r}") from None
+        if plan is None:
+            plan = descriptor_cache.add(key, _build(spec, arrays, raw, described, stream))
+        return plan.call(arrays, ptrs, like, stream)
     except Exception as exc:
         raised = public_error(exc, _error_spelling(spec), f"batch_norm_{spec.name}")
         if raised is exc:
             raise
         raise raised from exc
+
+
+def _described(
+    spec: Pass, arrays: tuple, stream: Any, others: list[int], signatures: list, ptrs: list[int]
+) -> dict[int, Operand]:
+    """The door's operands of the producers at ``others`` (``read``), their signatures and
+    pointers filled in: one device for all, and the stream, before any is asked to export."""
+    device, device_id = common_place(_present(spec, arrays))
+    consumer = None if device == Device.CPU else call_stream(stream, arrays[0], device, device_id)
+    described = {}
+    for at in others:
+        name = spec.names[at]
+        found = operand(
+            spec.spelling.get(name, name), arrays[at], consumer, written=name in spec.written
+        )
+        described[at], ptrs[at], signatures[at + 2] = found, found.ptr, found.signature
+    return described
 
 
 def _error_spelling(spec: Pass) -> dict[str, str]:
@@ -231,32 +261,6 @@ def _error_spelling(spec: Pass) -> dict[str, str]:
     ``grad_weight`` is ``out[1]``)."""
     outs = spec.spelling
     return {name: outs.get(own, own) for name, own in SPELLING.items()} | outs
-
-
-def _run(spec: Pass, arrays: tuple, raw: tuple, stream: Any) -> Any:
-    like = arrays[0]
-    if like is None:
-        raise InfiniError(Status.NULL_POINTER, "input is None")
-    signatures, ptrs, others = read(arrays, spec.writes, [spec, options_key(raw)])
-    described: dict[int, Operand] = {}
-    if others:  # one device for all, and the stream, before any producer is asked to export
-        device, device_id = common_place(_present(spec, arrays))
-        consumer = None if device == Device.CPU else call_stream(stream, like, device, device_id)
-        for at in others:
-            name = spec.names[at]
-            found = operand(
-                spec.spelling.get(name, name), arrays[at], consumer, written=name in spec.written
-            )
-            described[at], ptrs[at], signatures[at + 2] = found, found.ptr, found.signature
-    try:
-        key = tuple(signatures)
-        plan = descriptor_cache.get(key)
-    except TypeError:  # an unhashable option: its validation says which
-        spec.options(raw, dict(zip(spec.names, arrays, strict=True)))
-        raise InfiniError(Status.BAD_PARAM, f"unhashable option among {raw!r}") from None
-    if plan is None:
-        plan = descriptor_cache.add(key, _build(spec, arrays, raw, described, stream))
-    return plan.call(arrays, ptrs, like, stream)
 
 
 class Aligned:
