@@ -89,7 +89,7 @@ def _copier(
     allocate = kind.allocator(like, copy)
 
     def rows(native: Any) -> Any:
-        array = allocate()[0]
+        array = allocate()
         array[...] = native
         return array
 
@@ -293,7 +293,7 @@ class _Fold:
             if batch == 0:  # nothing to compute: checked as one problem, empty results
 
                 def made(desc: TensorDesc) -> Any:
-                    return kind.allocator(like, desc)()[0]
+                    return kind.allocator(like, desc)()
 
                 return _no_problems(self.descs, made, self.mask, self.wants_z)
             folded = {}

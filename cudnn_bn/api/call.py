@@ -427,6 +427,7 @@ def _build(
         "call_place": call_place,
         "place": (kind, device, device_id),
         "scratch": kind.scratch,
+        "address": kind.address,
         "workspaces": Workspaces(kind, descriptor.workspace_size),
     }
     exec(compile(source, f"<plan of batch_norm_{spec.name}>", "exec"), namespace)
@@ -460,7 +461,9 @@ def _plan_call(
         indent = "    "
     elif not direct:
         body += ["stream = 0"]
-    launch = [f"o{k}, p{k} = allocate{k}()" for k in range(outputs)]
+    launch = [
+        line for k in range(outputs) for line in (f"o{k} = allocate{k}()", f"p{k} = address(o{k})")
+    ]
     launch += [f"r, pr = scratch(like, {reserve_size})"] if reserve_size else []
     if direct:
         launch += [f"launch({', '.join(picked)})"]

@@ -24,6 +24,7 @@ before the capture has made it."""
 import sys
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -36,8 +37,8 @@ from ..tensor import TensorDesc, contiguous_strides
 from .numpy_arrays import ndarray_data
 from .torch_tensors import torch_dtypes, torch_stream
 
-# Makes one new array of a planned layout and returns it with its data pointer.
-Allocator = Callable[[], tuple[Any, int]]
+# Makes one new array of a planned layout (its kind's ``address`` gives its data pointer).
+Allocator = Callable[[], Any]
 _ANYWHERE = nullcontext()  # no device to enter, no stream to allocate from
 
 
@@ -80,15 +81,13 @@ class NumpyKind:
         return like.dtype if own else FLOAT_TYPES[dtype].storage
 
     def allocator(self, like: Any, desc: TensorDesc) -> Allocator:
-        """New arrays of ``desc`` (``_in_memory_order``)."""
-        storage = self.storage(like, desc.dtype)
+        """New arrays of ``desc`` (``_in_memory_order``): NumPy's ``empty`` itself where no
+        transposition is needed."""
         shape, inverse = _in_memory_order(desc)
+        allocate = partial(np.empty, shape, self.storage(like, desc.dtype))
+        return allocate if inverse is None else lambda: allocate().transpose(inverse)
 
-        def allocate() -> tuple[Any, int]:
-            array = np.empty(shape, storage)
-            return array if inverse is None else array.transpose(inverse), ndarray_data(array)
-
-        return allocate
+    address = staticmethod(ndarray_data)
 
     def scratch(self, like: Any, nbytes: int) -> tuple[Any, int]:
         if nbytes == 0:
@@ -131,11 +130,11 @@ class TorchKind:
         dtype, device = torch_dtypes()[desc.dtype], like.device
         shape, strides = desc.shape, desc.strides
 
-        def allocate() -> tuple[Any, int]:
-            array = torch.empty_strided(shape, strides, dtype=dtype, device=device)
-            return array, array.data_ptr()
+        return partial(torch.empty_strided, shape, strides, dtype=dtype, device=device)
 
-        return allocate
+    @staticmethod
+    def address(array: Any) -> int:
+        return array.data_ptr()
 
     def scratch(self, like: Any, nbytes: int) -> tuple[Any, int]:
         if nbytes == 0:
@@ -180,11 +179,15 @@ class CupyKind:
         storage = NUMPY.storage(like, desc.dtype)
         shape, inverse = _in_memory_order(desc)
 
-        def allocate() -> tuple[Any, int]:
+        def allocate() -> Any:
             array = cuda.cupy_module().empty(shape, storage)
-            return array if inverse is None else array.transpose(inverse), array.data.ptr
+            return array if inverse is None else array.transpose(inverse)
 
         return allocate
+
+    @staticmethod
+    def address(array: Any) -> int:
+        return array.data.ptr
 
     def scratch(self, like: Any, nbytes: int) -> tuple[Any, int]:
         if nbytes == 0:
