@@ -182,30 +182,30 @@ def read(arrays: tuple, writes: tuple[bool, ...], signatures: list) -> tuple[lis
     writable where it is written), None as None and 0; the indices of any other producers in
     ``others``, for the door (their entries None and 0 until then). Signatures are appended
     to ``signatures``."""
-    ptrs, others = [], []
-    signature, pointer = signatures.append, ptrs.append
+    count = len(arrays)  # as many as ``writes``: the pass's names
+    ptrs, others = [0] * count, []
+    base = len(signatures)
+    signatures += [None] * count  # most of a call's operands are None (absent, out= entries)
     cupy_array, words = None, DATA_WORDS
-    for array, written in zip(arrays, writes, strict=True):
-        if array is None:  # most of a call's operands (absent ones, out= entries)
-            signature(None)
-            pointer(0)
+    at = -1
+    for array in arrays:
+        at += 1
+        if array is None:
             continue
         kind = type(array)
         if kind is np.ndarray:
-            signature(
-                (kind, array.dtype, array.shape, array.strides, written and array.flags.writeable)
-            )
-            pointer(words[id(array) >> 3] if words is not None else ndarray_data(array))
+            signatures[base + at] = (
+                kind, array.dtype, array.shape, array.strides, writes[at] and array.flags.writeable
+            )  # fmt: skip
+            ptrs[at] = words[id(array) >> 3] if words is not None else ndarray_data(array)
         elif kind is (cupy_array or (cupy_array := _cupy_array_type())):
-            signature((kind, array.dtype, array.shape, array.strides, array.device.id))
-            pointer(array.data.ptr)
+            signatures[base + at] = (kind, array.dtype, array.shape, array.strides, array.device.id)
+            ptrs[at] = array.data.ptr
         elif _plain_torch(array) and (ptr := _torch_data(array)) is not None:
-            signature((kind, array.dtype, array.shape, array.stride(), array.device))
-            pointer(ptr)
+            signatures[base + at] = (kind, array.dtype, array.shape, array.stride(), array.device)
+            ptrs[at] = ptr
         else:
-            others.append(len(ptrs))
-            signature(None)
-            pointer(0)
+            others.append(at)
     return signatures, ptrs, others
 
 
