@@ -15,6 +15,9 @@ from .outputs import absent_parameter, packed_like
 GRADIENTS = ("grad_input", "grad_weight", "grad_bias", "grad_z")
 _STATISTICS = ("running_mean", "running_var", "saved_mean", "saved_invstd")
 
+ALL_GRADIENTS = (True, True, True)  # the default output_mask
+_ALL_TYPES = (bool, bool, bool)
+
 
 class Backward:
     """The backward pass: reads input, grad_output, weight, statistics (running or saved),
@@ -169,7 +172,7 @@ def batch_norm_backward(
     saved_mean: Any = None,
     saved_invstd: Any = None,
     stream: Any = None,
-    output_mask: tuple[bool, bool, bool] = (True, True, True),
+    output_mask: tuple[bool, bool, bool] = ALL_GRADIENTS,
     fusion: str | None = None,
     output: Any = None,
     bias: Any = None,
@@ -220,6 +223,8 @@ def raw_options(
 ) -> tuple:
     """A backward's options as ``call.run`` takes them (``Backward.options`` checks them): an
     output mask given as a list as its tuple, keyed with its items' types (``options_key``)."""
+    if output_mask is ALL_GRADIENTS:  # the default: its types known
+        return mode, eps, fusion, output_mask, persistent, check_overflow, _ALL_TYPES
     mask_types = None
     if type(output_mask) in (tuple, list):
         output_mask = tuple(output_mask)
