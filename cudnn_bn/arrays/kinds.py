@@ -64,6 +64,15 @@ def _in_memory_order(desc: TensorDesc) -> tuple[tuple[int, ...], tuple[int, ...]
     return shape, None if order == tuple(range(desc.ndim)) else inverse
 
 
+def _packed(empty: Callable, desc: TensorDesc, storage: Any) -> Allocator:
+    """New arrays of ``desc`` from a library's ``empty(shape, dtype)``, in memory order
+    (``_in_memory_order``) and transposed back: ``empty`` itself, bound to the shape, where
+    no transposition is needed (no Python frame of ours per output)."""
+    shape, inverse = _in_memory_order(desc)
+    allocate = partial(empty, shape, storage)
+    return allocate if inverse is None else lambda: allocate().transpose(inverse)
+
+
 class NumpyKind:
     """Host arrays: NumPy allocates (BF16 as ml_dtypes' bfloat16 where the input has it,
     else as its uint16 bits)."""
@@ -81,11 +90,7 @@ class NumpyKind:
         return like.dtype if own else FLOAT_TYPES[dtype].storage
 
     def allocator(self, like: Any, desc: TensorDesc) -> Allocator:
-        """New arrays of ``desc`` (``_in_memory_order``): NumPy's ``empty`` itself where no
-        transposition is needed."""
-        shape, inverse = _in_memory_order(desc)
-        allocate = partial(np.empty, shape, self.storage(like, desc.dtype))
-        return allocate if inverse is None else lambda: allocate().transpose(inverse)
+        return _packed(np.empty, desc, self.storage(like, desc.dtype))
 
     address = staticmethod(ndarray_data)
 
@@ -176,14 +181,7 @@ class CupyKind:
         return cuda.stream_scope(stream, device_id)
 
     def allocator(self, like: Any, desc: TensorDesc) -> Allocator:
-        storage = NUMPY.storage(like, desc.dtype)
-        shape, inverse = _in_memory_order(desc)
-
-        def allocate() -> Any:
-            array = cuda.cupy_module().empty(shape, storage)
-            return array if inverse is None else array.transpose(inverse)
-
-        return allocate
+        return _packed(cuda.cupy_module().empty, desc, NUMPY.storage(like, desc.dtype))
 
     @staticmethod
     def address(array: Any) -> int:
