@@ -171,12 +171,11 @@ class CupyKind:
     def current(self, like: Any, device_id: int) -> tuple[int, AbstractContextManager]:
         """CuPy's current stream on ``device_id``; CuPy allocates from it once that device
         is current."""
-        here = cuda.current_device()
-        stream = cuda.current_stream(device_id)
+        here, stream = cuda.current_place(device_id)
         return stream, _ANYWHERE if here == device_id else cuda.on_device(device_id)
 
     def scope(self, like: Any, stream: int, device_id: int) -> AbstractContextManager:
-        if cuda.current_device() == device_id and cuda.current_stream(device_id) == stream:
+        if cuda.current_place(device_id) == (device_id, stream):
             return _ANYWHERE
         return cuda.stream_scope(stream, device_id)
 

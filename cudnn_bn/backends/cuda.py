@@ -45,8 +45,8 @@ def device_count() -> int:
 
 
 def current_device() -> int:
-    """The CUDA device current in this thread (asked on every call on CuPy arrays, so with
-    no ``_runtime_call`` in between; likewise ``current_stream``)."""
+    """The CUDA device current in this thread (asked on every compute, so with no
+    ``_runtime_call`` in between)."""
     runtime = cupy_module().cuda.runtime
     try:
         return runtime.getDevice()
@@ -73,12 +73,13 @@ class on_device:
             cupy_module().cuda.runtime.setDevice(self.previous)
 
 
-def current_stream(device_id: int) -> int:
-    """CuPy's current stream on ``device_id`` (each device has its own), as a
-    ``cudaStream_t`` address."""
+def current_place(device_id: int) -> tuple[int, int]:
+    """``(current device, stream)``: the CUDA device current in this thread, and CuPy's
+    current stream on ``device_id`` (each device has its own) as a ``cudaStream_t`` address;
+    what a call given no stream asks every time, in one step."""
     cuda = cupy_module().cuda
     try:
-        return cuda.get_current_stream(device_id).ptr
+        return cuda.runtime.getDevice(), cuda.get_current_stream(device_id).ptr
     except cuda.runtime.CUDARuntimeError as exc:
         raise _failed("cudaGetDevice", exc) from exc
 
