@@ -26,13 +26,13 @@ from ..ops.validation import check_eps, check_output_mask
 from ..problems import BackwardTensors, Fusion
 from ..tensor import TensorDesc
 from .backward import BACKWARD, raw_options, statistics
+from .batched_in_place import BATCHED_IN_PLACE, in_place, one_problem
+from .batched_in_place import DATA as _DATA
+from .batched_in_place import PER_CHANNEL as _PER_CHANNEL
 from .call import Aligned, options_key, read, run
 from .outputs import packed_like, statistics_dtype
 from .spelling import array_api
 from .streams import call_place, call_stream
-
-_DATA = ("input", "grad_output", "output")
-_PER_CHANNEL = ("weight", "running_mean", "running_var", "saved_mean", "saved_invstd", "bias")
 
 
 def _native(op: Operand, array: Any, kind: Any) -> Any:
@@ -124,12 +124,7 @@ def _no_problems(
 ) -> tuple[Any, ...]:
     """B = 0: the operator's own checks on one problem's layout (data ``(N, C, ...)``,
     per-channel ``(C,)``), then empty results shaped as a batch's."""
-    one = {
-        n: TensorDesc(desc.dtype, desc.shape[1:], desc.strides[1:])
-        if n in _DATA or desc.ndim == 2
-        else desc
-        for n, desc in descs.items()
-    }
+    one = {n: one_problem(n, desc) for n, desc in descs.items()}
     x = one["input"]
     w = one.get("weight") or TensorDesc.contiguous(statistics_dtype(x), x.shape[1:2])
     per_channel = TensorDesc.contiguous(w.dtype, w.shape)
@@ -205,7 +200,9 @@ def batch_norm_backward_batched(
         return fold(arrays, stream, ptrs)
     fold, ops = _checked(arrays, options, stream)
     like = arrays[0]
-    if others or any(type(a) is not type(like) for a in arrays if a is not None):
+    if isinstance(fold, _Fold) and (
+        others or any(type(a) is not type(like) for a in arrays if a is not None)
+    ):
         # Each in the input's library, over the door's operands (``ops`` keeps what they
         # point into alive: a resolved torch view, a DLPack capsule) until the call ends.
         natives = tuple(
@@ -227,8 +224,11 @@ _FOLDS = 256  # problems remembered; all are forgotten at once beyond this
 _folds: dict[tuple, "_Fold"] = {}
 
 
-def _checked(arrays: tuple, options: tuple, stream: Any) -> tuple["_Fold", dict[str, Operand]]:
-    """Every check on a new problem, through the door: its fold and the operands."""
+def _checked(
+    arrays: tuple, options: tuple, stream: Any
+) -> tuple["_Fold | _InPlace", dict[str, Operand]]:
+    """Every check on a new problem, through the door: how it runs (folded, or in place on
+    the CPU engine: ``batched_in_place``) and the operands."""
     mode, eps, output_mask, fusion, *_ = options
     given = dict(zip(_NAMES, arrays, strict=True))
     statistics(mode, *(given[n] for n in _PER_CHANNEL[1:5]))
@@ -246,9 +246,28 @@ def _checked(arrays: tuple, options: tuple, stream: Any) -> tuple["_Fold", dict[
     batch, channels = _check_shapes(ops)
     kind = ops["input"].kind
     descs = {n: op.desc for n, op in ops.items()}
+    if device == Device.CPU and batch and in_place(descs):
+        return _InPlace(_raw(options)), ops
     like = given["input"]
     fold = _Fold(descs, kind, like, device, device_id, (batch, channels), mask, wants_z, options)
     return fold, ops
+
+
+def _raw(options: tuple) -> tuple:
+    """The batched call's options as the backward takes them (``raw_options``)."""
+    mode, eps, output_mask, fusion, persistent, _ = options
+    return raw_options(mode, eps, fusion, output_mask, persistent, False)
+
+
+class _InPlace:
+    """A checked batched problem that runs in place (``batched_in_place``): the arrays as
+    they are, through the shared call path (its own plan, its own checks of addresses)."""
+
+    def __init__(self, raw: tuple) -> None:
+        self.raw = raw
+
+    def __call__(self, arrays: tuple, stream: Any, ptrs: list[int] | None = None) -> tuple:
+        return run(BATCHED_IN_PLACE, arrays, self.raw, stream)
 
 
 class _Fold:
@@ -274,8 +293,7 @@ class _Fold:
     ) -> None:
         self.descs, self.kind, self.device, self.device_id = descs, kind, device, device_id
         (self.batch, self.channels), self.mask, self.wants_z = sizes, mask, wants_z
-        mode, eps, output_mask, fusion, persistent, _ = options
-        self.raw = raw_options(mode, eps, fusion, output_mask, persistent, False)
+        self.raw = _raw(options)
         self.aligned = Aligned({_NAMES.index(n): desc for n, desc in descs.items()})
         self.foldings = {}  # name -> (index in the arrays, its copy or None, shape)
         for n, desc in descs.items():

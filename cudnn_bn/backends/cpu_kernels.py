@@ -968,3 +968,18 @@ def whole_pass(plan, eps, momentum, like, x_at, a_at, y_at, gi_at, gz_at, c0, c1
         _call(steps[ITEM_FORWARD], (x, a, y, *data, (flags[0], flags[1]), whole))
     elif flags[2] or flags[3]:
         _call(steps[ITEM_BACKWARD], (x, a, y, gi, gz, *data, flags, whole))
+
+
+@jit
+def batch_pass(whole, plan, eps, momentum, like, steps, first, end, x_at, a_at, y_at, gi_at,
+               gz_at, c0, c1, c2, c3, c4, c5):  # fmt: skip
+    """Problems ``first``..``end`` of a batch of one layout, each a ``whole_pass`` (called by
+    address, ``whole``: ``entry``) on the given pointers plus its index times ``steps``
+    (bytes, one per pointer): a batch's problems walked where they lie, with no copies and
+    one call from Python."""
+    s = steps
+    for b in range(first, end):
+        _call(whole, (plan, eps, momentum, like, x_at + b * s[0], a_at + b * s[1],
+                      y_at + b * s[2], gi_at + b * s[3], gz_at + b * s[4], c0 + b * s[5],
+                      c1 + b * s[6], c2 + b * s[7], c3 + b * s[8], c4 + b * s[9],
+                      c5 + b * s[10]))  # fmt: skip
