@@ -14,16 +14,8 @@ import torch
 from helpers import assert_close, convert, f64, tolerance_dtype
 
 import cudnn_bn
-from cudnn_bn import (
-    BatchNormBackwardDescriptor,
-    InfiniError,
-    Status,
-    batch_norm_backward,
-    batch_norm_backward_batched,
-)
-from cudnn_bn.api import batched_in_place
-from cudnn_bn.arrays.kinds import NUMPY
-from cudnn_bn.backends import cpu_kernels, cpu_pool
+from cudnn_bn import InfiniError, Status, batch_norm_backward, batch_norm_backward_batched
+from cudnn_bn.api import batched_host
 
 EPS = 1e-5
 SHAPES = [(3, 4, 2), (3, 4, 2, 5), (2, 2, 3, 4, 5)]  # (B, N, C, ...)
@@ -38,11 +30,11 @@ MASK = [True, True, True]
 
 @pytest.fixture(autouse=True, params=["folded", "in place"])
 def strategy(request, monkeypatch) -> str:
-    """Every test both ways a CPU batch runs: folded with copies (small problems) and in
-    place (``batched_in_place``; here at any size), from a fresh cache of folds."""
-    monkeypatch.setattr("cudnn_bn.api.batched._folds", {})
+    """Every test both ways a CPU batch runs (``batched_host``): folded (small problems)
+    and in place (here at any size), from an empty plan cache."""
+    cudnn_bn.descriptor_cache.clear()
     if request.param == "in place":
-        monkeypatch.setattr(batched_in_place, "MIN_VALUES", 0)
+        monkeypatch.setattr(batched_host, "MIN_VALUES", 0)
     return request.param
 
 
@@ -163,70 +155,6 @@ def test_bad_arguments(change, status):
             args.pop("input"), args.pop("grad_output"), args.pop("weight"), None, None, **args
         )
     assert error.value.status == status
-
-
-def assert_each_problem_alone(p: dict, got: tuple) -> None:
-    """``got`` is, bit for bit, what ``batch_norm_backward`` gives each problem alone."""
-    for i in range(p["input"].shape[0]):
-        one = batch_norm_backward(p["input"][i], p["grad_output"][i], weight_of(p, i), None, None)
-        for batched_result, single in zip(got, one, strict=True):
-            np.testing.assert_array_equal(batched_result[i], single)
-
-
-@pytest.fixture
-def launches(monkeypatch) -> dict[str, list]:
-    """What a call launches and copies: each launch of a backward descriptor (one problem's
-    input shape, problems per launch), each ``cpu_kernels.batch_pass`` (its first and end
-    problem), each packed copy of a NumPy array; from an empty plan cache."""
-    cudnn_bn.descriptor_cache.clear()
-    seen: dict[str, list] = {"launches": [], "batch_pass": [], "copies": []}
-    launcher, batch_pass = BatchNormBackwardDescriptor.launcher, cpu_kernels.batch_pass
-
-    def counting(self, *args, **kwargs):
-        launch = launcher(self, *args, **kwargs)
-        problems = (kwargs.get("batch") or (1,))[0]
-
-        def call(*a):
-            seen["launches"].append((self.tensors.input.shape, problems))
-            return launch.call(*a)
-
-        return launch._replace(call=call)
-
-    def counted_pass(*args):
-        seen["batch_pass"].append(args[6:8])
-        return batch_pass(*args)
-
-    monkeypatch.setattr(BatchNormBackwardDescriptor, "launcher", counting)
-    monkeypatch.setattr(cpu_kernels, "batch_pass", counted_pass)
-    monkeypatch.setattr(NUMPY, "packed", lambda a: seen["copies"].append(a.shape) or a.copy())
-    return seen
-
-
-@pytest.mark.parametrize("threads", [1, 2])
-def test_problems_of_many_values_run_in_place_in_one_launch(launches, threads, monkeypatch):
-    """Issue 17: ``(B, N, C, ...)`` data folds into ``(N, B*C, ...)`` by no view, and copying
-    it in and out cost more than the pass (64 problems ``(4, 64, 7, 7)``: 2.35x one call of
-    the same size). A problem of ``MIN_VALUES`` or more runs where it lies: one launch of one
-    problem's plan over the whole batch, no copy; with threads, blocks of problems."""
-    monkeypatch.setattr(cpu_pool, "_count", threads)
-    p = problem((8, 4, 16, 16, 8), np.float32, np.float32, "batched")  # 8 x 8192 values
-    got = batch_norm_backward_batched(*arguments(p, "train"))
-    assert launches["launches"] == [((4, 16, 16, 8), 8)]
-    assert launches["copies"] == []
-    assert sorted(launches["batch_pass"]) == ([(0, 8)] if threads == 1 else [(0, 4), (4, 8)])
-    assert_each_problem_alone(p, got)
-    for actual, expected in zip(got, torch_batched(p, "train"), strict=True):
-        assert_close(actual, expected, np.float32)
-
-
-def test_problems_too_large_for_one_call_each_run_one_launch_each(launches):
-    """A problem that is threaded itself (no one-call pass) runs as one launch per problem,
-    still over the caller's arrays."""
-    p = problem((2, 2, 16, 64, 32), np.float32, np.float32, "shared")  # 65536 values each
-    got = batch_norm_backward_batched(*arguments(p, "train"))
-    assert launches["launches"] == [((2, 16, 64, 32), 2)]
-    assert launches["copies"] == launches["batch_pass"] == []
-    assert_each_problem_alone(p, got)
 
 
 def test_problems_with_no_values_give_zero_gradients():
