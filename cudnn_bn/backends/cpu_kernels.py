@@ -987,46 +987,22 @@ def batch_pass(whole, plan, eps, momentum, like, steps, first, end, x_at, a_at, 
 
 # --- gathering operands --------------------------------------------------------------------
 
-GATHER_DIMS = 6  # a batch of problems' axes, at most: (B, N, C, D, H, W)
-GATHER_COLUMNS = 3 + 2 * GATHER_DIMS
-
-
-@helper(inline="always")
-def _gathered(src, dst, shape, strides, low):
-    # In the destination's order, a run of the innermost axis at a time (unsigned indices
-    # and a unit-stride loop of its own, so that LLVM vectorizes the copy); ``low`` (the
-    # source's lowest offset, 0 unless a stride is negative) taken off every offset.
-    i, n, step = 0, shape[5], strides[5]
-    for a in range(shape[0]):
-        o0 = a * strides[0] - low
-        for b in range(shape[1]):
-            o1 = o0 + b * strides[1]
-            for c in range(shape[2]):
-                o2 = o1 + c * strides[2]
-                for d in range(shape[3]):
-                    o3 = o2 + d * strides[3]
-                    for e in range(shape[4]):
-                        o4 = o3 + e * strides[4]
-                        if step == 1:
-                            for f in range(n):
-                                dst[_at(i, f, 1)] = src[_at(o4, f, 1)]
-                        else:
-                            for f in range(n):
-                                dst[_at(i, f, 1)] = src[_at(o4, f, step)]
-                        i += n
+GATHER_DIMS = 7  # a batch of problems' axes, (B, N, C, D, H, W), then an element's 2-byte units
 
 
 @jit
 def gather(table):
     """Copy strided tensors into packed buffers, one per row of ``table``: the source's
-    address, the destination's, the item size (2, 4 or 8 bytes: bits are copied, so one
-    compiled version serves every dtype), then ``GATHER_DIMS`` sizes and as many element
-    strides of the source, in the order the destination is packed in (padded in front with
-    size 1). A stride may be 0 (a row repeated) or negative."""
+    address, the destination's, then ``GATHER_DIMS`` sizes and as many strides of the
+    source, in the order the destination is packed in (padded in front with size 1), all in
+    2-byte units (an element's units its innermost axis), so that one compiled version
+    serves every dtype. A stride may be 0 (a row repeated) or negative. A run of the
+    innermost axis at a time: unsigned indices, and a loop of its own for unit stride, so
+    that LLVM vectorizes the copy; the outer axes counted as an odometer (no division)."""
     dims = GATHER_DIMS
     for row in range(table.shape[0]):
-        src_at, dst_at, size = table[row, 0], table[row, 1], table[row, 2]
-        shape, strides = table[row, 3 : 3 + dims], table[row, 3 + dims : 3 + 2 * dims]
+        src_at, dst_at = table[row, 0], table[row, 1]
+        shape, strides = table[row, 2 : 2 + dims], table[row, 2 + dims : 2 + 2 * dims]
         low, high, total = 0, 0, 1
         for k in range(dims):
             total *= shape[k]
@@ -1037,23 +1013,24 @@ def gather(table):
                 high += reach
         if total == 0:
             continue
-        span, start = high - low + 1, src_at + low * size
-        # A view of each item size; only the one of ``size`` is not empty.
-        s2, d2 = (
-            flat(start, span * (size == 2), np.uint16),
-            flat(dst_at, total * (size == 2), np.uint16),
-        )
-        s4, d4 = (
-            flat(start, span * (size == 4), np.uint32),
-            flat(dst_at, total * (size == 4), np.uint32),
-        )
-        s8, d8 = (
-            flat(start, span * (size == 8), np.uint64),
-            flat(dst_at, total * (size == 8), np.uint64),
-        )
-        if size == 2:
-            _gathered(s2, d2, shape, strides, low)
-        elif size == 4:
-            _gathered(s4, d4, shape, strides, low)
-        else:
-            _gathered(s8, d8, shape, strides, low)
+        src = flat(src_at + 2 * low, high - low + 1, np.uint16)
+        dst = flat(dst_at, total, np.uint16)
+        n, step = shape[dims - 1], strides[dims - 1]
+        index, o = np.zeros(dims, np.int64), -low  # the run's outer indices, source offset
+        for run in range(total // n):
+            i = run * n
+            if step == 1:
+                for f in range(n):
+                    dst[_at(i, f, 1)] = src[_at(o, f, 1)]
+            else:
+                for f in range(n):
+                    dst[_at(i, f, 1)] = src[_at(o, f, step)]
+            k = dims - 2  # the next run: outer indices counted up as an odometer
+            while k >= 0:
+                index[k] += 1
+                o += strides[k]
+                if index[k] < shape[k]:
+                    break
+                o -= strides[k] * shape[k]
+                index[k] = 0
+                k -= 1
