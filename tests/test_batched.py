@@ -163,3 +163,37 @@ def test_problems_with_no_values_give_zero_gradients():
     assert gi.shape == (3, 0, 2, 5)
     np.testing.assert_array_equal(gw, np.zeros((3, 2), np.float32))
     np.testing.assert_array_equal(gb, np.zeros((3, 2), np.float32))
+
+
+@pytest.mark.parametrize("fusion", ["relu", "add_relu"])
+def test_fused_backward_per_problem(fusion):
+    """A fused forward's backward (its output and bias, ``(B, C)`` or shared), as each
+    problem's ``batch_norm_backward`` alone, grad_z included."""
+    p = problem((3, 4, 2, 5), np.float32, np.float32, "batched")
+    rng = np.random.default_rng(3)
+    y = np.maximum(rng.standard_normal(p["input"].shape), 0).astype(np.float32)
+    bias = rng.standard_normal(2).astype(np.float32)
+    got = batch_norm_backward_batched(
+        p["input"], p["grad_output"], p["weight"], None, None, fusion=fusion, output=y, bias=bias
+    )
+    assert len(got) == (4 if fusion == "add_relu" else 3)
+    for i in range(3):
+        one = batch_norm_backward(
+            p["input"][i], p["grad_output"][i], p["weight"][i], None, None,
+            fusion=fusion, output=y[i], bias=bias,
+        )  # fmt: skip
+        for batched_result, single in zip(got, one, strict=True):
+            np.testing.assert_array_equal(batched_result[i], single)
+
+
+def test_no_weight_and_reversed_views_per_problem():
+    """``weight=None`` (ones, no grad_weight) on views with negative strides: gathered by
+    the fold (the backward refuses negative strides, so such a batch never runs in place)."""
+    p = problem((3, 4, 2, 5), np.float64, np.float64, "shared")
+    x, dy = p["input"][::-1, :, ::-1], p["grad_output"][:, ::-1]
+    gi, gw, gb = batch_norm_backward_batched(x, dy, None, None, None)
+    assert gw is None
+    for i in range(3):
+        one = batch_norm_backward(x[i].copy(), dy[i].copy(), None, None, None)
+        np.testing.assert_array_equal(gi[i], one[0])
+        np.testing.assert_array_equal(gb[i], one[2])
