@@ -144,9 +144,25 @@ def _step(desc: TensorDesc) -> int:
     return desc.strides[0] * ITEMSIZE[desc.dtype]
 
 
-class _Batch:
+class _Launched:
+    """A plan's descriptor (``one``: the backward's) with a launcher of its own; everything
+    else, closing included, is the descriptor's (``descriptor_cache.descriptors()`` shows
+    it)."""
+
+    one: Any
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "one":  # not set yet (a copy being made): no recursion
+            raise AttributeError(name)
+        return getattr(self.one, name)
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.one.__exit__(*exc_info)
+
+
+class _Batch(_Launched):
     """One problem's descriptor launched on ``count`` of them (``steps``: bytes between
-    problems, by the launch's fields); everything else is the descriptor's."""
+    problems, by the launch's fields)."""
 
     def __init__(self, one: Any, count: int, steps: dict[str | None, int]) -> None:
         self.one, self.count, self.steps = one, count, steps
@@ -154,12 +170,6 @@ class _Batch:
     def launcher(self, *args: Any) -> Launch:
         """The descriptor's ``launcher`` for the whole batch."""
         return self.one.launcher(*args, batch=(self.count, self.steps))
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.one, name)
-
-    def __exit__(self, *exc_info: object) -> None:
-        self.one.__exit__(*exc_info)
 
 
 def _folded(handle: Handle, descs: dict[str, TensorDesc], options: tuple, count: int) -> Built:
@@ -227,7 +237,7 @@ def _unfolded(name: str, desc: TensorDesc, count: int) -> TensorDesc:
     return TensorDesc(desc.dtype, shape, (channels * c_stride, n_stride, c_stride, *rest_strides))
 
 
-class _Gathered:
+class _Gathered(_Launched):
     """The folded problem's descriptor, launched on operands gathered first: ``rows`` (by
     operand name) of ``cpu_kernels.gather``'s table; ``pointers``: the operand each launch
     field takes where it is not its namesake (``call.Built``)."""
@@ -259,9 +269,3 @@ class _Gathered:
             one(tuple(moved), workspace, stream)
 
         return Launch(launch.fields, call)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.one, name)
-
-    def __exit__(self, *exc_info: object) -> None:
-        self.one.__exit__(*exc_info)
