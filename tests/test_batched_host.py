@@ -94,3 +94,21 @@ def test_small_problems_fold_by_one_gather_into_one_launch(launches):
     assert launches["gathers"] == [3]
     assert launches["copies"] == launches["batch_pass"] == []
     assert_each_problem_alone(p, got)
+
+
+@pytest.mark.parametrize("shape", [(6, 3, 4, 5), (6, 4, 16, 16, 8)], ids=["folded", "in place"])
+def test_calls_from_many_threads_at_once(shape):
+    """One plan run by several Python threads at once: each call gathers into scratch of
+    its own (folded) or reads the caller's arrays (in place), so each gets its own result."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    problems = [problem(shape, np.float32, np.float32, "batched", seed=s) for s in range(4)]
+    want = [batch_norm_backward_batched(*arguments(p, "train")) for p in problems]
+    with ThreadPoolExecutor(4) as pool:
+        runs = [
+            pool.submit(batch_norm_backward_batched, *arguments(p, "train")) for p in problems * 5
+        ]
+        got = [run.result() for run in runs]
+    for i, results in enumerate(got):
+        for actual, expected in zip(results, want[i % 4], strict=True):
+            np.testing.assert_array_equal(actual, expected)
