@@ -2,7 +2,7 @@
 C API side by side with torch's CPU call, in one process (issue 17's targets).
 
     PYTHONPATH=. python benchmarks/bench_calls.py [--out DIR] [--quick] [--rounds N]
-        [--sample-ms MS] [--threads 1,2]
+        [--sample-ms MS] [--threads 1,2] [--batched-only]
 
 Problems: F32 (8, 4), (2, 16, 16) and (4, 64, 7, 7); passes: training forward, inference
 forward, backward in train mode (statistics recomputed) and in saved mode (the forward's
@@ -620,6 +620,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, help="interleaved samples per way (default 15)")
     parser.add_argument("--sample-ms", type=float, help="length of one sample (default 20)")
     parser.add_argument("--threads", default=None, help="comma-separated (default 1,2)")
+    parser.add_argument(
+        "--batched-only", action="store_true", help="only the batched backward's sections"
+    )
     args = parser.parse_args(argv)
     if args.quick and args.out.resolve() == DEFAULT_OUT.resolve():
         parser.error("--quick writes no results into benchmarks/results: give --out")
@@ -633,8 +636,9 @@ def main(argv: list[str] | None = None) -> int:
         numba_threads = set_threads(count)
         if numba_threads != count:
             print(f"note: the CPU engine runs with {numba_threads} threads", file=sys.stderr)
-        with section("CPU: array API, compute, C API vs torch", count, sections) as rows:
-            rows += cpu_rows(shapes, timing)
+        if not args.batched_only:
+            with section("CPU: array API, compute, C API vs torch", count, sections) as rows:
+                rows += cpu_rows(shapes, timing)
         with section("CPU: batched backward, B = 64", count, sections) as rows:
             rows += batched_rows(None, shapes, timing)
         with ExitStack() as stack:
@@ -646,8 +650,9 @@ def main(argv: list[str] | None = None) -> int:
             except Exception as exc:  # no gcc, or no pytest: said, not fatal
                 print(f"no NVIDIA stand-ins: {type(exc).__name__}: {exc}", file=sys.stderr)
                 continue
-            with section("NVIDIA path on the stand-ins vs torch CPU", count, sections) as rows:
-                rows += nvidia_rows(fake, shapes, on_fake)
+            if not args.batched_only:
+                with section("NVIDIA path on the stand-ins vs torch CPU", count, sections) as rows:
+                    rows += nvidia_rows(fake, shapes, on_fake)
             with section("NVIDIA stand-ins: batched backward, B = 64", count, sections) as rows:
                 rows += batched_rows(fake, [*map(on_cudnn, shapes)], on_fake)
     import numba

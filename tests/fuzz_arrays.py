@@ -8,9 +8,10 @@ strided, reversed, Fortran-ordered, broadcast, read-only or ``frombuffer`` view,
 array, or a producer (``producers.py``: array interfaces, CUDA array interfaces and DLPack
 producers that lie about one thing or none, byte-swapped and bfloat16 arrays, torch views
 with the negative or conjugate bit, torch and NumPy subclasses, masked arrays); sometimes
-two arguments are one array, the batch (N) or the batch of problems (B) is empty, weight or
-bias is None (affine=False), the input holds NaN, or ``out=`` arrays are given (good,
-read-only, aliased, of a wrong shape, dtype, byte order or kind); scalars (eps, momentum,
+two arguments are one array, the batch (N) or the batch of problems (B) is empty (a batch
+runs folded or in place, as drawn, whatever its size), weight or bias is None
+(affine=False), the input holds NaN, or ``out=`` arrays are given (good, read-only, aliased,
+of a wrong shape, dtype, byte order or kind); scalars (eps, momentum,
 decay, mode, output_mask) come as Python or NumPy values, good or bad. A "clean" problem
 (plain NumPy or torch arrays, good scalars) must be accepted. Some problems are called twice
 with the same signature but one property that must still be checked on the plan's hit
@@ -43,6 +44,7 @@ from producers import Marks, produce
 import cudnn_bn
 from cudnn_bn import InfiniError, Status
 from cudnn_bn import cupyx_compat as cupyx
+from cudnn_bn.api import batched_host
 from cudnn_bn.ops.descriptor import OperatorDescriptor
 
 FORMS = [
@@ -60,6 +62,7 @@ AFFINE_OPTIONAL = ("backward", "backward_saved", "batched", "training", "inferen
 OUTPUTS = {"backward": 3, "training": 3, "inference": 1}  # entry points taking out=
 OUT_FORMS = ["good", "good", "partial", "readonly", "alias_input", "alias_each_other",
              "wrong_shape", "wrong_dtype", "big_endian", "wrong_kind"]  # fmt: skip
+IN_PLACE_MIN_VALUES = batched_host.MIN_VALUES
 TWINS = ["misaligned", "readonly_written", "overlap", "bool_option"]
 
 
@@ -220,6 +223,7 @@ def draw_problem(draw) -> Problem:
         ),
         "output_mask": draw(st.sampled_from(MASKS[:3] if good else MASKS)),
         "batch": batch,
+        "in_place": draw(st.booleans()),  # batched: at any size (else only large problems)
     }
     out_form = None
     if entry in OUTPUTS and draw(st.integers(0, 3)) == 0:
@@ -296,7 +300,11 @@ def call(entry: str, args: dict, s: dict, out: tuple | None) -> list:
                 x, dy, w, None, None, eps=eps, mode="saved", saved_mean=sm, saved_invstd=si
             )
         )
-    if entry == "batched":
+    if entry == "batched":  # folded with copies, or in place, as drawn
+        minimum = 0 if s["in_place"] else IN_PLACE_MIN_VALUES
+        if minimum != batched_host.MIN_VALUES:  # a problem is folded or not once
+            batched_host.MIN_VALUES = minimum
+            cudnn_bn.descriptor_cache.clear()
         return list(cudnn_bn.batch_norm_backward_batched(x, dy, w, None, None, eps=eps))
     if entry == "training":
         outputs = cudnn_bn.batch_norm_forward_training(
@@ -473,6 +481,7 @@ def attempt(p: Problem, must_refuse: str = "") -> None:
         COUNTS[f"form_{m.lie}"] += 1
     COUNTS["n_zero"] += p.shape[0] == 0
     COUNTS["b_zero"] += entry == "batched" and p.scalars["batch"] == 0
+    COUNTS["b_in_place"] += entry == "batched" and p.scalars["in_place"]
     COUNTS["affine_false"] += args["weight"] is None or args["bias"] is None
     COUNTS["clean"] += p.clean
     if p.out_form is not None:

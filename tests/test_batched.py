@@ -13,7 +13,9 @@ import pytest
 import torch
 from helpers import assert_close, convert, f64, tolerance_dtype
 
+import cudnn_bn
 from cudnn_bn import InfiniError, Status, batch_norm_backward, batch_norm_backward_batched
+from cudnn_bn.api import batched_host
 
 EPS = 1e-5
 SHAPES = [(3, 4, 2), (3, 4, 2, 5), (2, 2, 3, 4, 5)]  # (B, N, C, ...)
@@ -24,6 +26,16 @@ DTYPES = [  # (data dtype, per-channel dtype)
     (torch.bfloat16, torch.bfloat16),
 ]
 MASK = [True, True, True]
+
+
+@pytest.fixture(autouse=True, params=["folded", "in place"])
+def strategy(request, monkeypatch) -> str:
+    """Every test both ways a CPU batch runs (``batched_host``): folded (small problems)
+    and in place (here at any size), from an empty plan cache."""
+    cudnn_bn.descriptor_cache.clear()
+    if request.param == "in place":
+        monkeypatch.setattr(batched_host, "MIN_VALUES", 0)
+    return request.param
 
 
 def problem(shape, data, channel, weight_shape: str, seed=0) -> dict:
@@ -143,3 +155,45 @@ def test_bad_arguments(change, status):
             args.pop("input"), args.pop("grad_output"), args.pop("weight"), None, None, **args
         )
     assert error.value.status == status
+
+
+def test_problems_with_no_values_give_zero_gradients():
+    p = problem((3, 0, 2, 5), np.float32, np.float32, "batched")
+    gi, gw, gb = batch_norm_backward_batched(*arguments(p, "train"))
+    assert gi.shape == (3, 0, 2, 5)
+    np.testing.assert_array_equal(gw, np.zeros((3, 2), np.float32))
+    np.testing.assert_array_equal(gb, np.zeros((3, 2), np.float32))
+
+
+@pytest.mark.parametrize("fusion", ["relu", "add_relu"])
+def test_fused_backward_per_problem(fusion):
+    """A fused forward's backward (its output and bias, ``(B, C)`` or shared), as each
+    problem's ``batch_norm_backward`` alone, grad_z included."""
+    p = problem((3, 4, 2, 5), np.float32, np.float32, "batched")
+    rng = np.random.default_rng(3)
+    y = np.maximum(rng.standard_normal(p["input"].shape), 0).astype(np.float32)
+    bias = rng.standard_normal(2).astype(np.float32)
+    got = batch_norm_backward_batched(
+        p["input"], p["grad_output"], p["weight"], None, None, fusion=fusion, output=y, bias=bias
+    )
+    assert len(got) == (4 if fusion == "add_relu" else 3)
+    for i in range(3):
+        one = batch_norm_backward(
+            p["input"][i], p["grad_output"][i], p["weight"][i], None, None,
+            fusion=fusion, output=y[i], bias=bias,
+        )  # fmt: skip
+        for batched_result, single in zip(got, one, strict=True):
+            np.testing.assert_array_equal(batched_result[i], single)
+
+
+def test_no_weight_and_reversed_views_per_problem():
+    """``weight=None`` (ones, no grad_weight) on views with negative strides: gathered by
+    the fold (the backward refuses negative strides, so such a batch never runs in place)."""
+    p = problem((3, 4, 2, 5), np.float64, np.float64, "shared")
+    x, dy = p["input"][::-1, :, ::-1], p["grad_output"][:, ::-1]
+    gi, gw, gb = batch_norm_backward_batched(x, dy, None, None, None)
+    assert gw is None
+    for i in range(3):
+        one = batch_norm_backward(x[i].copy(), dy[i].copy(), None, None, None)
+        np.testing.assert_array_equal(gi[i], one[0])
+        np.testing.assert_array_equal(gb[i], one[2])

@@ -2,13 +2,16 @@
 
 functorch's batching rule for batch norm (``batch_norm_batch_rule``, seed 002) folds the batch
 dimension into the channels (``reshape_dim_into(bdim, 1, input)``): ``(B, N, C, ...)`` data
-becomes ``(N, B*C, ...)`` (a view where the strides allow, else one copy by the arrays' own
-library), per-channel operands become ``(B*C,)``, and one ``batch_norm_backward`` runs every
-problem at once; the results are views of that call's outputs shaped ``(B, N, C, ...)`` and
-``(B, C)``. Every operand of a new problem is checked through the door first, so B = 0
-validates as much as any other batch. A repeated problem (the same signatures and options,
-``call.read``; every array read by its attributes, all of the input's library) reuses how
-it folds (``_Fold``) and goes straight to folding; the backward call keys its own plan.
+becomes ``(N, B*C, ...)``, per-channel operands become ``(B*C,)``, and one backward runs
+every problem at once. On the host that is the CPU engine's batched pass
+(``batched_host``: in place, or folded by one gather, over the shared call path). On a GPU
+the arrays are folded here (a view where the strides allow, else one copy by the arrays'
+own library) and one ``batch_norm_backward`` runs on them; the results are views of that
+call's outputs shaped ``(B, N, C, ...)`` and ``(B, C)``. Every operand of a new problem is
+checked through the door first, so B = 0 validates as much as any other batch. A repeated
+problem (the same signatures and options, ``call.read``; every array read by its attributes,
+all of the input's library) reuses how it folds (``_Fold``) and goes straight to folding;
+the backward call keys its own plan.
 """
 
 from collections.abc import Callable
@@ -16,41 +19,27 @@ from typing import Any
 
 import numpy as np
 
-from ..arrays import NUMPY, TORCH, Operand, common_place, operand
+from ..arrays import TORCH, Operand, common_place, operand
 from ..arrays.cuda_interface import is_cupy
-from ..backends.host import host_array
-from ..enums import DataType, Device, Status
+from ..enums import Device, Status
 from ..errors import InfiniError
 from ..ops.batch_norm_backward import parse_fusion, validate_tensors
 from ..ops.validation import check_eps, check_output_mask
 from ..problems import BackwardTensors, Fusion
 from ..tensor import TensorDesc
 from .backward import BACKWARD, raw_options, statistics
+from .batched_host import BATCHED_HOST, check_shapes, one_problem
+from .batched_host import DATA as _DATA
+from .batched_host import PER_CHANNEL as _PER_CHANNEL
 from .call import Aligned, options_key, read, run
 from .outputs import packed_like, statistics_dtype
 from .spelling import array_api
 from .streams import call_place, call_stream
 
-_DATA = ("input", "grad_output", "output")
-_PER_CHANNEL = ("weight", "running_mean", "running_var", "saved_mean", "saved_invstd", "bias")
 
-
-def _native(op: Operand, array: Any, kind: Any) -> Any:
-    """An array over ``op``'s memory in the input's library ``kind`` where the operand is on
-    the host (the copies below assign one into the other with ``[...] =``, which neither
-    NumPy, from a torch tensor that requires grad, nor torch, from a NumPy array, can do),
-    else in its own. torch views no negative strides: those are copied."""
-    if op.device == Device.CPU and kind is NUMPY:
-        return host_array(op.ptr, op.desc, readonly=bool(op.readonly))
-    if op.kind is NUMPY:  # on the host, under torch data
-        import torch
-
-        view = host_array(op.ptr, op.desc)  # only read
-        if any(s < 0 for s in view.strides):
-            view = view.copy()
-        if op.desc.dtype == DataType.BF16:
-            return torch.from_numpy(view.view(np.uint16)).view(torch.bfloat16)
-        return torch.from_numpy(view)
+def _native(op: Operand, array: Any) -> Any:
+    """A device operand as an array of its own library (torch or CuPy), which the copies
+    below take."""
     if op.kind is TORCH or is_cupy(op.owner):
         return op.owner
     import cupy
@@ -96,40 +85,12 @@ def _copier(
     return rows
 
 
-def _check_shapes(ops: dict[str, Operand]) -> tuple[int, int]:
-    """``(B, C)``: data operands ``(B, N, C, ...)`` like ``input``, per-channel ones ``(C,)``
-    or ``(B, C)``."""
-    x = ops["input"].desc.shape
-    if len(x) < 3:
-        raise InfiniError(Status.BAD_TENSOR_SHAPE, f"input has shape {x}; expected (B, N, C, ...)")
-    batch, channels = x[0], x[2]
-    for name in _DATA[1:]:
-        if name in ops and ops[name].desc.shape != x:
-            raise InfiniError(
-                Status.BAD_TENSOR_SHAPE,
-                f"{name} has shape {ops[name].desc.shape}; expected {x} as input",
-            )
-    for name in _PER_CHANNEL:
-        if name in ops and ops[name].desc.shape not in ((channels,), (batch, channels)):
-            raise InfiniError(
-                Status.BAD_TENSOR_SHAPE,
-                f"{name} has shape {ops[name].desc.shape}; expected ({channels},) or "
-                f"({batch}, {channels})",
-            )
-    return batch, channels
-
-
 def _no_problems(
     descs: dict[str, TensorDesc], made: Callable[[TensorDesc], Any], mask: tuple, wants_z: bool
 ) -> tuple[Any, ...]:
     """B = 0: the operator's own checks on one problem's layout (data ``(N, C, ...)``,
     per-channel ``(C,)``), then empty results shaped as a batch's."""
-    one = {
-        n: TensorDesc(desc.dtype, desc.shape[1:], desc.strides[1:])
-        if n in _DATA or desc.ndim == 2
-        else desc
-        for n, desc in descs.items()
-    }
+    one = {n: one_problem(n, desc) for n, desc in descs.items()}
     x = one["input"]
     w = one.get("weight") or TensorDesc.contiguous(statistics_dtype(x), x.shape[1:2])
     per_channel = TensorDesc.contiguous(w.dtype, w.shape)
@@ -195,6 +156,8 @@ def batch_norm_backward_batched(
     if type(output_mask) is list:
         output_mask = tuple(output_mask)
     options = (mode, eps, output_mask, fusion, persistent, mask_types)
+    if type(input) is np.ndarray:  # host memory: the CPU engine's pass (no read here)
+        return run(BATCHED_HOST, arrays, _raw(options), stream)
     signatures, ptrs, others = read(arrays, _READ_ONLY, [options_key(options)])
     try:
         key = tuple(signatures)
@@ -203,14 +166,15 @@ def batch_norm_backward_batched(
         key, fold = None, None
     if fold is not None:
         return fold(arrays, stream, ptrs)
-    fold, ops = _checked(arrays, options, stream)
+    fold, ops = _checked(arrays, _raw(options), stream)
     like = arrays[0]
-    if others or any(type(a) is not type(like) for a in arrays if a is not None):
-        # Each in the input's library, over the door's operands (``ops`` keeps what they
-        # point into alive: a resolved torch view, a DLPack capsule) until the call ends.
+    if isinstance(fold, _Fold) and (
+        others or any(type(a) is not type(like) for a in arrays if a is not None)
+    ):
+        # Each in its own library, over the door's operands (``ops`` keeps what they point
+        # into alive: a resolved torch view, a DLPack capsule) until the call ends.
         natives = tuple(
-            None if a is None else _native(ops[n], a, fold.kind)
-            for n, a in zip(_NAMES, arrays, strict=True)
+            None if a is None else _native(ops[n], a) for n, a in zip(_NAMES, arrays, strict=True)
         )
         return fold(natives, stream)
     if key is not None:
@@ -227,9 +191,12 @@ _FOLDS = 256  # problems remembered; all are forgotten at once beyond this
 _folds: dict[tuple, "_Fold"] = {}
 
 
-def _checked(arrays: tuple, options: tuple, stream: Any) -> tuple["_Fold", dict[str, Operand]]:
-    """Every check on a new problem, through the door: its fold and the operands."""
-    mode, eps, output_mask, fusion, *_ = options
+def _checked(
+    arrays: tuple, raw: tuple, stream: Any
+) -> tuple["_Fold | _OnHost", dict[str, Operand]]:
+    """Every check on a new problem, through the door: its fold and the operands, or on the
+    host the CPU engine's pass (which checks them itself)."""
+    mode, eps, fusion, output_mask, *_ = raw
     given = dict(zip(_NAMES, arrays, strict=True))
     statistics(mode, *(given[n] for n in _PER_CHANNEL[1:5]))
     check_eps(eps)
@@ -240,15 +207,32 @@ def _checked(arrays: tuple, options: tuple, stream: Any) -> tuple["_Fold", dict[
             raise InfiniError(Status.NULL_POINTER, f"{name} is None")
     present = {n: a for n, a in given.items() if a is not None}
     device, device_id = common_place(present)
+    if device == Device.CPU:
+        return _OnHost(raw), {}
     call_on = call_stream(stream, given["input"], device, device_id)
-    consumer = None if device == Device.CPU else call_on
-    ops = {n: operand(n, a, consumer) for n, a in present.items()}
-    batch, channels = _check_shapes(ops)
-    kind = ops["input"].kind
+    ops = {n: operand(n, a, call_on) for n, a in present.items()}
     descs = {n: op.desc for n, op in ops.items()}
+    sizes = check_shapes(descs)
     like = given["input"]
-    fold = _Fold(descs, kind, like, device, device_id, (batch, channels), mask, wants_z, options)
+    fold = _Fold(descs, ops["input"].kind, like, device, device_id, sizes, mask, wants_z, raw)
     return fold, ops
+
+
+def _raw(options: tuple) -> tuple:
+    """The batched call's options as the backward takes them (``raw_options``)."""
+    mode, eps, output_mask, fusion, persistent, _ = options
+    return raw_options(mode, eps, fusion, output_mask, persistent, False)
+
+
+class _OnHost:
+    """A batch of host memory: the CPU engine's pass (``batched_host``) on the arrays, with
+    the call's options ``raw`` (part of the key it is found by)."""
+
+    def __init__(self, raw: tuple) -> None:
+        self.raw = raw
+
+    def __call__(self, arrays: tuple, stream: Any, ptrs: list[int] | None = None) -> tuple:
+        return run(BATCHED_HOST, arrays, self.raw, stream)
 
 
 class _Fold:
@@ -270,12 +254,11 @@ class _Fold:
         sizes: tuple[int, int],
         mask: tuple,
         wants_z: bool,
-        options: tuple,
+        raw: tuple,
     ) -> None:
         self.descs, self.kind, self.device, self.device_id = descs, kind, device, device_id
         (self.batch, self.channels), self.mask, self.wants_z = sizes, mask, wants_z
-        mode, eps, output_mask, fusion, persistent, _ = options
-        self.raw = raw_options(mode, eps, fusion, output_mask, persistent, False)
+        self.raw = raw
         self.aligned = Aligned({_NAMES.index(n): desc for n, desc in descs.items()})
         self.foldings = {}  # name -> (index in the arrays, its copy or None, shape)
         for n, desc in descs.items():
@@ -307,7 +290,7 @@ class _Fold:
                 BACKWARD,
                 tuple(map(folded.get, _BACKWARD_OPERANDS)),
                 self.raw,
-                None if self.device == Device.CPU or stream is None else call_on,
+                None if stream is None else call_on,
             )
         x = self.descs["input"].shape
         data_shape = (x[1], batch, self.channels, *x[3:])

@@ -241,6 +241,33 @@ class _HostKernel:
         whole = cpu_kernels.python_entry(cpu_kernels.whole_pass, *fixed, *(0,) * len(fields))
         return fields, partial(whole, *fixed)
 
+    def batched(
+        self, count: int, steps: dict[str | None, int]
+    ) -> tuple[tuple[str | None, ...], Callable[[tuple, int, int], None]] | None:
+        """``direct()`` of ``count`` problems of this layout, problem ``b``'s pointers the
+        given ones plus ``b * steps[field]`` bytes (``cpu_kernels.batch_pass``: one call,
+        no copies), blocks of problems on the engine's threads where the batch has as many
+        values as a threaded problem; None where each problem is large itself."""
+        direct = self.direct()
+        if direct is None:
+            return None
+        fields = direct[0]
+        k, plan = cpu_kernels, self.plan()
+        whole = k.entry(k.whole_pass, plan, self.eps, self.momentum, self.like, *(0,) * len(fields))
+        offsets = np.array([steps.get(f, 0) for f in fields], dtype=np.int64)
+        fixed = (whole, plan, self.eps, self.momentum, self.like, offsets)
+        parallel = count * self.layout.count * self.layout.channels >= PARALLEL_MIN_VALUES
+
+        def call(values: tuple, workspace: int, stream: int) -> None:
+            chunks = min(count, cpu_pool.thread_count()) if parallel else 1
+            cpu_pool.run(
+                lambda i: k.batch_pass(*fixed, i * count // chunks, (i + 1) * count // chunks,
+                                       *values),
+                chunks,
+            )  # fmt: skip
+
+        return fields, call
+
     def _picker(self, fields: tuple[str | None, ...]) -> Callable[[tuple], tuple]:
         """The values of ``fields`` from a pointer tuple with a 0 appended (None: that 0)."""
         index = {f: i for i, f in enumerate(self.pointer_type._fields)}

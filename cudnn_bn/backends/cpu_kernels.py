@@ -982,3 +982,69 @@ def whole_pass(plan, eps, momentum, like, x_at, a_at, y_at, gi_at, gz_at, c0, c1
         _call(steps[ITEM_FORWARD], (x, a, y, *data, (flags[0], flags[1]), whole))
     elif flags[2] or flags[3]:
         _call(steps[ITEM_BACKWARD], (x, a, y, gi, gz, *data, flags, whole))
+
+
+@jit
+def batch_pass(whole, plan, eps, momentum, like, steps, first, end, x_at, a_at, y_at, gi_at,
+               gz_at, c0, c1, c2, c3, c4, c5):  # fmt: skip
+    """Problems ``first``..``end`` of a batch of one layout, each a ``whole_pass`` (called by
+    address, ``whole``: ``entry``) on the given pointers plus its index times ``steps``
+    (bytes, one per pointer): a batch's problems walked where they lie, with no copies and
+    one call from Python."""
+    s = steps
+    for b in range(first, end):
+        _call(whole, (plan, eps, momentum, like, x_at + b * s[0], a_at + b * s[1],
+                      y_at + b * s[2], gi_at + b * s[3], gz_at + b * s[4], c0 + b * s[5],
+                      c1 + b * s[6], c2 + b * s[7], c3 + b * s[8], c4 + b * s[9],
+                      c5 + b * s[10]))  # fmt: skip
+
+
+# --- gathering operands --------------------------------------------------------------------
+
+GATHER_DIMS = 7  # a batch of problems' axes, (B, N, C, D, H, W), then an element's 2-byte units
+
+
+@jit
+def gather(table):
+    """Copy strided tensors into packed buffers, one per row of ``table``: the source's
+    address, the destination's, then ``GATHER_DIMS`` sizes and as many strides of the
+    source, in the order the destination is packed in (padded in front with size 1), all in
+    2-byte units (an element's units its innermost axis), so that one compiled version
+    serves every dtype. A stride may be 0 (a row repeated) or negative. A run of the
+    innermost axis at a time: unsigned indices, and a loop of its own for unit stride, so
+    that LLVM vectorizes the copy; the outer axes counted as an odometer (no division)."""
+    dims = GATHER_DIMS
+    for row in range(table.shape[0]):
+        src_at, dst_at = table[row, 0], table[row, 1]
+        shape, strides = table[row, 2 : 2 + dims], table[row, 2 + dims : 2 + 2 * dims]
+        low, high, total = 0, 0, 1
+        for k in range(dims):
+            total *= shape[k]
+            reach = (shape[k] - 1) * strides[k]
+            if reach < 0:
+                low += reach
+            else:
+                high += reach
+        if total == 0:
+            continue
+        src = flat(src_at + 2 * low, high - low + 1, np.uint16)
+        dst = flat(dst_at, total, np.uint16)
+        n, step = shape[dims - 1], strides[dims - 1]
+        index, o = np.zeros(dims, np.int64), -low  # the run's outer indices, source offset
+        for run in range(total // n):
+            i = run * n
+            if step == 1:
+                for f in range(n):
+                    dst[_at(i, f, 1)] = src[_at(o, f, 1)]
+            else:
+                for f in range(n):
+                    dst[_at(i, f, 1)] = src[_at(o, f, step)]
+            k = dims - 2  # the next run: outer indices counted up as an odometer
+            while k >= 0:
+                index[k] += 1
+                o += strides[k]
+                if index[k] < shape[k]:
+                    break
+                o -= strides[k] * shape[k]
+                index[k] = 0
+                k -= 1

@@ -50,6 +50,30 @@ class Launch(NamedTuple):
     call: Callable[..., None]
     direct: bool = False
 
+    def run(self, values: tuple, workspace: int, stream: int) -> None:
+        """``call`` on ``values`` in its form, for a launch that wraps this one."""
+        if self.direct:
+            self.call(*values)
+        else:
+            self.call(values, workspace, stream)
+
+
+def _batched(launch: Launch, kernel: Any, count: int, steps: dict[str | None, int]) -> Launch:
+    """``launch`` (of one problem) over ``count`` problems at ``steps`` bytes apart
+    (``OperatorDescriptor.launcher``): the kernel's ``batched()`` launch where it has one,
+    else ``launch`` once per problem."""
+    batched = kernel.batched(count, steps) if hasattr(kernel, "batched") else None
+    if batched is not None:
+        return Launch(*batched)
+    offsets = [steps.get(f, 0) for f in launch.fields]
+
+    def call(values: tuple, workspace: int, stream: int) -> None:
+        for b in range(count):
+            shifted = tuple(v + b * s for v, s in zip(values, offsets, strict=True))
+            launch.run(shifted, workspace, stream)
+
+    return Launch(launch.fields, call)
+
 
 class Build:
     """One build of a descriptor: its checked attributes, the backend kernel made for them
@@ -199,6 +223,7 @@ class OperatorDescriptor:
         workspace_size: int,
         reserve_size: int | None = None,
         reserve: bool = False,
+        batch: tuple[int, dict[str | None, int]] | None = None,
     ) -> Launch:
         """``compute`` for the ``owner`` of this descriptor (the array API's plans), its size
         checks made once, here (``reserve``: whether launches give one): a ``Launch``, whose
@@ -211,12 +236,17 @@ class OperatorDescriptor:
         runs, and the launch holds its build (as a compute does) until it is dropped, so that
         closing the descriptor (``with descriptor:``) closes no kernel it runs. A kernel with
         ``direct()`` (the CPU engine's one-call passes, which raise nothing) is called as it
-        says, without the pointer tuple."""
+        says, without the pointer tuple. ``batch``: ``(count, steps)``, a launch runs
+        ``count`` problems of this descriptor's layout, problem ``b``'s pointers the given
+        ones plus ``b * steps[field]`` bytes (a field not in ``steps``: 0), in one call where
+        the kernel has ``batched()`` for them, else one launch per problem."""
         build = self._lease()
         try:
             self._owner = owner
             self._checked_sizes(build, workspace_size, reserve_size, reserve)
             launch = self._launch_of(build)
+            if batch is not None:
+                launch = _batched(launch, build.kernel, *batch)
         except BaseException:
             self._let_go(build)
             raise
