@@ -177,18 +177,19 @@ class _HostKernel:
         k.copy_channels(at, self.channel_args, self.writes, values, shift, -1, True)
         return coefficients
 
-    def sums(self, x, dy, y, shift, items: list) -> np.ndarray:
+    def sums(self, x, dy, y, shift, items: np.ndarray) -> np.ndarray:
         """The walk's ``item_sums`` of every work item on the engine's threads, added in
         item order (the same sums for the same thread count): ``(SUMS, C * tile + PAD)``."""
-        geometry, strides = self.layout.geometry, self.layout.strides
-        partial = np.zeros((len(items), cpu_kernels.SUMS, shift.size + cpu_kernels.PAD))
-        first = self.first_sum
-        cpu_pool.run(
-            lambda i: self.item_sums(x, dy, y, geometry, strides, shift, partial[i], first,
-                                     items[i]),
+        geometry, strides, sums = self.layout.geometry, self.layout.strides, cpu_kernels.SUMS
+        partial = np.zeros((len(items) * sums, shift.size + cpu_kernels.PAD))
+        first, state = self.first_sum, np.zeros(2, np.int64)
+        cpu_pool.team(
+            lambda: self.item_sums(x, dy, y, geometry, strides, shift, partial, first, items,
+                                   state),
             len(items),
+            state,
         )  # fmt: skip
-        return partial.sum(axis=0)
+        return partial.reshape(len(items), sums, -1).sum(axis=0)
 
     def overlapping(self, addresses: list[int]) -> list[int]:
         """Output slots that overlap an input other than element for element."""
@@ -295,11 +296,13 @@ class BatchNormBackward(_HostKernel):
         sums = self.sums(x, dy, y, shift, items)
         coefficients = self.channel_results(channel_at, values, sums, shift)
         if self.flags[2] or self.flags[3]:
-            cpu_pool.run(
-                lambda i: self.item_backward(
-                    x, dy, y, gi, gz, geometry, strides, *coefficients, self.flags, items[i]
+            state = np.zeros(2, np.int64)
+            cpu_pool.team(
+                lambda: self.item_backward(
+                    x, dy, y, gi, gz, geometry, strides, *coefficients, self.flags, items, state
                 ),
                 len(items),
+                state,
             )
 
 
@@ -343,11 +346,13 @@ class BatchNormForwardTraining(_HostKernel):
         items = layout.items(chunks)
         sums = self.sums(x, x[:0], x[:0], shift, items)
         coefficients = self.channel_results(channel_at, values, sums, shift)
-        flags = self.flags[:2]
-        cpu_pool.run(
-            lambda i: self.item_forward(x, z, y, geometry, strides, *coefficients, flags, items[i]),
+        flags, state = self.flags[:2], np.zeros(2, np.int64)
+        cpu_pool.team(
+            lambda: self.item_forward(x, z, y, geometry, strides, *coefficients, flags, items,
+                                      state),
             len(items),
-        )
+            state,
+        )  # fmt: skip
 
 
 class BatchNormForwardInference(_HostKernel):
@@ -383,8 +388,10 @@ class BatchNormForwardInference(_HostKernel):
         no_sums = np.zeros((cpu_kernels.SUMS, 0))
         coefficients = self.channel_results(channel_at, values, no_sums, shift)
         items = layout.items(chunks)
-        flags = self.flags[:2]
-        cpu_pool.run(
-            lambda i: self.item_forward(x, x, y, geometry, strides, *coefficients, flags, items[i]),
+        flags, state = self.flags[:2], np.zeros(2, np.int64)
+        cpu_pool.team(
+            lambda: self.item_forward(x, x, y, geometry, strides, *coefficients, flags, items,
+                                      state),
             len(items),
-        )
+            state,
+        )  # fmt: skip
