@@ -2,7 +2,9 @@
 cpu_pool.py, the item kernels of cpu_kernels.py), checked against torch in float64:
 
 - the caller never waits for a helper thread that took no item (one that starts late, or
-  waits for a CPU, held the call up by up to milliseconds on a busy 2-core machine).
+  waits for a CPU, held the call up by up to milliseconds on a busy 2-core machine);
+- a large call is split in more items than threads, so a thread that starts late or runs
+  slowly does less of the work.
 """
 
 import threading
@@ -14,7 +16,7 @@ import pytest
 import torch
 
 import cudnn_bn
-from cudnn_bn.backends import cpu_pool
+from cudnn_bn.backends import cpu_layout, cpu_pool
 
 LATE_S = 0.3  # how late the stand-in helper starts (a thread waiting for a CPU)
 
@@ -70,3 +72,21 @@ def test_caller_does_not_wait_for_a_helper_that_took_no_item(two_threads, monkey
     np.testing.assert_allclose(y, torch_inference(x, w, b, rm, rv), rtol=1e-6, atol=1e-6)
     assert took < LATE_S / 2, took
     late.pool.shutdown()
+
+
+def test_large_calls_are_split_in_more_items_than_threads(two_threads, monkeypatch):
+    """A call of 1M values on two threads is eight items, handed out one at a time."""
+    seen = []
+    items = cpu_layout.Layout.items
+    monkeypatch.setattr(
+        cpu_layout.Layout, "items", lambda layout, count: seen.append(count) or items(layout, count)
+    )
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((16, 64, 32, 32)).astype(np.float32)
+    w, b = np.ones(64, np.float32), np.zeros(64, np.float32)
+    y, *_ = cudnn_bn.batch_norm_forward_training(x, w, b, None, None)
+    want = torch.nn.functional.batch_norm(
+        torch.from_numpy(x.astype(np.float64)), None, None, training=True, eps=1e-5
+    ).numpy()
+    np.testing.assert_allclose(y, want, rtol=1e-5, atol=1e-5)
+    assert seen[-1] == 8  # (the first: the descriptor's whole-tensor item)

@@ -49,6 +49,11 @@ _LIKE = {
     DataType.F64: np.empty(0, np.float64),
 }
 PARALLEL_MIN_VALUES = 1 << 16  # below this many values a thread hand-off costs more than it saves
+# A large call's work items: up to this many per thread, each of at least ITEM_MIN_VALUES,
+# claimed one at a time (``cpu_kernels._next_item``), so that a thread that starts late or
+# shares its CPU with another process does less of the work instead of holding the call up.
+ITEMS_PER_THREAD = 4
+ITEM_MIN_VALUES = 1 << 17
 
 
 def _channel_args(descs: list[TensorDesc | None], x: TensorDesc) -> np.ndarray:
@@ -143,9 +148,10 @@ class _HostKernel:
         """The pass on the data slots' addresses ``at`` and the per-channel tensors'
         ``channel``: one call in this thread (``cpu_kernels.whole_pass``) for a small
         problem, else its work items on the engine's threads (``threaded``)."""
-        chunks = cpu_pool.thread_count() if self.parallel else 1
-        if chunks > 1:
-            self.threaded(at, channel, chunks)
+        threads = cpu_pool.thread_count() if self.parallel else 1
+        if threads > 1:
+            most = self.layout.count * self.layout.channels // ITEM_MIN_VALUES
+            self.threaded(at, channel, max(threads, min(threads * ITEMS_PER_THREAD, most)))
             return
         plan = self._plan if self._plan is not None else self.plan()
         cpu_kernels.whole_pass(plan, self.eps, self.momentum, self.like, *at,
