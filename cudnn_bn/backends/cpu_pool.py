@@ -6,8 +6,8 @@ none of its limits apply: a child forked after a parallel call gets a fresh pool
 parent's threads do not exist in it), and any number of calling threads may share the
 pool. The calling thread works too: every thread of a step runs the same kernel, which
 claims work items one at a time (an atomic counter) until none is left, then waits a
-little (without the GIL) until all are done; the caller returns then, whatever its helpers
-are doing.
+little (without the GIL) until all are done; the caller returns once every item is done,
+without waiting for a helper that holds none (``team``).
 """
 
 import os
