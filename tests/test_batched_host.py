@@ -26,8 +26,8 @@ def assert_each_problem_alone(p: dict, got: tuple) -> None:
 @pytest.fixture
 def launches(monkeypatch) -> dict[str, list]:
     """What a call launches and copies: each launch of a backward descriptor (one problem's
-    input shape, problems per launch), each ``cpu_kernels.batch_pass`` (its first and end
-    problem), each ``cpu_kernels.gather`` (its operands), each packed copy of a NumPy
+    input shape, problems per launch), each ``cpu_kernels.batch_pass`` (its table of blocks
+    of problems), each ``cpu_kernels.gather`` (its operands), each packed copy of a NumPy
     array; from an empty plan cache."""
     cudnn_bn.descriptor_cache.clear()
     seen: dict[str, list] = {"launches": [], "batch_pass": [], "gathers": [], "copies": []}
@@ -47,9 +47,9 @@ def launches(monkeypatch) -> dict[str, list]:
         return wrapper
 
     monkeypatch.setattr(BatchNormBackwardDescriptor, "launcher", counting)
-    first_and_end = lambda *args: args[6:8]  # noqa: E731
+    blocks = lambda *args: tuple(map(tuple, args[6].tolist()))  # noqa: E731
     monkeypatch.setattr(
-        cpu_kernels, "batch_pass", counted("batch_pass", first_and_end, cpu_kernels.batch_pass)
+        cpu_kernels, "batch_pass", counted("batch_pass", blocks, cpu_kernels.batch_pass)
     )
     monkeypatch.setattr(cpu_kernels, "gather", counted("gathers", len, cpu_kernels.gather))
     monkeypatch.setattr(NUMPY, "packed", counted("copies", np.shape, NUMPY.packed))
@@ -67,7 +67,8 @@ def test_problems_of_many_values_run_in_place_in_one_launch(launches, threads, m
     got = batch_norm_backward_batched(*arguments(p, "train"))
     assert launches["launches"] == [((4, 16, 16, 8), 8)]
     assert launches["copies"] == launches["gathers"] == []
-    assert sorted(launches["batch_pass"]) == ([(0, 8)] if threads == 1 else [(0, 4), (4, 8)])
+    # Each thread's call claims from one table of blocks of problems (``cpu_pool.team``).
+    assert set(launches["batch_pass"]) == {((0, 8),) if threads == 1 else ((0, 4), (4, 8))}
     assert_each_problem_alone(p, got)
     for actual, expected in zip(got, torch_batched(p, "train"), strict=True):
         assert_close(actual, expected, np.float32)

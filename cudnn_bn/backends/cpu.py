@@ -50,6 +50,11 @@ _LIKE = {
     DataType.F64: np.empty(0, np.float64),
 }
 PARALLEL_MIN_VALUES = 1 << 16  # below this many values a thread hand-off costs more than it saves
+# A large call's work items: up to this many per thread, each of at least ITEM_MIN_VALUES,
+# claimed one at a time (``cpu_kernels._next_item``), so that a thread that starts late or
+# shares its CPU with another process does less of the work instead of holding the call up.
+ITEMS_PER_THREAD = 4
+ITEM_MIN_VALUES = 1 << 17
 
 
 def _channel_args(descs: list[TensorDesc | None], x: TensorDesc) -> np.ndarray:
@@ -106,6 +111,7 @@ class _HostKernel:
         self.nbytes = [span * itemsize for span in self.layout.spans]
         self.parallel = self.layout.count * self.layout.channels >= PARALLEL_MIN_VALUES
         (self.whole,) = self.layout.items(1)
+        self._items: dict[int, np.ndarray] = {}  # work_items
         self.absent = (0,) * (SLOTS - len(data))  # the data slots this pass has not
         self.channels_absent = (0,) * (cpu_kernels.FIRST_VALUES - len(channel))
         self._data_at, self._channel_at = (
@@ -144,13 +150,22 @@ class _HostKernel:
         """The pass on the data slots' addresses ``at`` and the per-channel tensors'
         ``channel``: one call in this thread (``cpu_kernels.whole_pass``) for a small
         problem, else its work items on the engine's threads (``threaded``)."""
-        chunks = cpu_pool.thread_count() if self.parallel else 1
-        if chunks > 1:
-            self.threaded(at, channel, chunks)
+        threads = cpu_pool.thread_count() if self.parallel else 1
+        if threads > 1:
+            most = self.layout.count * self.layout.channels // ITEM_MIN_VALUES
+            self.threaded(at, channel, max(threads, min(threads * ITEMS_PER_THREAD, most)))
             return
         plan = self._plan if self._plan is not None else self.plan()
         cpu_kernels.whole_pass(plan, self.eps, self.momentum, self.like, *at,
                                *self.absent, *channel, *self.channels_absent)  # fmt: skip
+
+    def work_items(self, count: int) -> np.ndarray:
+        """``Layout.items(count)``, made once per count (on every large call it cost about
+        20 us after the machine idled)."""
+        items = self._items.get(count)
+        if items is None:
+            items = self._items[count] = self.layout.items(count)
+        return items
 
     def views(self, addresses: list[int]) -> list[np.ndarray]:
         """Flat arrays over the data slots (what the item kernels take)."""
@@ -178,18 +193,19 @@ class _HostKernel:
         k.copy_channels(at, self.channel_args, self.writes, values, shift, -1, True)
         return coefficients
 
-    def sums(self, x, dy, y, shift, items: list) -> np.ndarray:
+    def sums(self, x, dy, y, shift, items: np.ndarray) -> np.ndarray:
         """The walk's ``item_sums`` of every work item on the engine's threads, added in
         item order (the same sums for the same thread count): ``(SUMS, C * tile + PAD)``."""
-        geometry, strides = self.layout.geometry, self.layout.strides
-        partial = np.zeros((len(items), cpu_kernels.SUMS, shift.size + cpu_kernels.PAD))
-        first = self.first_sum
-        cpu_pool.run(
-            lambda i: self.item_sums(x, dy, y, geometry, strides, shift, partial[i], first,
-                                     items[i]),
+        geometry, strides, sums = self.layout.geometry, self.layout.strides, cpu_kernels.SUMS
+        partial = np.zeros((len(items) * sums, shift.size + cpu_kernels.PAD))
+        first, state = self.first_sum, np.zeros(2, np.int64)
+        cpu_pool.team(
+            lambda: self.item_sums(x, dy, y, geometry, strides, shift, partial, first, items,
+                                   state),
             len(items),
+            state,
         )  # fmt: skip
-        return partial.sum(axis=0)
+        return partial.reshape(len(items), sums, -1).sum(axis=0)
 
     def overlapping(self, addresses: list[int]) -> list[int]:
         """Output slots that overlap an input other than element for element."""
@@ -257,14 +273,16 @@ class _HostKernel:
         offsets = np.array([steps.get(f, 0) for f in fields], dtype=np.int64)
         fixed = (whole, plan, self.eps, self.momentum, self.like, offsets)
         parallel = count * self.layout.count * self.layout.channels >= PARALLEL_MIN_VALUES
+        blocks: dict[int, np.ndarray] = {}  # work items (blocks of problems), by their count
 
         def call(values: tuple, workspace: int, stream: int) -> None:
             chunks = min(count, cpu_pool.thread_count()) if parallel else 1
-            cpu_pool.run(
-                lambda i: k.batch_pass(*fixed, i * count // chunks, (i + 1) * count // chunks,
-                                       *values),
-                chunks,
-            )  # fmt: skip
+            items = blocks.get(chunks)
+            if items is None:
+                bounds = [(i * count // chunks, (i + 1) * count // chunks) for i in range(chunks)]
+                items = blocks[chunks] = np.array(bounds, np.int64)
+            state = np.zeros(2, np.int64)
+            cpu_pool.team(lambda: k.batch_pass(*fixed, items, state, *values), chunks, state)
 
         return fields, call
 
@@ -320,15 +338,17 @@ class BatchNormBackward(_HostKernel):
         geometry, strides = layout.geometry, layout.strides
         x, dy, y, gi, gz = self.views(at)
         channel_at, values, shift = self.channel_inputs(channel, at[0])
-        items = layout.items(chunks)
+        items = self.work_items(chunks)
         sums = self.sums(x, dy, y, shift, items)
         coefficients = self.channel_results(channel_at, values, sums, shift)
         if self.flags[2] or self.flags[3]:
-            cpu_pool.run(
-                lambda i: self.item_backward(
-                    x, dy, y, gi, gz, geometry, strides, *coefficients, self.flags, items[i]
+            state = np.zeros(2, np.int64)
+            cpu_pool.team(
+                lambda: self.item_backward(
+                    x, dy, y, gi, gz, geometry, strides, *coefficients, self.flags, items, state
                 ),
                 len(items),
+                state,
             )
 
 
@@ -369,14 +389,16 @@ class BatchNormForwardTraining(_HostKernel):
         geometry, strides = layout.geometry, layout.strides
         x, z, y = self.views(at)
         channel_at, values, shift = self.channel_inputs(channel, at[0])
-        items = layout.items(chunks)
+        items = self.work_items(chunks)
         sums = self.sums(x, x[:0], x[:0], shift, items)
         coefficients = self.channel_results(channel_at, values, sums, shift)
-        flags = self.flags[:2]
-        cpu_pool.run(
-            lambda i: self.item_forward(x, z, y, geometry, strides, *coefficients, flags, items[i]),
+        flags, state = self.flags[:2], np.zeros(2, np.int64)
+        cpu_pool.team(
+            lambda: self.item_forward(x, z, y, geometry, strides, *coefficients, flags, items,
+                                      state),
             len(items),
-        )
+            state,
+        )  # fmt: skip
 
 
 class BatchNormForwardInference(_HostKernel):
@@ -411,9 +433,11 @@ class BatchNormForwardInference(_HostKernel):
         channel_at, values, shift = self.channel_inputs(channel, at[0])
         no_sums = np.zeros((cpu_kernels.SUMS, 0))
         coefficients = self.channel_results(channel_at, values, no_sums, shift)
-        items = layout.items(chunks)
-        flags = self.flags[:2]
-        cpu_pool.run(
-            lambda i: self.item_forward(x, x, y, geometry, strides, *coefficients, flags, items[i]),
+        items = self.work_items(chunks)
+        flags, state = self.flags[:2], np.zeros(2, np.int64)
+        cpu_pool.team(
+            lambda: self.item_forward(x, x, y, geometry, strides, *coefficients, flags, items,
+                                      state),
             len(items),
-        )
+            state,
+        )  # fmt: skip

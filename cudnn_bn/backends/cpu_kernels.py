@@ -394,10 +394,11 @@ def row_offset(row, geometry, strides):
 
 @helper
 def _walk(bounds, geometry, strides):
-    """What an item's loops need: its ``bounds`` (first channel, end channel, first row,
-    end row; ``Layout.items``), whether a run crosses channels (channels innermost) or
-    stays in one, the run length, and each slot's element stride in a run."""
-    c0, c1, r0, r1 = bounds
+    """What an item's loops need: its ``bounds`` (a row of the items table: first channel,
+    end channel, first row, end row; ``Layout.items``), whether a run crosses channels
+    (channels innermost) or stays in one, the run length, and each slot's element stride in
+    a run."""
+    c0, c1, r0, r1 = bounds[0], bounds[1], bounds[2], bounds[3]
     across = geometry[3] != 0
     column = 0 if across else 1
     return c0, c1, r0, r1, across, c1 - c0 if across else geometry[1], _column(strides, column)
@@ -429,6 +430,62 @@ def _at(typingctx, offset, i, stride):
         return builder.add(o, builder.mul(n, s))
 
     return types.uint64(offset, i, stride), codegen
+
+
+# --- work items shared by threads ------------------------------------------------------------
+# Every thread of a threaded step runs the same item kernel over one table of work items
+# (``Layout.items``) and one ``state`` (int64: items handed out, items done): it claims
+# items one at a time and, when none is left, waits a little until all are done, so that
+# the caller's call mostly returns with the step complete, without taking the GIL per item
+# or waiting on a helper thread (``cpu_pool.team``). Alone, a kernel does every item.
+
+
+def _slot(context, builder, signature, args):
+    """Pointer to ``array[index]`` of an intrinsic's first two arguments."""
+    array = context.make_array(signature.args[0])(context, builder, args[0])
+    index = context.cast(builder, args[1], signature.args[1], types.intp)
+    return builder.gep(array.data, [index])
+
+
+@intrinsic
+def _atomic_add(typingctx, array, index, value):
+    """Add ``value`` to ``array[index]`` (int64) atomically; the value before."""
+
+    def codegen(context, builder, signature, args):
+        value = context.cast(builder, args[2], signature.args[2], types.int64)
+        return builder.atomic_rmw("add", _slot(context, builder, signature, args), value, "seq_cst")
+
+    return types.int64(array, index, value), codegen
+
+
+@intrinsic
+def _atomic_read(typingctx, array, index):
+    """``array[index]`` (int64), read anew each time (a loop waiting on it is not hoisted)."""
+
+    def codegen(context, builder, signature, args):
+        return builder.load_atomic(_slot(context, builder, signature, args), "acquire", 8)
+
+    return types.int64(array, index), codegen
+
+
+SPIN = 1 << 16  # reads of the done count, at most, before a kernel returns with items in progress
+
+
+@helper(inline="always")
+def _next_item(state, previous, items):
+    """The next work item to do (``previous`` done, -1 for none yet), or -1 when none is left:
+    then returns once every item is done, or after ``SPIN`` reads of the count (tens of
+    microseconds: a thread may hold an item while it waits for a CPU, and ``cpu_pool.team``
+    then waits for it, blocked)."""
+    if previous >= 0:
+        _atomic_add(state, 1, 1)
+    i = _atomic_add(state, 0, 1)
+    if i < items.shape[0]:
+        return i
+    for _ in range(SPIN):
+        if _atomic_read(state, 1) >= items.shape[0]:
+            break
+    return -1
 
 
 # --- pass 1: per-channel sums --------------------------------------------------------------
@@ -489,9 +546,10 @@ def _sums_along(x, dy, y, ox, od, oy, ox2, od2, sx, sd, sy, n, k, has_dy, masked
 
 
 @helper
-def _sums_across(x, dy, y, geometry, strides, r0, r1, n, shift, out, first):
-    # Two rows at a time, added in registers before the table is updated: one read and
-    # write of the table per two values, not per value (its traffic bounded the loop).
+def _sums_across(x, dy, y, geometry, strides, r0, r1, n, shift, out, base, first):
+    # The item's sums go to rows ``base`` to ``base + SUMS`` of ``out``. Two rows at a time,
+    # added in registers before the table is updated: one read and write of the table per
+    # two values, not per value (its traffic bounded the loop).
     # The rows are one from each half of the item, so that memory is read in sequential
     # streams, which the hardware prefetches (adjacent rows are not: 2x slower out of
     # cache). The masked sums (ReLU's backward) and the last row go one row at a time.
@@ -507,8 +565,8 @@ def _sums_across(x, dy, y, geometry, strides, r0, r1, n, shift, out, first):
             for i in range(n):
                 k = shift[i]
                 a, b = decode(x[_at(ox, i, sx)]) - k, decode(x[_at(ox2, i, sx)]) - k
-                out[0, i] += a + b
-                out[1, i] += a * a + b * b
+                out[base, i] += a + b
+                out[base + 1, i] += a * a + b * b
             continue
         od, od2 = row_offset(r, geometry, strides[1]), row_offset(r + h, geometry, strides[1])
         if first == DY_SUMS:
@@ -516,87 +574,94 @@ def _sums_across(x, dy, y, geometry, strides, r0, r1, n, shift, out, first):
                 k = shift[i]
                 a, b = decode(x[_at(ox, i, sx)]) - k, decode(x[_at(ox2, i, sx)]) - k
                 da, db = decode(dy[_at(od, i, sd)]), decode(dy[_at(od2, i, sd)])
-                out[2, i] += da + db
-                out[3, i] += da * a + db * b
+                out[base + 2, i] += da + db
+                out[base + 3, i] += da * a + db * b
             continue
         for i in range(n):
             k = shift[i]
             a, b = decode(x[_at(ox, i, sx)]) - k, decode(x[_at(ox2, i, sx)]) - k
             da, db = decode(dy[_at(od, i, sd)]), decode(dy[_at(od2, i, sd)])
-            out[0, i] += a + b
-            out[1, i] += a * a + b * b
-            out[2, i] += da + db
-            out[3, i] += da * a + db * b
+            out[base, i] += a + b
+            out[base + 1, i] += a * a + b * b
+            out[base + 2, i] += da + db
+            out[base + 3, i] += da * a + db * b
     for r in range(r0 + 2 * h, r1):
         ox, od = row_offset(r, geometry, strides[0]), row_offset(r, geometry, strides[1])
         oy = row_offset(r, geometry, strides[2])
         if not has_dy:
             for i in range(n):
                 xv = decode(x[_at(ox, i, sx)]) - shift[i]
-                out[0, i] += xv
-                out[1, i] += xv * xv
+                out[base, i] += xv
+                out[base + 1, i] += xv * xv
         elif not masked:
             for i in range(n):
                 xv, dv = decode(x[_at(ox, i, sx)]) - shift[i], decode(dy[_at(od, i, sd)])
-                out[0, i] += xv
-                out[1, i] += xv * xv
-                out[2, i] += dv
-                out[3, i] += dv * xv
+                out[base, i] += xv
+                out[base + 1, i] += xv * xv
+                out[base + 2, i] += dv
+                out[base + 3, i] += dv * xv
         else:
             for i in range(n):
                 xv, dv = decode(x[_at(ox, i, sx)]) - shift[i], decode(dy[_at(od, i, sd)])
                 dv = dv if decode(y[_at(oy, i, sy)]) > 0 else 0.0
-                out[0, i] += xv
-                out[1, i] += xv * xv
-                out[2, i] += dv
-                out[3, i] += dv * xv
+                out[base, i] += xv
+                out[base + 1, i] += xv * xv
+                out[base + 2, i] += dv
+                out[base + 3, i] += dv * xv
 
 
 @jit(fastmath=REASSOC)
-def item_sums_along(x, dy, y, geometry, strides, shift, out, first, bounds):
-    """Add the sums of the work item ``bounds`` to ``out`` (``(SUMS, C * tile + PAD)``, ``shift``
-    tiled the same) where runs stay in one channel: ``x - k``, ``(x - k)^2``, ``dy``,
+def item_sums_along(x, dy, y, geometry, strides, shift, out, first, items, state):
+    """Add the sums of each work item of ``items`` (``_next_item``) to its rows of ``out``
+    (``(SUMS * items, C * tile + PAD)``, item ``i``'s from row ``SUMS * i``; ``shift`` tiled
+    the same) where runs stay in one channel: ``x - k``, ``(x - k)^2``, ``dy``,
     ``dy * (x - k)`` with ``k = shift[c]``; ``dy`` zero where ``y <= 0`` if ``y`` is not
     empty; with ``dy`` empty its sums stay zero. Sums before row ``first`` (0 or
     ``DY_SUMS``) are not wanted: they may be left partial."""
-    c0, c1, r0, r1, _, n, s = _walk(bounds, geometry, strides)
-    has_dy, masked = dy.size > 0, y.size > 0
-    h = 0 if masked else (r1 - r0) // 2
-    for j in range(r0, r1 - h):
-        r = j if j < r0 + h else j + h
-        ox, od = row_offset(r, geometry, strides[0]), row_offset(r, geometry, strides[1])
-        oy = row_offset(r, geometry, strides[2])
-        pair = j < r0 + h  # rows r and r + h together; the last of an odd count alone
-        ox2 = row_offset(r + h, geometry, strides[0]) if pair else -1
-        od2 = row_offset(r + h, geometry, strides[1]) if pair else 0
-        for c in range(c0, c1):
-            sums = _sums_along(
-                x,
-                dy,
-                y,
-                ox + c * strides[0, 0],
-                od + c * strides[1, 0],
-                oy + c * strides[2, 0],
-                ox2 + c * strides[0, 0] if pair else -1,
-                od2 + c * strides[1, 0],
-                s[0],
-                s[1],
-                s[2],
-                n,
-                shift[c],
-                has_dy,
-                masked,
-            )
-            for j in range(first, SUMS):
-                out[j, c] += sums[j]
+    i = _next_item(state, -1, items)
+    while i >= 0:
+        c0, c1, r0, r1, _, n, s = _walk(items[i], geometry, strides)
+        has_dy, masked = dy.size > 0, y.size > 0
+        h = 0 if masked else (r1 - r0) // 2
+        for j in range(r0, r1 - h):
+            r = j if j < r0 + h else j + h
+            ox, od = row_offset(r, geometry, strides[0]), row_offset(r, geometry, strides[1])
+            oy = row_offset(r, geometry, strides[2])
+            pair = j < r0 + h  # rows r and r + h together; the last of an odd count alone
+            ox2 = row_offset(r + h, geometry, strides[0]) if pair else -1
+            od2 = row_offset(r + h, geometry, strides[1]) if pair else 0
+            for c in range(c0, c1):
+                sums = _sums_along(
+                    x,
+                    dy,
+                    y,
+                    ox + c * strides[0, 0],
+                    od + c * strides[1, 0],
+                    oy + c * strides[2, 0],
+                    ox2 + c * strides[0, 0] if pair else -1,
+                    od2 + c * strides[1, 0],
+                    s[0],
+                    s[1],
+                    s[2],
+                    n,
+                    shift[c],
+                    has_dy,
+                    masked,
+                )
+                for q in range(first, SUMS):
+                    out[SUMS * i + q, c] += sums[q]
+        i = _next_item(state, i, items)
 
 
 @jit
-def item_sums_across(x, dy, y, geometry, strides, shift, out, first, bounds):
+def item_sums_across(x, dy, y, geometry, strides, shift, out, first, items, state):
     """``item_sums_along`` where runs cross channels (channels innermost): each walk is
     compiled apart, so that a layout compiles only its own."""
-    _, _, r0, r1, _, n, _ = _walk(bounds, geometry, strides)
-    _sums_across(x, dy, y, geometry, strides, r0, r1, n, shift, out, first)
+    i = _next_item(state, -1, items)
+    while i >= 0:
+        _, _, r0, r1, _, n, _ = _walk(items[i], geometry, strides)
+        _sums_across(x, dy, y, geometry, strides, r0, r1, n, shift, out, SUMS * i, first)
+        i = _next_item(state, i, items)
 
 
 # --- pass 2: the elementwise results -------------------------------------------------------
@@ -685,39 +750,45 @@ def _forward_across(x, z, y, geometry, strides, r0, r1, n, mean, scale, shift, f
 
 
 @jit
-def item_forward_along(x, z, y, geometry, strides, mean, scale, shift, flags, bounds):
-    """``y = relu?((x - mean)*scale + shift [+ z])`` over the work item ``bounds`` (the
-    per-channel arrays tiled) where runs stay in one channel. ``flags``: add z, ReLU. Data
-    slots: x, z, y."""
-    c0, c1, r0, r1, _, n, s = _walk(bounds, geometry, strides)
-    for r in range(r0, r1):
-        ox, oz = row_offset(r, geometry, strides[0]), row_offset(r, geometry, strides[1])
-        oy = row_offset(r, geometry, strides[2])
-        for c in range(c0, c1):
-            _forward_along(
-                x,
-                z,
-                y,
-                ox + c * strides[0, 0],
-                oz + c * strides[1, 0],
-                oy + c * strides[2, 0],
-                s[0],
-                s[1],
-                s[2],
-                n,
-                mean[c],
-                scale[c],
-                shift[c],
-                flags,
-            )
+def item_forward_along(x, z, y, geometry, strides, mean, scale, shift, flags, items, state):
+    """``y = relu?((x - mean)*scale + shift [+ z])`` over each work item of ``items``
+    (``_next_item``; the per-channel arrays tiled) where runs stay in one channel.
+    ``flags``: add z, ReLU. Data slots: x, z, y."""
+    i = _next_item(state, -1, items)
+    while i >= 0:
+        c0, c1, r0, r1, _, n, s = _walk(items[i], geometry, strides)
+        for r in range(r0, r1):
+            ox, oz = row_offset(r, geometry, strides[0]), row_offset(r, geometry, strides[1])
+            oy = row_offset(r, geometry, strides[2])
+            for c in range(c0, c1):
+                _forward_along(
+                    x,
+                    z,
+                    y,
+                    ox + c * strides[0, 0],
+                    oz + c * strides[1, 0],
+                    oy + c * strides[2, 0],
+                    s[0],
+                    s[1],
+                    s[2],
+                    n,
+                    mean[c],
+                    scale[c],
+                    shift[c],
+                    flags,
+                )
+        i = _next_item(state, i, items)
 
 
 @jit
-def item_forward_across(x, z, y, geometry, strides, mean, scale, shift, flags, bounds):
+def item_forward_across(x, z, y, geometry, strides, mean, scale, shift, flags, items, state):
     """``item_forward_along`` where runs cross channels (channels innermost): each walk is
     compiled apart, so that a layout compiles only its own."""
-    _, _, r0, r1, _, n, _ = _walk(bounds, geometry, strides)
-    _forward_across(x, z, y, geometry, strides, r0, r1, n, mean, scale, shift, flags)
+    i = _next_item(state, -1, items)
+    while i >= 0:
+        _, _, r0, r1, _, n, _ = _walk(items[i], geometry, strides)
+        _forward_across(x, z, y, geometry, strides, r0, r1, n, mean, scale, shift, flags)
+        i = _next_item(state, i, items)
 
 
 @helper
@@ -817,28 +888,34 @@ def _backward_across(x, dy, y, gi, gz, geometry, strides, r0, r1, n, k_dy, k_x, 
 
 
 @jit
-def item_backward_along(x, dy, y, gi, gz, geometry, strides, k_dy, k_x, k_c, flags, bounds):
+def item_backward_along(x, dy, y, gi, gz, geometry, strides, k_dy, k_x, k_c, flags, items, state):
     """``gi = k_dy*dv + k_x*x + k_c`` and ``gz = dv`` (``dv``: dy, zero where ``y <= 0`` if
-    masked) over the work item ``bounds`` (the coefficients tiled) where runs stay in one
-    channel. ``flags``: use x (all but eval), mask, write gi, write gz. Data slots: x, dy,
-    y, gi, gz."""
-    c0, c1, r0, r1, _, n, s = _walk(bounds, geometry, strides)
-    h = (r1 - r0) // 2
-    for j in range(r0, r1 - h):
-        r = j if j < r0 + h else j + h  # rows r and r + h; the last of an odd count alone
-        o = _row_offsets(r, geometry, strides)
-        p = _row_offsets(r + h if j < r0 + h else r, geometry, strides)
-        for c in range(c0, c1):
-            oc, pc = _channel_offsets(o, c, strides), _channel_offsets(p, c, strides)
-            _backward_along(x, dy, y, gi, gz, oc, pc, s, n, k_dy[c], k_x[c], k_c[c], flags)
+    masked) over each work item of ``items`` (``_next_item``; the coefficients tiled) where
+    runs stay in one channel. ``flags``: use x (all but eval), mask, write gi, write gz.
+    Data slots: x, dy, y, gi, gz."""
+    i = _next_item(state, -1, items)
+    while i >= 0:
+        c0, c1, r0, r1, _, n, s = _walk(items[i], geometry, strides)
+        h = (r1 - r0) // 2
+        for j in range(r0, r1 - h):
+            r = j if j < r0 + h else j + h  # rows r and r + h; the last of an odd count alone
+            o = _row_offsets(r, geometry, strides)
+            p = _row_offsets(r + h if j < r0 + h else r, geometry, strides)
+            for c in range(c0, c1):
+                oc, pc = _channel_offsets(o, c, strides), _channel_offsets(p, c, strides)
+                _backward_along(x, dy, y, gi, gz, oc, pc, s, n, k_dy[c], k_x[c], k_c[c], flags)
+        i = _next_item(state, i, items)
 
 
 @jit
-def item_backward_across(x, dy, y, gi, gz, geometry, strides, k_dy, k_x, k_c, flags, bounds):
+def item_backward_across(x, dy, y, gi, gz, geometry, strides, k_dy, k_x, k_c, flags, items, state):
     """``item_backward_along`` where runs cross channels (channels innermost): each walk is
     compiled apart, so that a layout compiles only its own."""
-    _, _, r0, r1, _, n, _ = _walk(bounds, geometry, strides)
-    _backward_across(x, dy, y, gi, gz, geometry, strides, r0, r1, n, k_dy, k_x, k_c, flags)
+    i = _next_item(state, -1, items)
+    while i >= 0:
+        _, _, r0, r1, _, n, _ = _walk(items[i], geometry, strides)
+        _backward_across(x, dy, y, gi, gz, geometry, strides, r0, r1, n, k_dy, k_x, k_c, flags)
+        i = _next_item(state, i, items)
 
 
 # --- the passes ----------------------------------------------------------------------------
@@ -871,17 +948,18 @@ def entries(like, geometry, strides, steps) -> np.ndarray:
     ``like``'s dtype walked as ``geometry`` says (``COPY``...; 0 for a slot not in
     ``steps``), compiled for the very argument types the threaded path gives them."""
     walk = "across" if geometry[3] else "along"
-    one, two, bounds = np.zeros(1), np.zeros((1, 1)), (0, 0, 0, 0)
+    one, two = np.zeros(1), np.zeros((1, 1))
+    items = (np.zeros((1, 4), np.int64), np.zeros(2, np.int64))  # the items table, its state
     at, args = np.zeros(CHANNEL_SLOTS, np.int64), np.zeros((CHANNEL_SLOTS, 2), np.int64)
     data = (like, like, like, geometry, strides)
     calls = {
         COPY: (copy_channels, at, args, 0, two, one, 0, False),
-        ITEM_SUMS: (globals()[f"item_sums_{walk}"], *data, one, two, 0, bounds),
+        ITEM_SUMS: (globals()[f"item_sums_{walk}"], *data, one, two, 0, *items),
         RESULTS: (channel_results, 0, two, one, two, 0, 0.0, 0.0, 0, two),
         ITEM_FORWARD: (globals()[f"item_forward_{walk}"], *data, one, one, one, (False,) * 2,
-                       bounds),
+                       *items),
         ITEM_BACKWARD: (globals()[f"item_backward_{walk}"], like, like, *data, one, one, one,
-                        (False,) * 4, bounds),
+                        (False,) * 4, *items),
     }  # fmt: skip
     found = np.zeros(len(calls), np.int64)
     for slot in steps:
@@ -952,8 +1030,7 @@ def whole_pass(plan, eps, momentum, like, x_at, a_at, y_at, gi_at, gz_at, c0, c1
     shift_row, mode, first = plan[PLAN_SHIFT_ROW], plan[PLAN_MODE], plan[PLAN_FIRST]
     f = PLAN_FLAGS
     flags = (plan[f] != 0, plan[f + 1] != 0, plan[f + 2] != 0, plan[f + 3] != 0)
-    w = PLAN_WHOLE
-    whole = (plan[w], plan[w + 1], plan[w + 2], plan[w + 3])
+    whole = plan[PLAN_WHOLE:PLAN_GEOMETRY].reshape((1, 4))  # one item: the whole tensor
     geometry = plan[PLAN_GEOMETRY:PLAN_SPANS]
     spans = plan[PLAN_SPANS:PLAN_CHANNEL_ARGS]
     channel_args = plan[PLAN_CHANNEL_ARGS:PLAN_STRIDES].reshape((CHANNEL_SLOTS, 2))
@@ -969,34 +1046,42 @@ def whole_pass(plan, eps, momentum, like, x_at, a_at, y_at, gi_at, gz_at, c0, c1
     _call(steps[COPY], (at, channel_args, reads, values, shift, shift_row, False))
     sums = np.zeros((SUMS, 0 if kind == INFERENCE else channels * tile + PAD))
     if kind == BACKWARD:
-        _call(steps[ITEM_SUMS], (x, a, y, geometry, strides, shift, sums, first, whole))
+        state = np.zeros(2, np.int64)
+        _call(steps[ITEM_SUMS], (x, a, y, geometry, strides, shift, sums, first, whole, state))
     elif kind == TRAINING:
-        _call(steps[ITEM_SUMS], (x, x[:0], x[:0], geometry, strides, shift, sums, first, whole))
+        state = np.zeros(2, np.int64)
+        empty = x[:0]
+        _call(steps[ITEM_SUMS], (x, empty, empty, geometry, strides, shift, sums, first, whole,
+                                 state))  # fmt: skip
     k = np.empty((3, channels * tile))
     count = geometry[1] * geometry[2] * tile
     _call(steps[RESULTS], (kind, sums, shift, values, count, eps, momentum, mode, k))
     if writes:
         _call(steps[COPY], (at, channel_args, writes, values, shift, -1, True))
-    data = (geometry, strides, k[0], k[1], k[2])
+    data, state = (geometry, strides, k[0], k[1], k[2]), np.zeros(2, np.int64)
     if kind != BACKWARD:
-        _call(steps[ITEM_FORWARD], (x, a, y, *data, (flags[0], flags[1]), whole))
+        _call(steps[ITEM_FORWARD], (x, a, y, *data, (flags[0], flags[1]), whole, state))
     elif flags[2] or flags[3]:
-        _call(steps[ITEM_BACKWARD], (x, a, y, gi, gz, *data, flags, whole))
+        _call(steps[ITEM_BACKWARD], (x, a, y, gi, gz, *data, flags, whole, state))
 
 
 @jit
-def batch_pass(whole, plan, eps, momentum, like, steps, first, end, x_at, a_at, y_at, gi_at,
+def batch_pass(whole, plan, eps, momentum, like, steps, items, state, x_at, a_at, y_at, gi_at,
                gz_at, c0, c1, c2, c3, c4, c5):  # fmt: skip
-    """Problems ``first``..``end`` of a batch of one layout, each a ``whole_pass`` (called by
-    address, ``whole``: ``entry``) on the given pointers plus its index times ``steps``
-    (bytes, one per pointer): a batch's problems walked where they lie, with no copies and
-    one call from Python."""
+    """The problems of a batch of one layout, each a ``whole_pass`` (called by address,
+    ``whole``: ``entry``) on the given pointers plus its index times ``steps`` (bytes, one
+    per pointer): a batch's problems walked where they lie, with no copies and one call from
+    Python. Work items (``_next_item``) are blocks of problems, ``items[i]`` their
+    ``(first, end)``."""
     s = steps
-    for b in range(first, end):
-        _call(whole, (plan, eps, momentum, like, x_at + b * s[0], a_at + b * s[1],
-                      y_at + b * s[2], gi_at + b * s[3], gz_at + b * s[4], c0 + b * s[5],
-                      c1 + b * s[6], c2 + b * s[7], c3 + b * s[8], c4 + b * s[9],
-                      c5 + b * s[10]))  # fmt: skip
+    i = _next_item(state, -1, items)
+    while i >= 0:
+        for b in range(items[i, 0], items[i, 1]):
+            _call(whole, (plan, eps, momentum, like, x_at + b * s[0], a_at + b * s[1],
+                          y_at + b * s[2], gi_at + b * s[3], gz_at + b * s[4], c0 + b * s[5],
+                          c1 + b * s[6], c2 + b * s[7], c3 + b * s[8], c4 + b * s[9],
+                          c5 + b * s[10]))  # fmt: skip
+        i = _next_item(state, i, items)
 
 
 # --- gathering operands --------------------------------------------------------------------

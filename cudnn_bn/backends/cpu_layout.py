@@ -109,18 +109,21 @@ class Layout:
         )
         return cls(geometry, strides, tuple(spans), c, x.numel // c)
 
-    def items(self, chunks: int) -> list[tuple[int, int, int, int]]:
-        """Work items for ``chunks`` threads, each ``(first channel, end channel, first row,
-        end row)``: channels innermost, every channel and rows split in ``chunks``;
+    def items(self, chunks: int) -> np.ndarray:
+        """About ``chunks`` work items, rows of ``(first channel, end channel, first row,
+        end row)`` (int64): channels innermost, every channel and rows split in ``chunks``;
         otherwise ``chunks`` blocks of channels, rows split too when there are fewer
         channels. ``items(1)`` is the whole tensor."""
         rows = int(self.geometry[2])
         channels = self.channels * int(self.geometry[-1])  # the tiled run's values
         blocks = 1 if self.geometry[3] else min(channels, chunks)
         split = min(rows, -(-chunks // blocks))
-        return [
-            (b * channels // blocks, (b + 1) * channels // blocks, s * rows // split,
-             (s + 1) * rows // split)
-            for b in range(blocks)
-            for s in range(split)
-        ]  # fmt: skip
+        return np.array(
+            [
+                (b * channels // blocks, (b + 1) * channels // blocks, s * rows // split,
+                 (s + 1) * rows // split)
+                for b in range(blocks)
+                for s in range(split)
+            ],
+            dtype=np.int64,
+        )  # fmt: skip

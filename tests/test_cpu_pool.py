@@ -1,0 +1,109 @@
+"""How a large CPU call shares its work among the engine's threads (cudnn_bn/backends/
+cpu_pool.py, the item kernels of cpu_kernels.py), checked against torch in float64:
+
+- the caller never waits for a helper thread that took no item (one that starts late, or
+  waits for a CPU, held the call up by up to milliseconds on a busy 2-core machine);
+- a large call is split in more items than threads, so a thread that starts late or runs
+  slowly does less of the work.
+"""
+
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import pytest
+import torch
+
+import cudnn_bn
+from cudnn_bn.backends import cpu, cpu_layout, cpu_pool
+from cudnn_bn.enums import DataType
+from cudnn_bn.problems import ForwardInferenceAttributes, ForwardInferenceTensors
+from cudnn_bn.tensor import TensorDesc
+
+LATE_S = 0.3  # how late the stand-in helper starts (a thread waiting for a CPU)
+
+
+class LateHelpers:
+    """A helper pool whose thread takes each task up at once and runs it ``LATE_S`` later."""
+
+    def __init__(self) -> None:
+        self.pool = ThreadPoolExecutor(1)
+        self.started = threading.Event()
+
+    def submit(self, task, *args):
+        def late():
+            self.started.set()
+            time.sleep(LATE_S)
+            return task(*args)
+
+        future = self.pool.submit(late)
+        assert self.started.wait(LATE_S)  # taken up: it can no longer be cancelled
+        return future
+
+
+@pytest.fixture
+def two_threads():
+    previous = cpu_pool.thread_count()
+    cpu_pool.set_thread_count(2)
+    yield
+    cpu_pool.set_thread_count(previous)
+
+
+def torch_inference(x, w, b, rm, rv) -> np.ndarray:
+    t = [torch.from_numpy(np.asarray(a, np.float64)) for a in (x, rm, rv, w, b)]
+    return torch.nn.functional.batch_norm(*t, training=False, eps=1e-5).numpy()
+
+
+def test_caller_does_not_wait_for_a_helper_that_took_no_item(two_threads, monkeypatch):
+    """A helper that has taken up its task but not yet run it (it waits for a CPU) finds
+    no item left once the caller has done them all: the call returns without it."""
+    late = LateHelpers()
+    monkeypatch.setattr(cpu_pool, "_helpers", lambda count: late)
+    rng = np.random.default_rng(0)
+    nhwc = rng.standard_normal((16, 32, 32, 64)).astype(np.float32)
+    x = nhwc.transpose(0, 3, 1, 2)  # channels-last
+    w, b = rng.uniform(0.5, 1.5, 64), rng.uniform(-1, 1, 64)
+    rm, rv = rng.uniform(-1, 1, 64), rng.uniform(0.5, 2, 64)
+    w, b, rm, rv = (a.astype(np.float32) for a in (w, b, rm, rv))
+    cudnn_bn.batch_norm_forward_inference(x, w, b, rm, rv)  # compiled, and the helper busy
+    late.pool.submit(lambda: None).result()
+    late.started.clear()
+    start = time.perf_counter()
+    y = cudnn_bn.batch_norm_forward_inference(x, w, b, rm, rv)
+    took = time.perf_counter() - start
+    np.testing.assert_allclose(y, torch_inference(x, w, b, rm, rv), rtol=1e-6, atol=1e-6)
+    assert took < LATE_S / 2, took
+    late.pool.shutdown()
+
+
+def test_large_calls_are_split_in_more_items_than_threads(two_threads, monkeypatch):
+    """A call of 1M values on two threads is eight items, handed out one at a time."""
+    seen = []
+    items = cpu_layout.Layout.items
+    monkeypatch.setattr(
+        cpu_layout.Layout, "items", lambda layout, count: seen.append(count) or items(layout, count)
+    )
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((16, 64, 32, 32)).astype(np.float32)
+    w, b = np.ones(64, np.float32), np.zeros(64, np.float32)
+    y, *_ = cudnn_bn.batch_norm_forward_training(x, w, b, None, None)
+    want = torch.nn.functional.batch_norm(
+        torch.from_numpy(x.astype(np.float64)), None, None, training=True, eps=1e-5
+    ).numpy()
+    np.testing.assert_allclose(y, want, rtol=1e-5, atol=1e-5)
+    assert seen[-1] == 8  # (the first: the descriptor's whole-tensor item)
+
+
+def test_work_items_are_made_once_per_count():
+    """A large call's item table is the layout's, made on its first call only (building it
+    cost about 20 us of every call after the machine idled)."""
+    x = TensorDesc(DataType.F32, (16, 64, 32, 32), (65536, 1, 2048, 64))
+    channel = TensorDesc(DataType.F32, (64,), (1,))
+    kernel = cpu.BatchNormForwardInference(
+        ForwardInferenceTensors(x, x, channel, channel, channel, channel),
+        ForwardInferenceAttributes(eps=1e-5),
+    )
+    items = kernel.work_items(8)
+    np.testing.assert_array_equal(items, kernel.layout.items(8))
+    assert kernel.work_items(8) is items
