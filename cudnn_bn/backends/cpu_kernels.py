@@ -499,7 +499,7 @@ def _next_item(state, previous, items):
 
 
 @helper(inline="always")
-def _sums_along(x, dy, y, ox, od, oy, ox2, od2, sx, sd, sy, n, k, has_dy, masked):
+def _sums_along(x, dy, y, ox, od, oy, ox2, od2, sx, sd, sy, n, k, has_dy, masked, x_sums):
     # The sums of a channel's run in one row, or in two (the second's x and dy offsets
     # ``ox2`` and ``od2``; ``ox2`` -1 for none, as a masked run always is): a loop over two
     # runs pays its fixed costs (entry checks, scalar tail, the vectors' final adds) once
@@ -519,6 +519,17 @@ def _sums_along(x, dy, y, ox, od, oy, ox2, od2, sx, sd, sy, n, k, has_dy, masked
             xv = decode(x[_at(ox, i, sx)]) - k
             s0 += xv
             s1 += xv * xv
+    elif not (masked or x_sums) and ox2 >= 0:  # given statistics: dy's two sums alone
+        for i in range(n):
+            a, da = decode(x[_at(ox, i, sx)]) - k, decode(dy[_at(od, i, sd)])
+            b, db = decode(x[_at(ox2, i, sx)]) - k, decode(dy[_at(od2, i, sd)])
+            s2 += da + db
+            s3 += da * a + db * b
+    elif not (masked or x_sums):
+        for i in range(n):
+            xv, dv = decode(x[_at(ox, i, sx)]) - k, decode(dy[_at(od, i, sd)])
+            s2 += dv
+            s3 += dv * xv
     elif not masked and ox2 >= 0:
         for i in range(n):
             a, da = decode(x[_at(ox, i, sx)]) - k, decode(dy[_at(od, i, sd)])
@@ -647,6 +658,7 @@ def item_sums_along(x, dy, y, geometry, strides, shift, out, first, items, state
                     shift[c],
                     has_dy,
                     masked,
+                    first < DY_SUMS,
                 )
                 for q in range(first, SUMS):
                     out[SUMS * i + q, c] += sums[q]
