@@ -34,7 +34,7 @@ from ..arrays.numpy_arrays import DATA_WORDS, ndarray_data
 from ..arrays.operand import byte_extent, overlap, refuse_overlap
 from ..descriptor_cache import DescriptorCache
 from ..enums import Device, Status
-from ..errors import InfiniError, public_error
+from ..errors import InfiniError, raise_public
 from ..runtime import Handle
 from ..tensor import ITEMSIZE, TensorDesc
 from .outputs import out_arrays
@@ -214,7 +214,7 @@ def run(spec: Pass, arrays: tuple, raw: tuple, stream: Any, out: Any = None) -> 
     """Run pass ``spec`` on ``arrays`` (in ``spec.names`` order, then the ``out=`` tuple
     ``out`` for a pass with ``out_names``; None for absent ones) with the caller's ``raw``
     options (hashable, each typed by ``options_key``); returns ``spec.result``. Raises what
-    a public entry point raises (``errors.public_error``)."""
+    a public entry point raises (``errors.raise_public``)."""
     try:
         if spec.out_names:
             arrays = (*arrays, *out_arrays(out, spec.out_names, spec.out_optional))
@@ -233,10 +233,7 @@ def run(spec: Pass, arrays: tuple, raw: tuple, stream: Any, out: Any = None) -> 
             plan = descriptor_cache.add(key, _build(spec, arrays, raw, described, stream))
         return plan.call(arrays, ptrs, like, stream)
     except Exception as exc:
-        raised = public_error(exc, _error_spelling(spec), f"batch_norm_{spec.name}")
-        if raised is exc:
-            raise
-        raise raised from exc
+        raise_public(exc, _error_spelling(spec), f"batch_norm_{spec.name}")
 
 
 def _described(
