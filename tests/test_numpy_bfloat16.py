@@ -35,3 +35,37 @@ def test_backward_on_numpy_bfloat16(mode, channel_dtype):
     )
     for actual, expected in zip(got, want, strict=True):
         assert_close(actual.astype(np.float64), expected, torch.bfloat16)
+
+
+class _Subclass(np.ndarray):
+    """An ndarray subclass: read through the door, like any other producer."""
+
+
+class _DLPackOnly:
+    """A host BF16 producer with only DLPack (ml_dtypes has no DLPack export)."""
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.tensor = tensor
+
+    def __dlpack__(self, **kwargs):
+        return self.tensor.__dlpack__()
+
+    def __dlpack_device__(self):
+        return self.tensor.__dlpack_device__()
+
+
+@pytest.mark.parametrize("first", ["subclass", "dlpack"])
+def test_outputs_take_the_storage_of_each_calls_input_not_of_the_first(first):
+    """An output follows its input: ``ml_dtypes.bfloat16`` for an ndarray of it, uint16 bits
+    for a producer without it. Both producers' operands describe alike, so a plan keyed by
+    that alone served the second its first caller's storage (found in review 7)."""
+    x = torch.randn(4, 3, 5).to(torch.bfloat16)
+    producers = {
+        "subclass": (x.view(torch.int16).numpy().view(BF16).view(_Subclass), BF16),
+        "dlpack": (_DLPackOnly(x), np.dtype(np.uint16)),
+    }
+    w, b, mean, var = (np.full(3, v, np.float32) for v in (1, 0, 0, 1))
+    cudnn_bn.descriptor_cache.clear()
+    for name in (first, *(n for n in producers if n != first)):
+        given, storage = producers[name]
+        assert cudnn_bn.batch_norm_forward_inference(given, w, b, mean, var).dtype == storage

@@ -239,8 +239,10 @@ def run(spec: Pass, arrays: tuple, raw: tuple, stream: Any, out: Any = None) -> 
 def _described(
     spec: Pass, arrays: tuple, stream: Any, others: list[int], signatures: list, ptrs: list[int]
 ) -> dict[int, Operand]:
-    """The door's operands of the producers at ``others`` (``read``), their signatures and
-    pointers filled in: one device for all, and the stream, before any is asked to export."""
+    """The door's operands of the producers at ``others`` (``read``), their signatures (with
+    the producer's type: outputs are stored as the input is, e.g. BF16 as ``ml_dtypes``' type
+    or as uint16 bits, which its operand does not say) and pointers filled in: one device for
+    all, and the stream, before any is asked to export."""
     device, device_id = common_place(_present(spec, arrays))
     consumer = None if device == Device.CPU else call_stream(stream, arrays[0], device, device_id)
     described = {}
@@ -249,7 +251,8 @@ def _described(
         found = operand(
             spec.spelling.get(name, name), arrays[at], consumer, written=name in spec.written
         )
-        described[at], ptrs[at], signatures[at + 2] = found, found.ptr, found.signature
+        described[at], ptrs[at] = found, found.ptr
+        signatures[at + 2] = (type(arrays[at]), found.signature)
     return described
 
 
