@@ -3,6 +3,7 @@
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 from helpers import assert_close, reference
 
 import cudnn_bn
@@ -69,3 +70,18 @@ def test_outputs_take_the_storage_of_each_calls_input_not_of_the_first(first):
     for name in (first, *(n for n in producers if n != first)):
         given, storage = producers[name]
         assert cudnn_bn.batch_norm_forward_inference(given, w, b, mean, var).dtype == storage
+
+
+def test_an_absent_weight_and_bias_are_one_and_zero_where_bf16_is_held_as_bits():
+    """Without ml_dtypes' type to follow (a DLPack input), a host BF16 array is uint16 bits:
+    the ones and zeros standing in for ``weight=None``/``bias=None`` beside BF16 statistics
+    must be those values' bits, not the integers 1 and 0 (found in review 7)."""
+    torch.manual_seed(0)
+    x = torch.randn(4, 3, 5).to(torch.bfloat16)
+    mean, var = torch.randn(3).to(torch.bfloat16), torch.rand(3).to(torch.bfloat16) + 0.5
+    given = (_DLPackOnly(t) for t in (x, mean, var))
+    cudnn_bn.descriptor_cache.clear()
+    got = cudnn_bn.batch_norm_forward_inference(next(given), None, None, *given)
+    want = F.batch_norm(x.double(), mean.double(), var.double(), training=False, eps=1e-5)
+    assert got.dtype == np.uint16
+    assert_close(torch.from_numpy(got.view(np.int16)).view(torch.bfloat16), want, torch.bfloat16)
