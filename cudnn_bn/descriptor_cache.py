@@ -24,8 +24,8 @@ DEFAULT_CAPACITY = 256
 
 
 class DescriptorCache:
-    """Entries (plans) by key, at most ``capacity`` of them; an entry has a ``descriptor``
-    (closed with ``__exit__``) and gets a ``used`` bit."""
+    """Entries (plans) by key, at most ``capacity`` of them (the one just added at least); an
+    entry has a ``descriptor`` (closed with ``__exit__``) and gets a ``used`` bit."""
 
     def __init__(self, capacity: int = DEFAULT_CAPACITY) -> None:
         self.capacity = capacity
@@ -48,7 +48,7 @@ class DescriptorCache:
         with self._lock:
             found = self._entries.setdefault(key, entry)
             found.used = found is not entry
-            while len(self._entries) > self.capacity:
+            while len(self._entries) > max(self.capacity, 1):  # never the one just added
                 self._evict_one(key)
         return found
 

@@ -16,7 +16,7 @@ import re
 import site
 import sysconfig
 from collections.abc import Callable, Mapping
-from typing import ClassVar, ParamSpec, TypeVar
+from typing import ClassVar, NoReturn, ParamSpec, TypeVar
 
 from .enums import Status
 
@@ -151,6 +151,20 @@ def public_error(exc: Exception, spelling: Mapping[str, str], where: str) -> Exc
     return InfiniError(Status.INTERNAL_ERROR, f"unexpected {type(exc).__name__} in {where}: {exc}")
 
 
+def raise_public(exc: Exception, spelling: Mapping[str, str], where: str) -> NoReturn:
+    """Raise what ``public_error`` says for ``exc``, the exception being handled, leaving no
+    name bound to either: the traceback keeps this frame (and the caller's), and a frame
+    holding its own exception is a cycle that keeps the call's arrays and plan alive until
+    the garbage collector runs."""
+    raised = public_error(exc, spelling, where)
+    try:
+        if raised is exc:
+            raise
+        raise raised from exc
+    finally:
+        exc = raised = None
+
+
 def raises_only_infini_errors(
     spelling: Mapping[str, str],
 ) -> Callable[[Callable[P, R]], Callable[P, R]]:
@@ -164,10 +178,7 @@ def raises_only_infini_errors(
             except Exception as exc:
                 if isinstance(exc, TypeError) and exc.__traceback__.tb_next is None:
                     raise  # the arguments do not bind: Python's, as for any function
-                raised = public_error(exc, spelling, func.__name__)
-                if raised is exc:
-                    raise
-                raise raised from exc
+                raise_public(exc, spelling, func.__name__)
 
         return wrapper
 

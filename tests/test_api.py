@@ -303,6 +303,18 @@ def test_descriptor_cache_evicts_the_entry_unused_longest_and_closes_it():
     assert closed == ["b", "a", "b", "c"] and len(cache) == 0
 
 
+def test_a_descriptor_cache_of_capacity_zero_keeps_only_the_entry_just_added(monkeypatch):
+    """Eviction never drops the entry just added: with ``capacity=0`` it found none other to
+    drop and every call failed with INTERNAL_ERROR (StopIteration; found in review 7)."""
+    cache = DescriptorCache(capacity=0)
+    monkeypatch.setattr(cudnn_bn.api.call, "descriptor_cache", cache)
+    x, dy, w, _, _ = problem((2, 3, 4))
+    for eps in (1e-5, 0.1, 1e-5):
+        results = cudnn_bn.batch_norm_backward(x, dy, w, None, None, eps=eps)
+        check(results, reference(x, dy, w, eps=eps), np.float64, np.float64, x)
+        assert len(cache) == 1
+
+
 def test_descriptor_cache_evicts_real_descriptors(monkeypatch):
     """An evicted ``BatchNormBackwardDescriptor`` is closed; the next call rebuilds it."""
     cache = DescriptorCache(capacity=1)

@@ -6,7 +6,9 @@ folded parameters' rounding to their dtype: within 2e-5 for F32 and 1e-2 for F16
 tolerances (``helpers.TOL``; an F16 ulp is 1e-3 relative, summed over a small kernel).
 """
 
+import gc
 import math
+import weakref
 
 import numpy as np
 import pytest
@@ -139,3 +141,22 @@ def test_bad_eps_is_bad_param(eps):
     with pytest.raises(InfiniError) as error:
         fold_conv_bn(*p.values(), eps)
     assert error.value.status == Status.BAD_PARAM
+
+
+def test_a_refused_fold_lets_its_arrays_go_without_the_garbage_collector():
+    # Every decorated entry point re-raises through one helper that keeps no frame holding
+    # its exception (a cycle that kept the caller's arrays until a collection; review 7).
+    weight = np.ones((4, 3, 3, 3))
+    kept = weakref.ref(weight)
+    gc.disable()
+    try:
+        refused = ""
+        try:
+            fold_conv_bn(weight, None, np.ones(4), np.zeros(4), np.zeros(4), np.ones(4), -1.0)
+        except InfiniError as exc:
+            refused = str(exc)
+        assert "eps" in refused
+        del weight
+        assert kept() is None
+    finally:
+        gc.enable()

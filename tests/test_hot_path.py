@@ -72,6 +72,34 @@ def test_an_evicted_plan_lets_its_launch_go_without_waiting_for_the_garbage_coll
         gc.enable()
 
 
+def test_a_refused_call_lets_its_plan_and_arrays_go_without_the_garbage_collector():
+    # A call refused on a hit raises from inside the plan's call: no frame its traceback
+    # keeps may hold the exception itself (a cycle), or the caller's arrays and the plan,
+    # with its launch, live on until some later collection (found in review 7).
+    cudnn_bn.descriptor_cache.clear()
+    x, _, w, b = problem()
+    cudnn_bn.batch_norm_forward_training(x, w, b, np.zeros(C), np.zeros(C))
+    (plan,) = cudnn_bn.descriptor_cache._entries.values()
+    call = weakref.ref(plan.call)
+    del plan
+    buffer = np.zeros(2 * C)
+    kept = weakref.ref(buffer)
+    gc.disable()
+    try:
+        refused = ""
+        try:
+            cudnn_bn.batch_norm_forward_training(x, w, b, buffer[1 : C + 1], buffer[:C])
+        except InfiniError as exc:
+            refused = str(exc)
+        assert "running_mean and running_var share memory" in refused
+        del buffer
+        cudnn_bn.descriptor_cache.clear()
+        assert call() is None
+        assert kept() is None
+    finally:
+        gc.enable()
+
+
 def test_a_read_only_running_statistic_is_refused_after_a_writable_one_planned():
     x, _, w, b = problem()
     running = np.zeros(C)

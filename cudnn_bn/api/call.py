@@ -34,7 +34,7 @@ from ..arrays.numpy_arrays import DATA_WORDS, ndarray_data
 from ..arrays.operand import byte_extent, overlap, refuse_overlap
 from ..descriptor_cache import DescriptorCache
 from ..enums import Device, Status
-from ..errors import InfiniError, public_error
+from ..errors import InfiniError, raise_public
 from ..runtime import Handle
 from ..tensor import ITEMSIZE, TensorDesc
 from .outputs import out_arrays
@@ -214,7 +214,7 @@ def run(spec: Pass, arrays: tuple, raw: tuple, stream: Any, out: Any = None) -> 
     """Run pass ``spec`` on ``arrays`` (in ``spec.names`` order, then the ``out=`` tuple
     ``out`` for a pass with ``out_names``; None for absent ones) with the caller's ``raw``
     options (hashable, each typed by ``options_key``); returns ``spec.result``. Raises what
-    a public entry point raises (``errors.public_error``)."""
+    a public entry point raises (``errors.raise_public``)."""
     try:
         if spec.out_names:
             arrays = (*arrays, *out_arrays(out, spec.out_names, spec.out_optional))
@@ -233,17 +233,16 @@ def run(spec: Pass, arrays: tuple, raw: tuple, stream: Any, out: Any = None) -> 
             plan = descriptor_cache.add(key, _build(spec, arrays, raw, described, stream))
         return plan.call(arrays, ptrs, like, stream)
     except Exception as exc:
-        raised = public_error(exc, _error_spelling(spec), f"batch_norm_{spec.name}")
-        if raised is exc:
-            raise
-        raise raised from exc
+        raise_public(exc, _error_spelling(spec), f"batch_norm_{spec.name}")
 
 
 def _described(
     spec: Pass, arrays: tuple, stream: Any, others: list[int], signatures: list, ptrs: list[int]
 ) -> dict[int, Operand]:
-    """The door's operands of the producers at ``others`` (``read``), their signatures and
-    pointers filled in: one device for all, and the stream, before any is asked to export."""
+    """The door's operands of the producers at ``others`` (``read``), their signatures (with
+    the producer's type: outputs are stored as the input is, e.g. BF16 as ``ml_dtypes``' type
+    or as uint16 bits, which its operand does not say) and pointers filled in: one device for
+    all, and the stream, before any is asked to export."""
     device, device_id = common_place(_present(spec, arrays))
     consumer = None if device == Device.CPU else call_stream(stream, arrays[0], device, device_id)
     described = {}
@@ -252,7 +251,8 @@ def _described(
         found = operand(
             spec.spelling.get(name, name), arrays[at], consumer, written=name in spec.written
         )
-        described[at], ptrs[at], signatures[at + 2] = found, found.ptr, found.signature
+        described[at], ptrs[at] = found, found.ptr
+        signatures[at + 2] = (type(arrays[at]), found.signature)
     return described
 
 

@@ -105,7 +105,16 @@ class NumpyKind:
         return np.ascontiguousarray(array)
 
     def constant(self, like: Any, value: float, desc: TensorDesc, name: str) -> tuple[Any, int]:
-        return _with_pointer(np.full(desc.shape, value, self.storage(like, desc.dtype)))
+        storage = self.storage(like, desc.dtype)
+        return _with_pointer(np.full(desc.shape, _stored(value, storage, desc.dtype), storage))
+
+
+def _stored(value: float, storage: np.dtype, dtype: DataType) -> Any:
+    """``value`` as an element of ``storage``: BF16 held as uint16 takes the value's bits
+    (the high half of its float32, exact for the ones and zeros of ``constant``)."""
+    if dtype == DataType.BF16 and storage == np.uint16:
+        return int(np.float32(value).view(np.uint32)) >> 16
+    return value
 
 
 def _with_pointer(array: np.ndarray) -> tuple[np.ndarray, int]:
@@ -200,7 +209,8 @@ class CupyKind:
         stream = cupy.cuda.get_current_stream()
         if stream.is_capturing():
             raise _captured(name)
-        array = cupy.full(desc.shape, value, NUMPY.storage(like, desc.dtype))
+        storage = NUMPY.storage(like, desc.dtype)
+        array = cupy.full(desc.shape, _stored(value, storage, desc.dtype), storage)
         stream.synchronize()
         return array, array.data.ptr
 
