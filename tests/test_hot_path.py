@@ -14,6 +14,8 @@ import torch
 
 import cudnn_bn
 from cudnn_bn import InfiniError, Status
+from cudnn_bn.api import call
+from cudnn_bn.arrays import numpy_arrays
 
 C = 3
 F = torch.nn.functional
@@ -131,6 +133,19 @@ def test_alignment_is_checked_on_every_call():
     with pytest.raises(InfiniError, match=r"grad_output's data .* not aligned") as caught:
         cudnn_bn.batch_norm_backward(x, shifted, w, None, None)
     assert caught.value.status == Status.BAD_TENSOR_STRIDES
+
+
+def test_pointers_come_from_ctypes_where_the_array_header_cannot_be_read(monkeypatch):
+    # DATA_WORDS is None where the import-time probe of an ndarray's header failed (another
+    # layout, tagged pointers): every pointer then comes from ``.ctypes.data``.
+    monkeypatch.setattr(numpy_arrays, "DATA_WORDS", None)
+    monkeypatch.setattr(call, "DATA_WORDS", None)
+    cudnn_bn.descriptor_cache.clear()
+    x, dy, w, b = problem()
+    out, *_ = torch_training(x, dy, w, b)
+    for _ in range(2):  # the plan's first call, then a hit
+        close(cudnn_bn.batch_norm_forward_training(x, w, b, None, None)[0], out)
+    assert numpy_arrays.ndarray_data(x[1:]) == x[1:].ctypes.data
 
 
 @pytest.mark.parametrize(("good", "bad"), [(1.0, True), (0.5, np.float64("nan"))])

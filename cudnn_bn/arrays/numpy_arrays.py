@@ -26,11 +26,24 @@ from .operand import Operand, byte_extent
 # trusted. ``DATA_WORDS[id(array) >> 3]`` is that word (objects are 16-byte aligned, the
 # view starts one header in); None where the check failed.
 _HEADER = object.__basicsize__
-_memory = (ctypes.c_char * (sys.maxsize >> 4 << 3)).from_address(_HEADER)
-_words = memoryview(_memory).cast("B").cast("Q")
-_probe = np.arange(3.0)[1:]
-DATA_WORDS = _words if _HEADER % 8 == 0 and _words[id(_probe) >> 3] == _probe.ctypes.data else None
-del _probe, _words, _memory
+
+
+def _data_words() -> memoryview | None:
+    """The address space as 8-byte words from one object header in, if it holds an
+    ndarray's data pointer where ``DATA_WORDS`` says; None where it does not, or where an
+    object lies beyond its reach (tagged pointers)."""
+    try:
+        memory = (ctypes.c_char * (sys.maxsize >> 4 << 3)).from_address(_HEADER)
+        words = memoryview(memory).cast("B").cast("Q")
+        probe = np.arange(3.0)[1:]
+        if _HEADER % 8 == 0 and words[id(probe) >> 3] == probe.ctypes.data:
+            return words
+    except (IndexError, ValueError, TypeError):
+        pass
+    return None
+
+
+DATA_WORDS = _data_words()
 
 
 def ndarray_data(array: np.ndarray) -> int:
