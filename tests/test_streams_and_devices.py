@@ -381,12 +381,6 @@ def test_each_thread_gets_its_own_workspace_on_the_per_thread_default_stream(fak
     assert mine != theirs and used[1][2] == mine and used[3][2] == theirs
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="review 7: per-thread workspaces are keyed by threading.get_ident(), which a new "
-    "thread reuses as soon as an old one ends; keying them by something never reused keeps "
-    "every dead thread's workspace (a design choice for the lead)",
-)
 def test_a_new_thread_never_gets_an_ended_threads_per_thread_workspace(fake, monkeypatch):
     """A thread that ends leaves its last kernels running on its own per-thread stream; a
     thread started after it (CPython hands it the same ``get_ident()``) must not launch on

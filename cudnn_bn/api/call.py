@@ -19,6 +19,7 @@ its last reference goes, so eviction by another thread never closes a descriptor
 call is using.
 """
 
+import itertools
 import sys
 import threading
 from collections.abc import Callable
@@ -110,8 +111,11 @@ class Workspaces:
     """A plan's workspace for each stream it has run on, made by its first launch there from
     that stream's memory and kept: a loop (or a CUDA graph captured after one call on its
     stream) allocates none. ``lock``: one launch at a time uses them (a launch may be staging
-    kernels around cuDNN's call). Keyed by the stream, and by the thread on
-    ``cudaStreamPerThread``, which is each thread's own stream."""
+    kernels around cuDNN's call). Keyed by the stream, and on ``cudaStreamPerThread``, which
+    is each thread's own stream, by the thread's ``_thread_token``: never one an ended thread
+    had (CPython reuses ``get_ident()`` at once), whose last kernels may still be writing its
+    workspace. So each thread that ever ran a plan there leaves one workspace, kept as long
+    as the plan."""
 
     def __init__(self, kind: Any, size: int) -> None:
         self.kind, self.size = kind, size
@@ -120,11 +124,23 @@ class Workspaces:
 
     def get(self, like: Any, stream: int) -> int:
         """The pointer to ``stream``'s workspace (``lock`` held)."""
-        place = (stream, threading.get_ident()) if stream == _PER_THREAD else stream
+        place = (stream, _thread_token()) if stream == _PER_THREAD else stream
         workspace = self.made.get(place)
         if workspace is None:
             workspace = self.made[place] = self.kind.scratch(like, self.size)
         return workspace[1]
+
+
+_threads = threading.local()
+_tokens = itertools.count()
+
+
+def _thread_token() -> int:
+    """A number for the calling thread, never given to another thread of this process."""
+    token = getattr(_threads, "token", None)
+    if token is None:
+        token = _threads.token = next(_tokens)
+    return token
 
 
 # Constants standing in for an absent weight (ones) or bias (zeros), one per kind, device,
