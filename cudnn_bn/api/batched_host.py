@@ -27,7 +27,6 @@ from typing import Any
 import numpy as np
 
 from ..arrays.numpy_arrays import ndarray_data
-from ..backends import cpu_kernels
 from ..enums import Status
 from ..errors import InfiniError
 from ..ops.descriptor import Launch
@@ -200,6 +199,8 @@ def _gathering(name: str, desc: TensorDesc, count: int) -> tuple[TensorDesc, np.
             (0, desc.strides[0]) if shared else desc.strides,
         )
         folded = TensorDesc.contiguous(desc.dtype, (count * channels,))
+    from ..backends import cpu_kernels  # here: importing the package imports no numba
+
     units = ITEMSIZE[desc.dtype] // 2  # the gather copies 2-byte units
     shape = [*(desc.shape[a] for a in order), units]
     shape, strides = _merged(shape, [*(desc.strides[a] * units for a in order), 1])
@@ -247,6 +248,8 @@ class _Gathered(_Launched):
     def launcher(self, *args: Any) -> Launch:
         """The descriptor's ``launcher``, each call gathering its operands into new scratch
         and launching on that."""
+        from ..backends import cpu_kernels  # as in ``_gathering``
+
         launch = self.one.launcher(*args)
         named = [(i, self.pointers.get(f, f)) for i, f in enumerate(launch.fields)]
         taken = [(i, n) for i, n in named if n in self.rows]
