@@ -201,8 +201,8 @@ def _interface_lie(lie: str, iface: dict, form: str, size: int) -> str:
         return "valid" if form == "own" else "refused"
     if lie == "strides_beyond":
         axis = _first_long_axis(shape)
-        if not buffered or axis is None:
-            return "valid"  # a raw address: nothing tells how far it may reach
+        if not buffered or axis is None or not numel:
+            return "valid"  # a raw address: nothing tells how far it may reach; empty: none
         strides = list(_strides(iface))
         strides[axis] = (size // itemsize + 1) * itemsize
         iface["strides"] = tuple(strides)
