@@ -100,7 +100,6 @@ class Plan:
     forward's 5.9 -> 4.8 us against the general function it replaced, an inference's 3.1 ->
     2.4 us)."""
 
-    spec: Any
     descriptor: Any
     call: Any
     source: str
@@ -214,6 +213,7 @@ def read(arrays: tuple, writes: tuple[bool, ...], signatures: list) -> tuple[lis
             signatures[base + at] = (
                 kind, array.dtype, array.shape, array.strides, writes[at] and array.flags.writeable
             )  # fmt: skip
+            # ``ndarray_data``'s read, inlined: a call per operand cost 0.06 us
             ptrs[at] = words[id(array) >> 3] if words is not None else ndarray_data(array)
         elif kind is (cupy_array or (cupy_array := _cupy_array_type())):
             signatures[base + at] = (kind, array.dtype, array.shape, array.strides, array.device.id)
@@ -450,7 +450,7 @@ def _build(
     exec(compile(source, f"<plan of batch_norm_{spec.name}>", "exec"), namespace)
     # Taken out of its namespace, which would hold it in a cycle: the launch's build is let
     # go with the plan, not at the next garbage collection.
-    return Plan(spec, descriptor, namespace.pop("call"), source)
+    return Plan(descriptor, namespace.pop("call"), source)
 
 
 def _plan_call(

@@ -245,15 +245,23 @@ class _HostKernel:
         absent tensor's pointer is NULL."""
         self.launch(*self.pointers(ptrs))
 
-    def direct(self) -> tuple[tuple[str | None, ...], Callable[..., None]] | None:
-        """``run_disjoint`` of a problem of one call, as ``whole_pass`` on the pointers of the
-        fields it takes (``(fields, call)``: ``ops.descriptor.Launch``, whose ``call`` takes
-        those pointers as its arguments); None for a larger problem."""
+    def _one_call(self) -> tuple[tuple[str | None, ...], tuple] | None:
+        """``(fields, fixed)`` of a problem of one call: the pointer fields ``whole_pass``
+        takes, in order (None: NULL), after its fixed arguments; None for a larger problem."""
         if self.parallel:
             return None
         fields = (*self.data_fields, *(None,) * len(self.absent), *self.channel_fields,
                   *(None,) * len(self.channels_absent))  # fmt: skip
-        fixed = (self.plan(), self.eps, self.momentum, self.like)
+        return fields, (self.plan(), self.eps, self.momentum, self.like)
+
+    def direct(self) -> tuple[tuple[str | None, ...], Callable[..., None]] | None:
+        """``run_disjoint`` of a problem of one call, as ``whole_pass`` on the pointers of the
+        fields it takes (``(fields, call)``: ``ops.descriptor.Launch``, whose ``call`` takes
+        those pointers as its arguments); None for a larger problem."""
+        one_call = self._one_call()
+        if one_call is None:
+            return None
+        fields, fixed = one_call
         whole = cpu_kernels.python_entry(cpu_kernels.whole_pass, *fixed, *(0,) * len(fields))
         return fields, partial(whole, *fixed)
 
@@ -264,14 +272,13 @@ class _HostKernel:
         given ones plus ``b * steps[field]`` bytes (``cpu_kernels.batch_pass``: one call,
         no copies), blocks of problems on the engine's threads where the batch has as many
         values as a threaded problem; None where each problem is large itself."""
-        direct = self.direct()
-        if direct is None:
+        one_call = self._one_call()
+        if one_call is None:
             return None
-        fields = direct[0]
-        k, plan = cpu_kernels, self.plan()
-        whole = k.entry(k.whole_pass, plan, self.eps, self.momentum, self.like, *(0,) * len(fields))
+        (fields, fixed), k = one_call, cpu_kernels
+        whole = k.entry(k.whole_pass, *fixed, *(0,) * len(fields))
         offsets = np.array([steps.get(f, 0) for f in fields], dtype=np.int64)
-        fixed = (whole, plan, self.eps, self.momentum, self.like, offsets)
+        fixed = (whole, *fixed, offsets)
         parallel = count * self.layout.count * self.layout.channels >= PARALLEL_MIN_VALUES
         blocks: dict[int, np.ndarray] = {}  # work items (blocks of problems), by their count
 
