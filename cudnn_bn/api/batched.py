@@ -27,7 +27,7 @@ from ..ops.batch_norm_backward import parse_fusion, validate_tensors
 from ..ops.validation import check_eps, check_output_mask
 from ..problems import BackwardTensors, Fusion
 from ..tensor import TensorDesc
-from .backward import BACKWARD, raw_options, statistics
+from .backward import ALL_GRADIENTS, BACKWARD, raw_options, statistics
 from .batched_host import BATCHED_HOST, check_shapes, one_problem
 from .batched_host import DATA as _DATA
 from .batched_host import PER_CHANNEL as _PER_CHANNEL
@@ -128,7 +128,7 @@ def batch_norm_backward_batched(
     eps: float = 1e-5,
     mode: str = "train",
     stream: Any = None,
-    output_mask: tuple[bool, bool, bool] = (True, True, True),
+    output_mask: tuple[bool, bool, bool] = ALL_GRADIENTS,
     fusion: str | None = None,
     persistent: bool | None = None,
 ) -> tuple[Any, ...]:
@@ -152,13 +152,10 @@ def batch_norm_backward_batched(
         saved_invstd,
         bias,
     )  # in _NAMES order
-    mask_types = tuple(map(type, output_mask)) if type(output_mask) in (tuple, list) else None
-    if type(output_mask) is list:
-        output_mask = tuple(output_mask)
-    options = (mode, eps, output_mask, fusion, persistent, mask_types)
+    raw = raw_options(mode, eps, fusion, output_mask, persistent, False)
     if type(input) is np.ndarray:  # host memory: the CPU engine's pass (no read here)
-        return run(BATCHED_HOST, arrays, _raw(options), stream)
-    signatures, ptrs, others = read(arrays, _READ_ONLY, [options_key(options)])
+        return run(BATCHED_HOST, arrays, raw, stream)
+    signatures, ptrs, others = read(arrays, _READ_ONLY, [options_key(raw)])
     try:
         key = tuple(signatures)
         fold = None if others else _folds.get(key)
@@ -166,7 +163,7 @@ def batch_norm_backward_batched(
         key, fold = None, None
     if fold is not None:
         return fold(arrays, stream, ptrs)
-    fold, ops = _checked(arrays, _raw(options), stream)
+    fold, ops = _checked(arrays, raw, stream)
     like = arrays[0]
     if isinstance(fold, _Fold) and (
         others or any(type(a) is not type(like) for a in arrays if a is not None)
@@ -216,12 +213,6 @@ def _checked(
     like = given["input"]
     fold = _Fold(descs, ops["input"].kind, like, device, device_id, sizes, mask, wants_z, raw)
     return fold, ops
-
-
-def _raw(options: tuple) -> tuple:
-    """The batched call's options as the backward takes them (``raw_options``)."""
-    mode, eps, output_mask, fusion, persistent, _ = options
-    return raw_options(mode, eps, fusion, output_mask, persistent, False)
 
 
 class _OnHost:
