@@ -37,7 +37,8 @@ from ..tensor import TensorDesc, contiguous_strides
 from .numpy_arrays import ndarray_data
 from .torch_tensors import torch_dtypes, torch_stream
 
-# Makes one new array of a planned layout (its kind's ``address`` gives its data pointer).
+# Makes one new array of a planned layout or byte size (its kind's ``address`` gives its
+# data pointer).
 Allocator = Callable[[], Any]
 _ANYWHERE = nullcontext()  # no device to enter, no stream to allocate from
 
@@ -94,10 +95,8 @@ class NumpyKind:
 
     address = staticmethod(ndarray_data)
 
-    def scratch(self, like: Any, nbytes: int) -> tuple[Any, int]:
-        if nbytes == 0:
-            return None, 0
-        return _with_pointer(np.empty(nbytes, np.uint8))
+    def buffer(self, like: Any, nbytes: int) -> Allocator:
+        return partial(np.empty, nbytes, np.uint8)
 
     def packed(self, array: Any) -> Any:
         """``array`` in row-major order: itself where it is, else a copy by its library in
@@ -150,12 +149,9 @@ class TorchKind:
     def address(array: Any) -> int:
         return array.data_ptr()
 
-    def scratch(self, like: Any, nbytes: int) -> tuple[Any, int]:
-        if nbytes == 0:
-            return None, 0
+    def buffer(self, like: Any, nbytes: int) -> Allocator:
         torch = sys.modules["torch"]  # imported: like is a tensor
-        buffer = torch.empty(nbytes, dtype=torch.uint8, device=like.device)
-        return buffer, buffer.data_ptr()
+        return partial(torch.empty, nbytes, dtype=torch.uint8, device=like.device)
 
     def packed(self, array: Any) -> Any:
         return array.contiguous()
@@ -195,11 +191,8 @@ class CupyKind:
     def address(array: Any) -> int:
         return array.data.ptr
 
-    def scratch(self, like: Any, nbytes: int) -> tuple[Any, int]:
-        if nbytes == 0:
-            return None, 0
-        buffer = cuda.cupy_module().empty(nbytes, np.uint8)
-        return buffer, buffer.data.ptr
+    def buffer(self, like: Any, nbytes: int) -> Allocator:
+        return partial(cuda.cupy_module().empty, nbytes, np.uint8)
 
     def packed(self, array: Any) -> Any:
         return cuda.cupy_module().ascontiguousarray(array)
