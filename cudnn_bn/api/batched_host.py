@@ -165,9 +165,9 @@ class _Batch(_Launched):
     def __init__(self, one: Any, count: int, steps: dict[str | None, int]) -> None:
         self.one, self.count, self.steps = one, count, steps
 
-    def launcher(self, *args: Any) -> Launch:
+    def launcher(self, *args: Any, **options: Any) -> Launch:
         """The descriptor's ``launcher`` for the whole batch."""
-        return self.one.launcher(*args, batch=(self.count, self.steps))
+        return self.one.launcher(*args, **options, batch=(self.count, self.steps))
 
 
 def _folded(handle: Handle, descs: dict[str, TensorDesc], options: tuple, count: int) -> Built:
@@ -245,12 +245,12 @@ class _Gathered(_Launched):
     def __init__(self, one: Any, rows: dict[str, np.ndarray], pointers: dict) -> None:
         self.one, self.rows, self.pointers = one, rows, pointers
 
-    def launcher(self, *args: Any) -> Launch:
+    def launcher(self, *args: Any, **options: Any) -> Launch:
         """The descriptor's ``launcher``, each call gathering its operands into new scratch
         and launching on that."""
         from ..backends import cpu_kernels  # as in ``_gathering``
 
-        launch = self.one.launcher(*args)
+        launch = self.one.launcher(*args, **options)
         named = [(i, self.pointers.get(f, f)) for i, f in enumerate(launch.fields)]
         taken = [(i, n) for i, n in named if n in self.rows]
         template = np.array([self.rows[n] for _, n in taken], dtype=np.int64)

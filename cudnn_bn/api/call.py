@@ -383,6 +383,7 @@ def _build(
         descriptor.workspace_size,
         built.reserve_size,
         "reserve" in ops,
+        current=kind.current_in_scope,
     )
     index = {n: i for i, n in enumerate(names)}
     extents = {n: byte_extent(op.desc) for n, op in ops.items()}

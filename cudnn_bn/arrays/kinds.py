@@ -79,6 +79,7 @@ class NumpyKind:
     else as its uint16 bits)."""
 
     name = "numpy"
+    current_in_scope = False  # no device
 
     def scope(self, like: Any, stream: int, device_id: int) -> AbstractContextManager:
         return _ANYWHERE
@@ -124,6 +125,7 @@ class TorchKind:
     """torch tensors, on the input's device, from torch's allocator on the call's stream."""
 
     name = "torch"
+    current_in_scope = False  # torch allocates on the tensor's device, whichever is current
 
     def current(self, like: Any, device_id: int) -> tuple[int, AbstractContextManager]:
         """torch's current stream on ``like``'s device, where torch allocates for it."""
@@ -172,6 +174,7 @@ class CupyKind:
     """CuPy arrays on the operands' device, from CuPy's pool on the call's stream."""
 
     name = "cupy"
+    current_in_scope = True  # its scope makes the operands' device current (``current``)
 
     def current(self, like: Any, device_id: int) -> tuple[int, AbstractContextManager]:
         """CuPy's current stream on ``device_id``; CuPy allocates from it once that device

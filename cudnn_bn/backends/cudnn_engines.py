@@ -168,24 +168,28 @@ class _CudnnKernel:
         """Fill what depends on whether a reserve was given (engines that take one)."""
 
     def run(self, ptrs: NamedTuple, workspace: int, stream: int) -> None:
+        with cuda.on_device(self.device_id):
+            self.run_current(ptrs, workspace, stream)
+
+    def run_current(self, ptrs: NamedTuple, workspace: int, stream: int) -> None:
+        """``run`` with this engine's device current already (the caller made it so)."""
         args = self._template.copy()
         for index, field in self._pointer_slots:
             args[index] = ptrs[field]
         for index, offset in self._workspace_slots:
             args[index] = workspace + offset
         self.bind_reserve(args, ptrs)
-        with cuda.on_device(self.device_id):
-            handle = handles.borrow(self.device_id)
-            try:
-                args[0] = ref = handle.ref
-                self._set_stream(ref, stream)
-                self.staging.read(ptrs, workspace, stream)
-                self._call(*args)
-                self.staging.write(ptrs, workspace, stream)
-                if self.check_overflow:
-                    self.warn_on_overflow(ref)
-            finally:
-                handles.give_back(self.device_id, handle)
+        handle = handles.borrow(self.device_id)
+        try:
+            args[0] = ref = handle.ref
+            self._set_stream(ref, stream)
+            self.staging.read(ptrs, workspace, stream)
+            self._call(*args)
+            self.staging.write(ptrs, workspace, stream)
+            if self.check_overflow:
+                self.warn_on_overflow(ref)
+        finally:
+            handles.give_back(self.device_id, handle)
 
     def warn_on_overflow(self, handle: Any) -> None:
         """CuPy 13's ``debug`` check (cupyx/cudnn.pyx): wait for this handle's work

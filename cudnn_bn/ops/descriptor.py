@@ -224,6 +224,7 @@ class OperatorDescriptor:
         reserve_size: int | None = None,
         reserve: bool = False,
         batch: tuple[int, dict[str | None, int]] | None = None,
+        current: bool = False,
     ) -> Launch:
         """``compute`` for the ``owner`` of this descriptor (the array API's plans), its size
         checks made once, here (``reserve``: whether launches give one): a ``Launch``, whose
@@ -239,12 +240,14 @@ class OperatorDescriptor:
         says, without the pointer tuple. ``batch``: ``(count, steps)``, a launch runs
         ``count`` problems of this descriptor's layout, problem ``b``'s pointers the given
         ones plus ``b * steps[field]`` bytes (a field not in ``steps``: 0), in one call where
-        the kernel has ``batched()`` for them, else one launch per problem."""
+        the kernel has ``batched()`` for them, else one launch per problem. ``current``: the
+        owner launches only with this descriptor's device current (the array API's CuPy
+        plans, inside their scope), so a kernel with ``run_current`` switches none."""
         build = self._lease()
         try:
             self._owner = owner
             self._checked_sizes(build, workspace_size, reserve_size, reserve)
-            launch = self._launch_of(build)
+            launch = self._launch_of(build, current)
             if batch is not None:
                 launch = _batched(launch, build.kernel, *batch)
         except BaseException:
@@ -253,13 +256,13 @@ class OperatorDescriptor:
         weakref.finalize(launch.call, self._let_go, build).atexit = False  # as the cache's
         return launch
 
-    def _launch_of(self, build: Build) -> Launch:
-        """``launcher``'s ``Launch`` of ``build``."""
+    def _launch_of(self, build: Build, current: bool) -> Launch:
+        """``launcher``'s ``Launch`` of ``build`` (``current``: as ``launcher`` says)."""
         kernel = build.kernel
         direct = kernel.direct() if hasattr(kernel, "direct") else None
         if direct is not None:
             return Launch(*direct, direct=True)
-        run = getattr(kernel, "run_disjoint", kernel.run)
+        run = getattr(kernel, "run_current" if current else "run_disjoint", kernel.run)
         pointers, checks_workspace = self.pointers, bool(kernel.workspace_size)
 
         def call(values: tuple, workspace: int, stream: int) -> None:
