@@ -35,8 +35,10 @@ BASE = 0x7100_0000_0000  # fake device addresses, 1 MiB apart, above 2^32
 
 
 class _Pointer:
-    def __init__(self, ptr: int) -> None:
-        self.ptr = ptr
+    """CuPy's ``MemoryPointer``: its address and its device's id."""
+
+    def __init__(self, ptr: int, device_id: int) -> None:
+        self.ptr, self.device_id = ptr, device_id
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,7 +58,7 @@ class FakeArray:
         self._fake, self.shape, self.dtype = fake, tuple(shape), np.dtype(dtype)
         self.itemsize, self.ndim = self.dtype.itemsize, len(self.shape)
         self.strides = strides or _packed_strides(self.shape, self.itemsize)
-        self.data, self.device = _Pointer(ptr), _FAKE_DEVICES[device]
+        self.data, self.device = _Pointer(ptr, device), _FAKE_DEVICES[device]
         self.nbytes = math.prod(self.shape) * self.itemsize
 
     def __getitem__(self, index: int) -> "FakeArray":

@@ -216,8 +216,9 @@ def read(arrays: tuple, writes: tuple[bool, ...], signatures: list) -> tuple[lis
             # ``ndarray_data``'s read, inlined: a call per operand cost 0.06 us
             ptrs[at] = words[id(array) >> 3] if words is not None else ndarray_data(array)
         elif kind is (cupy_array or (cupy_array := _cupy_array_type())):
-            signatures[base + at] = (kind, array.dtype, array.shape, array.strides, array.device.id)
-            ptrs[at] = array.data.ptr
+            data = array.data  # its ``device`` would make a ``Device`` (CuPy's memory.pyx)
+            signatures[base + at] = (kind, array.dtype, array.shape, array.strides, data.device_id)
+            ptrs[at] = data.ptr
         elif _plain_torch(array) and (ptr := _torch_data(array)) is not None:
             signatures[base + at] = (kind, array.dtype, array.shape, array.stride(), array.device)
             ptrs[at] = ptr
