@@ -11,6 +11,8 @@ with a margin around them, are untouched), or for both.
 import ctypes
 import math
 import re
+import subprocess
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -812,6 +814,39 @@ def test_python_descriptor_after_destroy_raises():
             use()
         assert caught.value.status == Status.BAD_PARAM
     cudnn_bn.descriptor_cache.clear()  # closing a destroyed descriptor is quiet
+
+
+_ADDRESS_SCRIPT = """
+import numpy as np
+from cudnn_bn import DataType, Device, Handle, InfiniError
+from cudnn_bn.ops.batch_norm_forward_inference import BatchNormForwardInferenceDescriptor
+from cudnn_bn.tensor import TensorDesc
+
+x, w, y = np.ones((8, 4), np.float32), np.ones(4, np.float32), np.full((8, 4), 7.0, np.float32)
+data, channel = (TensorDesc(DataType.F32, s, t) for s, t in (((8, 4), (4, 1)), ((4,), (1,))))
+op = BatchNormForwardInferenceDescriptor(Handle(Device.CPU, 0), data, data, *[channel] * 4)
+try:
+    op.compute(0, 0, y.ctypes.data, {bad}, *[w.ctypes.data] * 4)
+except InfiniError as exc:
+    print(int(exc.status), str(exc).splitlines()[0], (y == 7.0).all())
+"""
+
+
+@pytest.mark.parametrize(
+    "bad", ["'7'", "1.5", "True", "-5", "1 << 64", "(1 << 63) + 8", "np.float32(2.0)"]
+)
+def test_a_compute_refuses_what_is_not_an_address(bad):
+    """A descriptor's ``compute`` takes addresses as ints (0 to 2**64 - 1); anything else is
+    BAD_PARAM naming the argument, the output untouched. (Its kernel's entry point would
+    convert a string or a float, numba's dispatcher failed on them with a TypeError or an
+    LLVM error, and True, -5 or an address beyond 2**63 - 1 crashed the process; run in a
+    child process for that reason.)"""
+    script = _ADDRESS_SCRIPT.format(bad=bad)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
+    status, *message, untouched = done.stdout.split()
+    assert int(status) == Status.BAD_PARAM and "input" in message[1], done.stdout
+    assert untouched == "True"
 
 
 @pytest.mark.parametrize(

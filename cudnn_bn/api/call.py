@@ -29,6 +29,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from ..address_tests import compiled_test, meeting
 from ..arrays import Operand, check_written, common_place, operand
 from ..arrays.numpy_arrays import DATA_WORDS, ndarray_data
 from ..arrays.operand import byte_extent, overlap, refuse_overlap
@@ -300,7 +301,7 @@ class Aligned:
             for size, ats in sizes.items()
             for values in [[f"ptrs[{at}]" for at in ats]]
         )
-        self._suspect = eval(f"lambda ptrs: {self.suspect or False}", {"gcd": gcd})
+        self._suspect = compiled_test(self.suspect, gcd=gcd)
 
     def check(self, ptrs: list[int], arrays: tuple, spec: Any) -> None:
         """BAD_PARAM from the door, naming the first operand found NULL or misaligned
@@ -324,9 +325,7 @@ class Disjoint:
 
     def __init__(self, pairs: list[tuple[int, int, int, int, TensorDesc, TensorDesc]]) -> None:
         self.pairs = pairs
-        self.suspect = " or ".join(
-            f"{low} < ptrs[{w}] - ptrs[{o}] < {high}" for w, o, low, high, _, _ in pairs
-        )
+        self.suspect = meeting([pair[:4] for pair in pairs])
 
     def check(self, ptrs: list[int], spec: Any) -> None:
         """BAD_PARAM (``refuse_overlap``) naming the first pair that overlaps (``spec``: its

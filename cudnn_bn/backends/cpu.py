@@ -22,8 +22,10 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from ..address_tests import compiled_test, meeting
 from ..dtypes import FLOAT_TYPES
-from ..enums import DataType
+from ..enums import DataType, Status
+from ..errors import InfiniError
 from ..problems import (
     BackwardAttributes,
     BackwardPointers,
@@ -49,6 +51,7 @@ _LIKE = {
     DataType.F32: np.empty(0, np.float32),
     DataType.F64: np.empty(0, np.float64),
 }
+_BEYOND_HOST = 1 << 63  # no host address is this high (x86-64 and AArch64 user space)
 PARALLEL_MIN_VALUES = 1 << 16  # below this many values a thread hand-off costs more than it saves
 # A large call's work items: up to this many per thread, each of at least ITEM_MIN_VALUES,
 # claimed one at a time (``cpu_kernels._next_item``), so that a thread that starts late or
@@ -94,6 +97,7 @@ class _HostKernel:
     # The steps a one-call pass makes (``cpu_kernels.entries``' slots), and their addresses.
     step_slots: tuple[int, ...]
     _plan: np.ndarray | None = None
+    _whole: Callable[..., None] | None = None  # one_call()
     # The operator's pointer tuple, and its fields that fill the data slots, then the
     # per-channel ones (None: NULL).
     pointer_type: type[NamedTuple]
@@ -114,8 +118,13 @@ class _HostKernel:
         self._items: dict[int, np.ndarray] = {}  # work_items
         self.absent = (0,) * (SLOTS - len(data))  # the data slots this pass has not
         self.channels_absent = (0,) * (cpu_kernels.FIRST_VALUES - len(channel))
+        # The fields that fill the data slots, None for a slot this problem leaves empty
+        # (a field given anyway is not read).
+        self.slot_fields = tuple(
+            f if d is not None else None for f, d in zip(self.data_fields, data, strict=True)
+        )
         self._data_at, self._channel_at = (
-            self._picker(self.data_fields),
+            self._picker(self.slot_fields),
             self._picker(self.channel_fields),
         )
         self.tile = int(self.layout.geometry[cpu_kernels.TILE])
@@ -123,6 +132,18 @@ class _HostKernel:
         walk = "across" if self.layout.geometry[3] else "along"
         self.item_sums, self.item_forward, self.item_backward = (
             getattr(cpu_kernels, f"item_{step}_{walk}") for step in ("sums", "forward", "backward")
+        )
+        # A test of the data slots' addresses that is true where an output's bytes may meet
+        # an input's (``overlapping`` then looks closer).
+        self.meets = compiled_test(
+            meeting(
+                [
+                    (o, i, -self.nbytes[i], self.nbytes[o])
+                    for o in self.outputs
+                    for i in self.inputs
+                    if data[o] is not None and data[i] is not None
+                ]
+            )
         )
         # Output slots whose layout equals an input's: the same address is safe for those.
         self.same_layout = {
@@ -155,9 +176,8 @@ class _HostKernel:
             most = self.layout.count * self.layout.channels // ITEM_MIN_VALUES
             self.threaded(at, channel, max(threads, min(threads * ITEMS_PER_THREAD, most)))
             return
-        plan = self._plan if self._plan is not None else self.plan()
-        cpu_kernels.whole_pass(plan, self.eps, self.momentum, self.like, *at,
-                               *self.absent, *channel, *self.channels_absent)  # fmt: skip
+        whole = self._whole if self._whole is not None else self.one_call()
+        whole(*at, *self.absent, *channel, *self.channels_absent)
 
     def work_items(self, count: int) -> np.ndarray:
         """``Layout.items(count)``, made once per count (on every large call it cost about
@@ -226,9 +246,11 @@ class _HostKernel:
     def run(self, ptrs: Any, workspace: int, stream: int) -> None:
         """The pass on ``ptrs`` (``workspace``/``stream`` are unused), outputs that overlap
         an input written through scratch."""
-        given, channel = self.pointers(ptrs)
-        addresses = [a if d is not None else 0 for a, d in zip(given, self.data, strict=True)]
-        clashes = self.overlapping(addresses)
+        if max(ptrs) >= _BEYOND_HOST:  # the kernels take int64 addresses
+            value, name = max(zip(ptrs, ptrs._fields, strict=True))
+            raise InfiniError(Status.BAD_PARAM, f"{name} is {value:#x}, not a host address")
+        addresses, channel = self.pointers(ptrs)
+        clashes = self.overlapping(addresses) if self.meets(addresses) else ()
         if not clashes:
             self.launch(addresses, channel)
             return
@@ -245,25 +267,31 @@ class _HostKernel:
         absent tensor's pointer is NULL."""
         self.launch(*self.pointers(ptrs))
 
-    def _one_call(self) -> tuple[tuple[str | None, ...], tuple] | None:
-        """``(fields, fixed)`` of a problem of one call: the pointer fields ``whole_pass``
-        takes, in order (None: NULL), after its fixed arguments; None for a larger problem."""
-        if self.parallel:
-            return None
-        fields = (*self.data_fields, *(None,) * len(self.absent), *self.channel_fields,
-                  *(None,) * len(self.channels_absent))  # fmt: skip
-        return fields, (self.plan(), self.eps, self.momentum, self.like)
+    def _fields(self) -> tuple[str | None, ...]:
+        """The pointer fields ``whole_pass`` takes, in order (None: NULL), after its fixed
+        arguments (``_fixed``)."""
+        return (*self.slot_fields, *(None,) * len(self.absent), *self.channel_fields,
+                *(None,) * len(self.channels_absent))  # fmt: skip
+
+    def _fixed(self) -> tuple:
+        return self.plan(), self.eps, self.momentum, self.like
+
+    def one_call(self) -> Callable[..., None]:
+        """``whole_pass`` of this problem with its fixed arguments bound, called through its
+        compiled entry point (``cpu_kernels.python_entry``: no dispatcher typing of its 15
+        arguments, 1.2 us of a small call) on the addresses of ``_fields``, all ints."""
+        if self._whole is None:
+            fixed = self._fixed()
+            count = len(self._fields())
+            entry = cpu_kernels.python_entry(cpu_kernels.whole_pass, *fixed, *(0,) * count)
+            self._whole = partial(entry, *fixed)
+        return self._whole
 
     def direct(self) -> tuple[tuple[str | None, ...], Callable[..., None]] | None:
-        """``run_disjoint`` of a problem of one call, as ``whole_pass`` on the pointers of the
+        """``run_disjoint`` of a problem of one call, as ``one_call()`` on the pointers of the
         fields it takes (``(fields, call)``: ``ops.descriptor.Launch``, whose ``call`` takes
         those pointers as its arguments); None for a larger problem."""
-        one_call = self._one_call()
-        if one_call is None:
-            return None
-        fields, fixed = one_call
-        whole = cpu_kernels.python_entry(cpu_kernels.whole_pass, *fixed, *(0,) * len(fields))
-        return fields, partial(whole, *fixed)
+        return None if self.parallel else (self._fields(), self.one_call())
 
     def batched(
         self, count: int, steps: dict[str | None, int]
@@ -272,10 +300,9 @@ class _HostKernel:
         given ones plus ``b * steps[field]`` bytes (``cpu_kernels.batch_pass``: one call,
         no copies), blocks of problems on the engine's threads where the batch has as many
         values as a threaded problem; None where each problem is large itself."""
-        one_call = self._one_call()
-        if one_call is None:
+        if self.parallel:
             return None
-        (fields, fixed), k = one_call, cpu_kernels
+        fields, fixed, k = self._fields(), self._fixed(), cpu_kernels
         whole = k.entry(k.whole_pass, *fixed, *(0,) * len(fields))
         offsets = np.array([steps.get(f, 0) for f in fields], dtype=np.int64)
         fixed = (whole, *fixed, offsets)

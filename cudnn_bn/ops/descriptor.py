@@ -9,10 +9,13 @@ snippet that reproduces the problem.
 
 import dataclasses
 import enum
+import operator
 import threading
 import weakref
 from collections.abc import Callable
 from typing import Any, ClassVar, NamedTuple, Self
+
+import numpy as np
 
 from ..enums import Device, Status
 from ..errors import InfiniError
@@ -33,6 +36,25 @@ def backend_class(device: Device, op_name: str) -> Any:
     else:
         raise InfiniError(Status.DEVICE_TYPE_NOT_SUPPORTED, f"no backend for device {device!r}")
     return getattr(backend, op_name)
+
+
+_INT, _ADDRESSES = {int}, 1 << 64
+
+
+def address(name: str, value: Any) -> int:
+    """``value`` as the address a compute's argument ``name`` gives: an integer from 0 to
+    2**64 - 1 (Python's or NumPy's; None for NULL); BAD_PARAM for anything else (a float, a
+    string, a bool), which a kernel taking ints would otherwise convert."""
+    if value is None:
+        return 0
+    if isinstance(value, bool | np.bool_) or not hasattr(type(value), "__index__"):
+        raise InfiniError(
+            Status.BAD_PARAM, f"{name} must be an address (an int); got {type(value).__name__}"
+        )
+    number = operator.index(value)
+    if not 0 <= number < _ADDRESSES:
+        raise InfiniError(Status.BAD_PARAM, f"{name} is {number}, not an address (0 to 2**64 - 1)")
+    return number
 
 
 def _show(value: Any) -> str:
@@ -202,6 +224,10 @@ class OperatorDescriptor:
 
         ``reserve_size`` is the caller's reserve buffer size where the operator takes one.
         """
+        if not (set(map(type, ptrs)) <= _INT and min(ptrs) >= 0 and max(ptrs) < _ADDRESSES):
+            ptrs = type(ptrs)(*map(address, ptrs._fields, ptrs))
+        if type(workspace) is not int or not 0 <= workspace < _ADDRESSES:
+            workspace = address("workspace", workspace)
         build = self._lease()
         try:
             given = bool(getattr(ptrs, "reserve", 0))
