@@ -20,6 +20,8 @@ import numpy as np
 import pytest
 import torch
 from helpers import BACKWARD_ORDER, OUTPUTS, gpu_present
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import cudnn_bn
 from cudnn_bn import DataType, Device, InfiniError, Status, capi
@@ -847,6 +849,40 @@ def test_a_compute_refuses_what_is_not_an_address(bad):
     status, *message, untouched = done.stdout.split()
     assert int(status) == Status.BAD_PARAM and "input" in message[1], done.stdout
     assert untouched == "True"
+
+
+NOT_WORDS = st.one_of(
+    st.text(max_size=3),
+    st.floats(),
+    st.booleans(),
+    st.integers(max_value=-1),
+    st.integers(min_value=1 << 64, max_value=1 << 70),
+    st.builds(np.float64, st.floats(0, 1e6)),
+    st.builds(np.bool_, st.booleans()),
+    st.just(b"\x00"),
+)
+
+
+@settings(max_examples=150, deadline=None)
+@given(position=st.integers(0, 10), value=NOT_WORDS)
+def test_a_compute_refuses_each_argument_that_is_not_an_int_in_any_position(position, value):
+    """Any argument of a backward ``compute`` (an address, a size or the stream) that is not
+    an int from 0 to 2**64 - 1 (nor None, which is 0): BAD_PARAM naming that argument,
+    nothing written."""
+    args = array_args()
+    cudnn_bn.descriptor_cache.clear()
+    call_array(args)
+    (cached,) = cudnn_bn.descriptor_cache.descriptors()
+    grads = [np.full(SHAPE, 7.0, np.float32), *(np.full(C, 7.0, np.float32) for _ in range(2))]
+    inputs = [args[n] for n in ("input", "grad_output", "weight")]
+    values = [0, 0, *(a.ctypes.data for a in grads + inputs), 0, 0, 0]  # ..., stream
+    values[position] = value
+    with type(cached)(cached.handle, *cached.tensors[:8]) as op, pytest.raises(InfiniError) as e:
+        op.compute(*values)
+    name = ("workspace", "workspace_size", *BACKWARD_ORDER[:8], "stream")[position]
+    assert e.value.status == Status.BAD_PARAM, e.value
+    assert re.search(names(name), str(e.value)), (name, str(e.value))
+    assert all((g == 7.0).all() for g in grads), "an output was written"
 
 
 @pytest.mark.parametrize(

@@ -38,22 +38,23 @@ def backend_class(device: Device, op_name: str) -> Any:
     return getattr(backend, op_name)
 
 
-_INT, _ADDRESSES = {int}, 1 << 64
+_INT, _WORDS = {int}, 1 << 64
+_SIZES = ("workspace", "workspace_size", "stream")
 
 
-def address(name: str, value: Any) -> int:
-    """``value`` as the address a compute's argument ``name`` gives: an integer from 0 to
-    2**64 - 1 (Python's or NumPy's; None for NULL); BAD_PARAM for anything else (a float, a
-    string, a bool), which a kernel taking ints would otherwise convert."""
+def word(name: str, value: Any) -> int:
+    """``value`` as a compute's argument ``name`` (an address, a size or a stream: C's
+    ``void *``, ``size_t``, ``cudaStream_t``): an integer from 0 to 2**64 - 1 (Python's or
+    NumPy's; None for 0, NULL); BAD_PARAM for anything else (a float, a string, a bool),
+    which a kernel taking ints would otherwise convert, or crash on."""
     if value is None:
         return 0
     if isinstance(value, bool | np.bool_) or not hasattr(type(value), "__index__"):
-        raise InfiniError(
-            Status.BAD_PARAM, f"{name} must be an address (an int); got {type(value).__name__}"
-        )
+        kind = type(value).__name__
+        raise InfiniError(Status.BAD_PARAM, f"{name} must be an int (0 to 2**64 - 1); got {kind}")
     number = operator.index(value)
-    if not 0 <= number < _ADDRESSES:
-        raise InfiniError(Status.BAD_PARAM, f"{name} is {number}, not an address (0 to 2**64 - 1)")
+    if not 0 <= number < _WORDS:
+        raise InfiniError(Status.BAD_PARAM, f"{name} is {number}, not in 0 to 2**64 - 1")
     return number
 
 
@@ -224,10 +225,12 @@ class OperatorDescriptor:
 
         ``reserve_size`` is the caller's reserve buffer size where the operator takes one.
         """
-        if not (set(map(type, ptrs)) <= _INT and min(ptrs) >= 0 and max(ptrs) < _ADDRESSES):
-            ptrs = type(ptrs)(*map(address, ptrs._fields, ptrs))
-        if type(workspace) is not int or not 0 <= workspace < _ADDRESSES:
-            workspace = address("workspace", workspace)
+        sizes = (workspace, workspace_size, stream, 0 if reserve_size is None else reserve_size)
+        given = (*ptrs, *sizes)
+        if not (set(map(type, given)) <= _INT and min(given) >= 0 and max(given) < _WORDS):
+            ptrs = type(ptrs)(*map(word, ptrs._fields, ptrs))
+            workspace, workspace_size, stream = map(word, _SIZES, sizes[:3])
+            reserve_size = None if reserve_size is None else word("reserve_size", reserve_size)
         build = self._lease()
         try:
             given = bool(getattr(ptrs, "reserve", 0))
