@@ -1,0 +1,48 @@
+"""Arrays with no elements among those a call writes (review 8 of issue 17's hot path): an
+array with no elements has no byte, so it overlaps nothing wherever its pointer lies, as in
+PyTorch's ``get_overlap_status`` (aten/src/ATen/MemoryOverlap.cpp), on a miss (the door's
+``check_written``) and on a hit (the plan's inline test) alike."""
+
+import numpy as np
+
+import cudnn_bn
+
+C = 3
+
+
+def _inside(buffer: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
+    """An array of ``shape`` with no elements whose address lies inside ``buffer``'s bytes
+    (one element in), as slicing a preallocated arena gives."""
+    return np.lib.stride_tricks.as_strided(buffer[1:], shape, (120, 40, 8))
+
+
+def _twice(call) -> list:
+    """``call()`` on a miss (new plan), then on a hit of that plan."""
+    cudnn_bn.descriptor_cache.clear()
+    return [call(), call()]
+
+
+def test_an_empty_output_inside_another_operand_is_accepted():
+    arena = np.ones(64)
+    w, b, mean, var = arena[0:3], arena[8:11], arena[16:19], arena[24:27]
+    x = np.ones((0, C, 5))
+    out = _inside(w, x.shape)
+    assert out.size == 0 and w.ctypes.data < out.ctypes.data < w.ctypes.data + w.nbytes
+    for y in _twice(lambda: cudnn_bn.batch_norm_forward_inference(x, w, b, mean, var, out=out)):
+        assert y is out
+    grads = _twice(
+        lambda: cudnn_bn.batch_norm_backward(x, x, w, mean, var, mode="eval", out=(out, None, None))
+    )
+    assert all(g[0] is out for g in grads)
+
+
+def test_an_empty_input_inside_a_written_gradient_is_accepted():
+    gw_arena = np.zeros(8)
+    gw = gw_arena[:C]
+    x = _inside(gw, (0, C, 5))
+    w, mean, var = np.ones(C), np.zeros(C), np.ones(C)
+    for _, grad_weight, _ in _twice(
+        lambda: cudnn_bn.batch_norm_backward(x, x, w, mean, var, mode="eval", out=(None, gw, None))
+    ):
+        assert grad_weight is gw
+    np.testing.assert_array_equal(gw, 0.0)  # torch: the sum over no values
