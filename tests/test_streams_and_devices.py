@@ -587,3 +587,34 @@ def test_batched_data_are_copied_by_one_call_of_their_library(fake, monkeypatch)
     assert assigned_by_package == [False, False]  # input and grad_output, by CuPy itself
     copies = [e for e in fake.events() if e[0] == "copy"]
     assert copies == [("copy", 0, CALL_STREAM)] * 2
+
+
+# --- review 8: addresses on a plan's hit -----------------------------------------------------
+
+
+@pytest.mark.parametrize("address", [-(1 << 20), 1 << 64])
+@pytest.mark.parametrize("name", ["input", "weight"])
+def test_a_cupy_address_that_is_no_pointer_is_refused_on_a_hit(fake, stub, name, address):
+    """The door refuses an address outside [0, 2**64) ("not a pointer"); a plan's call must
+    too, before it allocates or launches. CuPy's ``MemoryPointer.ptr`` is an ``intptr_t``
+    (cupy/cuda/memory.pxd), so a negative one can reach us; 2**64, the stand-in's, would
+    reach cuDNN as NULL through ctypes (review 8 of issue 17)."""
+    good = problem(fake.array, 0)
+    run_all(good)  # the plans, on good addresses
+    bad = dict(good)
+    bad[name] = FakeArray(fake, good[name].shape, np.float32, address, 0)
+    launches = len(fake.cudnn.calls)
+    allocations = len(fake.allocations())
+    with pytest.raises(InfiniError, match=f"{name} has data address {address}, not a pointer"):
+        run_all(bad)
+    assert len(fake.cudnn.calls) == launches and len(fake.allocations()) == allocations
+
+
+@pytest.mark.parametrize("address", [-(1 << 20), 1 << 64])
+def test_an_empty_operands_address_is_checked_on_a_hit_too(fake, stub, address):
+    """The door's range check holds for every operand, one with no elements too."""
+    x, w = fake.array((0, C, 4, 5), 0), fake.array((C,), 0)
+    batch_norm_backward(x, x, w, None, None)  # the plan
+    bad = FakeArray(fake, x.shape, np.float32, address, 0)
+    with pytest.raises(InfiniError, match=f"input has data address {address}, not a pointer"):
+        batch_norm_backward(bad, x, w, None, None)

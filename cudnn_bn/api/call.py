@@ -24,7 +24,6 @@ import sys
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from math import gcd
 from typing import Any, Protocol
 
 import numpy as np
@@ -282,36 +281,43 @@ def _error_spelling(spec: Pass) -> dict[str, str]:
 
 
 class Aligned:
-    """The pointers of a call (operands at these indices, those with elements) that must be
-    non-NULL and aligned to their item size: what the door checks of an address, for
-    operands read by their attributes. ``suspect`` is the source of a test over a call's
-    ``ptrs`` that is true where any may be NULL or misaligned (one C-level scan per item
-    size: a 0 among them, and the low bits of their greatest common divisor); a plan's call
-    has it inline and calls ``check`` only then."""
+    """The pointers of a call (operands at these indices) that must be addresses (in [0,
+    2**64), as the door checks every operand's), and where the operand has elements,
+    non-NULL and aligned to its item size: what the door checks of an address, for operands
+    read by their attributes. ``suspect`` is the source of a test over a call's ``ptrs``
+    that is true where any may be none of these (per item size, one C-level scan for a 0
+    among them, and the bits of their OR that no address in range, aligned, has: a CuPy
+    pointer is signed, ``intptr_t``); a plan's call has it inline and calls ``check`` only
+    then."""
 
     def __init__(self, descs: dict[int, TensorDesc]) -> None:
-        sizes: dict[int, list[int]] = {}
+        groups: dict[int, list[int]] = {}  # item size (0: no elements, any address) -> indices
         for at, desc in descs.items():
-            if desc.numel:
-                sizes.setdefault(ITEMSIZE[desc.dtype], []).append(at)
-        self.low_bits = {at: size - 1 for size, ats in sizes.items() for at in ats}
+            groups.setdefault(ITEMSIZE[desc.dtype] if desc.numel else 0, []).append(at)
+        masks = {size: _OUT_OF_RANGE | max(size - 1, 0) for size in groups}
+        self.masks = {at: (size, masks[size]) for size, ats in groups.items() for at in ats}
         self.suspect = " or ".join(
-            f"0 in {_tuple(values)} or gcd({', '.join(values)}) & {size - 1}"
-            for size, ats in sizes.items()
+            (f"0 in {_tuple(values)} or " if size else "")
+            + f"({' | '.join(values)}) & {masks[size]}"
+            for size, ats in groups.items()
             for values in [[f"ptrs[{at}]" for at in ats]]
         )
-        self._suspect = eval(f"lambda ptrs: {self.suspect or False}", {"gcd": gcd})
+        self._suspect = eval(f"lambda ptrs: {self.suspect or False}")
 
     def check(self, ptrs: list[int], arrays: tuple, spec: Any) -> None:
-        """BAD_PARAM from the door, naming the first operand found NULL or misaligned
-        (``spec``: its ``names`` and ``spelling``)."""
+        """The door's error (BAD_PARAM, NULL_POINTER, BAD_TENSOR_STRIDES), naming the first
+        operand found out of range, NULL or misaligned (``spec``: its ``names`` and
+        ``spelling``)."""
         if not self._suspect(ptrs):
             return
-        for at, low_bits in self.low_bits.items():
-            if not ptrs[at] or ptrs[at] & low_bits:
+        for at, (size, mask) in self.masks.items():
+            if (size and not ptrs[at]) or ptrs[at] & mask:
                 name = spec.spelling.get(spec.names[at], spec.names[at])
                 operand(name, arrays[at])  # raises
                 raise InfiniError(Status.BAD_PARAM, f"{name} is misaligned or NULL")
+
+
+_OUT_OF_RANGE = -1 << 64  # the bits of an int no address in [0, 2**64) has (all: negative)
 
 
 class Disjoint:
@@ -432,7 +438,6 @@ def _build(
         spec.result is not None,
     )
     namespace = allocators | {
-        "gcd": gcd,
         "aligned": aligned.check,
         "disjoint": disjoint.check,
         "spec": spec,
