@@ -46,7 +46,7 @@ from cudnn_bn import (
 )
 from cudnn_bn import arrays as arrays_module
 from cudnn_bn._cudnn import library as library_module
-from cudnn_bn.api import call
+from cudnn_bn.api import batched, call
 from cudnn_bn.arrays import operand
 from cudnn_bn.arrays.dlpack import _DLDataType, _DLDevice, _DLTensor
 from cudnn_bn.backends import cuda
@@ -74,6 +74,7 @@ def fake(stub, monkeypatch):
     monkeypatch.setattr(library_module, "_library", fake.cudnn)
     arrays_module.torch_stream.cache_clear()
     cudnn_bn.descriptor_cache.clear()  # nothing built on another test's library
+    monkeypatch.setattr(batched, "_folds", {})  # nor folded with its stand-in's allocator
     yield fake
     cudnn_bn.descriptor_cache.clear()
     arrays_module.torch_stream.cache_clear()
@@ -109,6 +110,15 @@ def test_every_allocation_comes_from_the_call_stream(fake, stub):
     assert set(fake.allocations()) == {(0, CALL_STREAM)}
     assert stub.set_stream.stream == CALL_STREAM
     assert fake.stacks == {d: [s] for d, s in CURRENT.items()}, "current streams restored"
+
+
+def test_a_batched_problem_of_an_earlier_test_allocates_from_this_tests_cupy(fake, stub):
+    """The previous test ran this batched problem: its fold (``batched._folds``, which
+    binds the weight's ``(B, C)`` allocator) is forgotten with the plans, or it would
+    allocate and copy through that test's stand-in, unseen by this one's checks."""
+    run_batched(fake.array, 0, stream=CALL_STREAM)
+    copies = [e for e in fake.events() if e[0] == "copy"]
+    assert copies == [("copy", 0, CALL_STREAM)] * 3  # input, grad_output, the weight's rows
 
 
 def test_a_call_given_the_current_stream_switches_nothing(fake, stub, monkeypatch):
