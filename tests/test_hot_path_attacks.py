@@ -3,9 +3,13 @@ array with no elements has no byte, so it overlaps nothing wherever its pointer 
 PyTorch's ``get_overlap_status`` (aten/src/ATen/MemoryOverlap.cpp), on a miss (the door's
 ``check_written``) and on a hit (the plan's inline test) alike."""
 
+import re
+
 import numpy as np
+import pytest
 
 import cudnn_bn
+from cudnn_bn import InfiniError
 
 C = 3
 
@@ -46,3 +50,49 @@ def test_an_empty_input_inside_a_written_gradient_is_accepted():
     ):
         assert grad_weight is gw
     np.testing.assert_array_equal(gw, 0.0)  # torch: the sum over no values
+
+
+def _misaligned(like: np.ndarray, bad: bool) -> np.ndarray:
+    """A new array like ``like``, one byte off its alignment where ``bad``."""
+    raw = np.zeros(like.nbytes + 1, np.uint8)
+    offset = 1 if bad else 0
+    return np.frombuffer(raw.data, like.dtype, like.size, offset=offset).reshape(like.shape)
+
+
+def _two_misaligned(bad: bool) -> None:
+    """F16 data, F32 parameters: ``weight`` and ``out``, of two item sizes, misaligned."""
+    x, w = np.ones((2, C, 4), np.float16), np.ones(C, np.float32)
+    out = _misaligned(x, bad)
+    cudnn_bn.batch_norm_forward_inference(x, _misaligned(w, bad), w, w, w, out=out)
+
+
+def _two_overlaps(bad: bool) -> None:
+    """A fused training forward whose ``running_mean`` overlaps ``z`` (read) and
+    ``out[1]`` (written)."""
+    x, w = np.ones((2, C, 4), np.float32), np.ones(C, np.float32)
+    arena = np.zeros(64, np.float32)
+    mean = arena[0:3] if bad else arena[30:33]
+    out = (np.empty_like(x), arena[1:4], np.empty_like(w))
+    z = (arena[2:26] if bad else arena[4:28]).reshape(x.shape)
+    cudnn_bn.batch_norm_forward_training(
+        x, w, w, mean, arena[40:43], fusion="add_relu", z=z, out=out
+    )
+
+
+@pytest.mark.parametrize(
+    ("call", "named"),
+    [
+        (_two_misaligned, "weight's data"),
+        (_two_overlaps, "running_mean and out[1] share memory"),
+    ],
+)
+def test_a_hit_names_the_argument_a_miss_names(call, named):
+    """Where two arguments are wrong, a hit names the one the door names on a miss: the
+    first in the pass's order (for an overlap: a written one against those written after
+    it, then those read), whatever their item sizes."""
+    cudnn_bn.descriptor_cache.clear()
+    with pytest.raises(InfiniError, match=re.escape(named)):
+        call(bad=True)  # a miss
+    call(bad=False)  # the plan
+    with pytest.raises(InfiniError, match=re.escape(named)):
+        call(bad=True)  # a hit

@@ -291,11 +291,13 @@ class Aligned:
     then."""
 
     def __init__(self, descs: dict[int, TensorDesc]) -> None:
-        groups: dict[int, list[int]] = {}  # item size (0: no elements, any address) -> indices
-        for at, desc in descs.items():
-            groups.setdefault(ITEMSIZE[desc.dtype] if desc.numel else 0, []).append(at)
+        # item size (0: no elements, any address), in the operands' order (the door's)
+        sizes = {at: ITEMSIZE[d.dtype] if d.numel else 0 for at, d in sorted(descs.items())}
+        groups: dict[int, list[int]] = {}
+        for at, size in sizes.items():
+            groups.setdefault(size, []).append(at)
         masks = {size: _OUT_OF_RANGE | max(size - 1, 0) for size in groups}
-        self.masks = {at: (size, masks[size]) for size, ats in groups.items() for at in ats}
+        self.masks = {at: (size, masks[size]) for at, size in sizes.items()}
         self.suspect = " or ".join(
             (f"0 in {_tuple(values)} or " if size else "")
             + f"({' | '.join(values)}) & {masks[size]}"
@@ -306,8 +308,8 @@ class Aligned:
 
     def check(self, ptrs: list[int], arrays: tuple, spec: Any) -> None:
         """The door's error (BAD_PARAM, NULL_POINTER, BAD_TENSOR_STRIDES), naming the first
-        operand found out of range, NULL or misaligned (``spec``: its ``names`` and
-        ``spelling``)."""
+        operand, in the door's order, found out of range, NULL or misaligned (``spec``: its
+        ``names`` and ``spelling``)."""
         if not self._suspect(ptrs):
             return
         for at, (size, mask) in self.masks.items():
@@ -395,7 +397,9 @@ def _build(
     index = {n: i for i, n in enumerate(names)}
     extents = {n: byte_extent(op.desc) for n, op in ops.items()}
     present = list(ops)
-    disjoint = Disjoint(  # each written operand against every other one (each pair once)
+    read_only = [n for n in present if n not in spec.written]
+    disjoint = Disjoint(  # each written operand against every other one (each pair once),
+        # in the order of the door's ``check_written``: those written after it, then those read
         [
             (
                 index[w],
@@ -407,7 +411,7 @@ def _build(
             )
             for i, w in enumerate(present)
             if w in spec.written
-            for o in present[i + 1 :] + [n for n in present[:i] if n not in spec.written]
+            for o in [n for n in present[i + 1 :] if n in spec.written] + read_only
         ]
     )
     aligned = Aligned({index[n]: op.desc for n, op in ops.items() if index[n] not in described})
