@@ -1,7 +1,7 @@
-"""Arrays with no elements among those a call writes (review 8 of issue 17's hot path): an
-array with no elements has no byte, so it overlaps nothing wherever its pointer lies, as in
-PyTorch's ``get_overlap_status`` (aten/src/ATen/MemoryOverlap.cpp), on a miss (the door's
-``check_written``) and on a hit (the plan's inline test) alike."""
+"""A plan's hit against the door's miss on host arrays (review 8 of issue 17's hot path):
+each accepts what the other accepts and names the argument the other names. An array with
+no elements has no byte, so it overlaps nothing wherever its pointer lies, as in PyTorch's
+``get_overlap_status`` (aten/src/ATen/MemoryOverlap.cpp)."""
 
 import re
 
