@@ -172,6 +172,16 @@ def test_cupy_arrays_on_another_device(fake, stub):
     assert_all_on_device_1(fake, stub)
 
 
+def test_cupy_arrays_on_another_device_given_its_current_stream(fake, stub):
+    """Device 1's current stream given while device 0 is current: the call's scope still
+    makes device 1 current (the stream alone matching is not enough), since a CuPy plan's
+    cuDNN launch switches no device (``run_current``) and CuPy allocates on the current
+    one (review 8)."""
+    run_all(problem(fake.array, 1), stream=CURRENT[1])
+    run_batched(fake.array, 1, stream=CURRENT[1])
+    assert_all_on_device_1(fake, stub)
+
+
 def test_torch_tensors_on_another_device(fake, stub, monkeypatch):
     with fake_torch(monkeypatch, CURRENT) as allocations:
         run_all(problem(torch_tensor, 1))
