@@ -96,3 +96,21 @@ def test_a_hit_names_the_argument_a_miss_names(call, named):
     call(bad=False)  # the plan
     with pytest.raises(InfiniError, match=re.escape(named)):
         call(bad=True)  # a hit
+
+
+@pytest.mark.parametrize("shift", [-C, -(C - 1), C - 1, C])
+def test_running_statistics_one_element_apart_on_a_hit(shift):
+    """``running_var`` ``shift`` elements after ``running_mean`` in one buffer: sharing one
+    element at either end is refused, touching is not, on a hit as on a miss (the inline
+    test's bounds are strict and exact)."""
+    x, w = np.ones((2, C, 4)), np.ones(C)
+    cudnn_bn.batch_norm_forward_training(x, w, w, np.zeros(C), np.ones(C))  # the plan
+    buffer = np.zeros(3 * C)
+    mean = buffer[C : 2 * C]
+    var = buffer[C + shift : 2 * C + shift]
+    if abs(shift) == C:
+        cudnn_bn.batch_norm_forward_training(x, w, w, mean, var)
+        return
+    with pytest.raises(InfiniError, match="running_mean and running_var share memory"):
+        cudnn_bn.batch_norm_forward_training(x, w, w, mean, var)
+    assert not buffer.any()
