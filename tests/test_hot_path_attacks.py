@@ -114,3 +114,15 @@ def test_running_statistics_one_element_apart_on_a_hit(shift):
     with pytest.raises(InfiniError, match="running_mean and running_var share memory"):
         cudnn_bn.batch_norm_forward_training(x, w, w, mean, var)
     assert not buffer.any()
+
+
+@pytest.mark.parametrize(("dtype", "offset"), [(np.float64, 4), (np.float64, 2), (np.float32, 2)])
+def test_an_address_off_by_part_of_an_element_is_refused_on_a_hit(dtype, offset):
+    """Every low bit of the item size counts, not only the lowest one."""
+    x = np.ones((2, C, 4), dtype)
+    cudnn_bn.batch_norm_backward(x, x, np.ones(C, dtype), None, None)  # the plan
+    raw = np.zeros(x.nbytes + offset, np.uint8)
+    shifted = np.frombuffer(raw.data, dtype, x.size, offset=offset).reshape(x.shape)
+    assert shifted.strides == x.strides and not shifted.flags.aligned
+    with pytest.raises(InfiniError, match=r"grad_output's data .* not aligned"):
+        cudnn_bn.batch_norm_backward(x, shifted, np.ones(C, dtype), None, None)
