@@ -182,6 +182,18 @@ def test_cupy_arrays_on_another_device_given_its_current_stream(fake, stub):
     assert_all_on_device_1(fake, stub)
 
 
+def test_one_problem_on_two_devices_keys_two_plans(fake, stub):
+    """A CuPy array's device is part of its plan's key (``call.read``: its
+    ``data.device_id``): the same layouts on device 0 after device 1 run on device 0."""
+    run_all(problem(fake.array, 1))
+    run_batched(fake.array, 1)
+    calls, allocations = len(fake.cudnn.calls), len(fake.allocations())
+    run_all(problem(fake.array, 0))
+    run_batched(fake.array, 0)
+    assert {device for _, device, _ in fake.cudnn.calls[calls:]} == {0}
+    assert set(fake.allocations()[allocations:]) == {(0, CURRENT[0])}
+
+
 def test_torch_tensors_on_another_device(fake, stub, monkeypatch):
     with fake_torch(monkeypatch, CURRENT) as allocations:
         run_all(problem(torch_tensor, 1))
