@@ -121,6 +121,20 @@ def test_a_batched_problem_of_an_earlier_test_allocates_from_this_tests_cupy(fak
     assert copies == [("copy", 0, CALL_STREAM)] * 3  # input, grad_output, the weight's rows
 
 
+def test_the_workspace_and_reserve_cudnn_is_given_are_as_large_as_it_is_told(fake, stub):
+    """The buffers a plan allocates (``Kind.buffer``: the reserve per call, a workspace per
+    stream) hold at least the byte counts given to cuDNN with them (review 8)."""
+    run_all(problem(fake.array, 0))
+    sizes = {entry[4]: entry[3] for entry in fake.log if entry[0] == "alloc"}  # ptr: bytes
+    forward, backward = stub.forward_training, stub.backward
+    given = [
+        (forward.workspace, forward.workspace_size),
+        (forward.reserve, forward.reserve_size),
+        (backward.workspace, backward.workspace_size),
+    ]
+    assert all(size > 0 and sizes[ptr] >= size for ptr, size in given), (given, sizes)
+
+
 def test_a_call_given_the_current_stream_switches_nothing(fake, stub, monkeypatch):
     """The current stream of the arrays' device, given as ``stream=`` with that device
     current, is where CuPy allocates already: a call pushes no stream and switches no device
