@@ -664,3 +664,23 @@ def test_an_empty_operands_address_is_checked_on_a_hit_too(fake, stub, address):
     bad = FakeArray(fake, x.shape, np.float32, address, 0)
     with pytest.raises(InfiniError, match=f"input has data address {address}, not a pointer"):
         batch_norm_backward(bad, x, w, None, None)
+
+
+@pytest.mark.parametrize("name", ["input", "weight"])
+@pytest.mark.parametrize(
+    "address",
+    [lambda good: good + 2, lambda good: 0, lambda good: -good],
+    ids=["misaligned", "NULL", "negative"],
+)
+def test_a_repeated_batched_problem_checks_addresses_on_the_device_too(fake, stub, name, address):
+    """A batched problem's fold copies the data (these strides allow no view) and a shared
+    weight before the backward sees them: the fold checks their addresses as the door
+    would (``_Fold``'s ``Aligned.check``), naming the argument, before any copy."""
+    good = {"input": fake.array((2, *SHAPE)), "weight": fake.array((C,))}
+    batch_norm_backward_batched(good["input"], good["input"], good["weight"], None, None)
+    bad = dict(good)
+    bad[name] = FakeArray(fake, good[name].shape, np.float32, address(good[name].data.ptr), 0)
+    log, calls = len(fake.log), len(fake.cudnn.calls)
+    with pytest.raises(InfiniError, match=name):
+        batch_norm_backward_batched(bad["input"], good["input"], bad["weight"], None, None)
+    assert len(fake.log) == log and len(fake.cudnn.calls) == calls  # no copy, no launch
