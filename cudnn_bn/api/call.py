@@ -8,11 +8,12 @@ by the full path: the door on every operand, one device for all, the rules for a
 written in place, the operator's validation and descriptor, output layouts, workspace and
 reserve sizes, constants standing in for an absent weight or bias, and the operator's
 launch with its size checks made (``OperatorDescriptor.launcher``). A hit re-checks only
-what depends on addresses (each attribute-read operand non-NULL and aligned, no written
-operand overlapping another), resolves the stream, allocates the outputs (and a reserve)
-and launches, with the workspace its plan keeps for that stream, in a function written for
-the problem when its plan was built (``Plan``): an operand that differs in any checked
-property is a different key, so no check is skipped.
+what depends on addresses (each attribute-read operand's in [0, 2**64), and where it has
+elements non-NULL and aligned; no written operand overlapping another), resolves the
+stream, allocates the outputs (and a reserve) and launches, with the workspace its plan
+keeps for that stream, in a function written for the problem when its plan was built
+(``Plan``): an operand that differs in any checked property is a different key, so no check
+is skipped.
 
 Plans live in ``descriptor_cache``, looked up without a lock; a plan's descriptor closes when
 its last reference goes, so eviction by another thread never closes a descriptor that a
