@@ -46,7 +46,7 @@ from cudnn_bn import (
 )
 from cudnn_bn import arrays as arrays_module
 from cudnn_bn._cudnn import library as library_module
-from cudnn_bn.api import call
+from cudnn_bn.api import batched, call
 from cudnn_bn.arrays import operand
 from cudnn_bn.arrays.dlpack import _DLDataType, _DLDevice, _DLTensor
 from cudnn_bn.backends import cuda
@@ -74,6 +74,7 @@ def fake(stub, monkeypatch):
     monkeypatch.setattr(library_module, "_library", fake.cudnn)
     arrays_module.torch_stream.cache_clear()
     cudnn_bn.descriptor_cache.clear()  # nothing built on another test's library
+    monkeypatch.setattr(batched, "_folds", {})  # nor folded with its stand-in's allocator
     yield fake
     cudnn_bn.descriptor_cache.clear()
     arrays_module.torch_stream.cache_clear()
@@ -109,6 +110,29 @@ def test_every_allocation_comes_from_the_call_stream(fake, stub):
     assert set(fake.allocations()) == {(0, CALL_STREAM)}
     assert stub.set_stream.stream == CALL_STREAM
     assert fake.stacks == {d: [s] for d, s in CURRENT.items()}, "current streams restored"
+
+
+def test_a_batched_problem_of_an_earlier_test_allocates_from_this_tests_cupy(fake, stub):
+    """The previous test ran this batched problem: its fold (``batched._folds``, which
+    binds the weight's ``(B, C)`` allocator) is forgotten with the plans, or it would
+    allocate and copy through that test's stand-in, unseen by this one's checks."""
+    run_batched(fake.array, 0, stream=CALL_STREAM)
+    copies = [e for e in fake.events() if e[0] == "copy"]
+    assert copies == [("copy", 0, CALL_STREAM)] * 3  # input, grad_output, the weight's rows
+
+
+def test_the_workspace_and_reserve_cudnn_is_given_are_as_large_as_it_is_told(fake, stub):
+    """The buffers a plan allocates (``Kind.buffer``: the reserve per call, a workspace per
+    stream) hold at least the byte counts given to cuDNN with them (review 8)."""
+    run_all(problem(fake.array, 0))
+    sizes = {entry[4]: entry[3] for entry in fake.log if entry[0] == "alloc"}  # ptr: bytes
+    forward, backward = stub.forward_training, stub.backward
+    given = [
+        (forward.workspace, forward.workspace_size),
+        (forward.reserve, forward.reserve_size),
+        (backward.workspace, backward.workspace_size),
+    ]
+    assert all(size > 0 and sizes[ptr] >= size for ptr, size in given), (given, sizes)
 
 
 def test_a_call_given_the_current_stream_switches_nothing(fake, stub, monkeypatch):
@@ -160,6 +184,28 @@ def test_cupy_arrays_on_another_device(fake, stub):
     run_all(problem(fake.array, 1))
     run_batched(fake.array, 1)
     assert_all_on_device_1(fake, stub)
+
+
+def test_cupy_arrays_on_another_device_given_its_current_stream(fake, stub):
+    """Device 1's current stream given while device 0 is current: the call's scope still
+    makes device 1 current (the stream alone matching is not enough), since a CuPy plan's
+    cuDNN launch switches no device (``run_current``) and CuPy allocates on the current
+    one (review 8)."""
+    run_all(problem(fake.array, 1), stream=CURRENT[1])
+    run_batched(fake.array, 1, stream=CURRENT[1])
+    assert_all_on_device_1(fake, stub)
+
+
+def test_one_problem_on_two_devices_keys_two_plans(fake, stub):
+    """A CuPy array's device is part of its plan's key (``call.read``: its
+    ``data.device_id``): the same layouts on device 0 after device 1 run on device 0."""
+    run_all(problem(fake.array, 1))
+    run_batched(fake.array, 1)
+    calls, allocations = len(fake.cudnn.calls), len(fake.allocations())
+    run_all(problem(fake.array, 0))
+    run_batched(fake.array, 0)
+    assert {device for _, device, _ in fake.cudnn.calls[calls:]} == {0}
+    assert set(fake.allocations()[allocations:]) == {(0, CURRENT[0])}
 
 
 def test_torch_tensors_on_another_device(fake, stub, monkeypatch):
@@ -587,3 +633,54 @@ def test_batched_data_are_copied_by_one_call_of_their_library(fake, monkeypatch)
     assert assigned_by_package == [False, False]  # input and grad_output, by CuPy itself
     copies = [e for e in fake.events() if e[0] == "copy"]
     assert copies == [("copy", 0, CALL_STREAM)] * 2
+
+
+# --- review 8: addresses on a plan's hit -----------------------------------------------------
+
+
+@pytest.mark.parametrize("address", [-(1 << 20), 1 << 64])
+@pytest.mark.parametrize("name", ["input", "weight"])
+def test_a_cupy_address_that_is_no_pointer_is_refused_on_a_hit(fake, stub, name, address):
+    """The door refuses an address outside [0, 2**64) ("not a pointer"); a plan's call must
+    too, before it allocates or launches. CuPy's ``MemoryPointer.ptr`` is an ``intptr_t``
+    (cupy/cuda/memory.pxd), so a negative one can reach us; 2**64, the stand-in's, would
+    reach cuDNN as NULL through ctypes (review 8 of issue 17)."""
+    good = problem(fake.array, 0)
+    run_all(good)  # the plans, on good addresses
+    bad = dict(good)
+    bad[name] = FakeArray(fake, good[name].shape, np.float32, address, 0)
+    launches = len(fake.cudnn.calls)
+    allocations = len(fake.allocations())
+    with pytest.raises(InfiniError, match=f"{name} has data address {address}, not a pointer"):
+        run_all(bad)
+    assert len(fake.cudnn.calls) == launches and len(fake.allocations()) == allocations
+
+
+@pytest.mark.parametrize("address", [-(1 << 20), 1 << 64])
+def test_an_empty_operands_address_is_checked_on_a_hit_too(fake, stub, address):
+    """The door's range check holds for every operand, one with no elements too."""
+    x, w = fake.array((0, C, 4, 5), 0), fake.array((C,), 0)
+    batch_norm_backward(x, x, w, None, None)  # the plan
+    bad = FakeArray(fake, x.shape, np.float32, address, 0)
+    with pytest.raises(InfiniError, match=f"input has data address {address}, not a pointer"):
+        batch_norm_backward(bad, x, w, None, None)
+
+
+@pytest.mark.parametrize("name", ["input", "weight"])
+@pytest.mark.parametrize(
+    "address",
+    [lambda good: good + 2, lambda good: 0, lambda good: -good],
+    ids=["misaligned", "NULL", "negative"],
+)
+def test_a_repeated_batched_problem_checks_addresses_on_the_device_too(fake, stub, name, address):
+    """A batched problem's fold copies the data (these strides allow no view) and a shared
+    weight before the backward sees them: the fold checks their addresses as the door
+    would (``_Fold``'s ``Aligned.check``), naming the argument, before any copy."""
+    good = {"input": fake.array((2, *SHAPE)), "weight": fake.array((C,))}
+    batch_norm_backward_batched(good["input"], good["input"], good["weight"], None, None)
+    bad = dict(good)
+    bad[name] = FakeArray(fake, good[name].shape, np.float32, address(good[name].data.ptr), 0)
+    log, calls = len(fake.log), len(fake.cudnn.calls)
+    with pytest.raises(InfiniError, match=name):
+        batch_norm_backward_batched(bad["input"], good["input"], bad["weight"], None, None)
+    assert len(fake.log) == log and len(fake.cudnn.calls) == calls  # no copy, no launch

@@ -8,11 +8,12 @@ by the full path: the door on every operand, one device for all, the rules for a
 written in place, the operator's validation and descriptor, output layouts, workspace and
 reserve sizes, constants standing in for an absent weight or bias, and the operator's
 launch with its size checks made (``OperatorDescriptor.launcher``). A hit re-checks only
-what depends on addresses (each attribute-read operand non-NULL and aligned, no written
-operand overlapping another), resolves the stream, allocates the outputs (and a reserve)
-and launches, with the workspace its plan keeps for that stream, in a function written for
-the problem when its plan was built (``Plan``): an operand that differs in any checked
-property is a different key, so no check is skipped.
+what depends on addresses (each attribute-read operand's in [0, 2**64), and where it has
+elements non-NULL and aligned; no written operand overlapping another), resolves the
+stream, allocates the outputs (and a reserve) and launches, with the workspace its plan
+keeps for that stream, in a function written for the problem when its plan was built
+(``Plan``): an operand that differs in any checked property is a different key, so no check
+is skipped.
 
 Plans live in ``descriptor_cache``, looked up without a lock; a plan's descriptor closes when
 its last reference goes, so eviction by another thread never closes a descriptor that a
@@ -24,7 +25,6 @@ import sys
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from math import gcd
 from typing import Any, Protocol
 
 import numpy as np
@@ -283,36 +283,45 @@ def _error_spelling(spec: Pass) -> dict[str, str]:
 
 
 class Aligned:
-    """The pointers of a call (operands at these indices, those with elements) that must be
-    non-NULL and aligned to their item size: what the door checks of an address, for
-    operands read by their attributes. ``suspect`` is the source of a test over a call's
-    ``ptrs`` that is true where any may be NULL or misaligned (one C-level scan per item
-    size: a 0 among them, and the low bits of their greatest common divisor); a plan's call
-    has it inline and calls ``check`` only then."""
+    """The pointers of a call (operands at these indices) that must be addresses (in [0,
+    2**64), as the door checks every operand's), and where the operand has elements,
+    non-NULL and aligned to its item size: what the door checks of an address, for operands
+    read by their attributes. ``suspect`` is the source of a test over a call's ``ptrs``
+    that is true where any may be none of these (per item size, one C-level scan for a 0
+    among them, and the bits of their OR that no address in range, aligned, has: a CuPy
+    pointer is signed, ``intptr_t``); a plan's call has it inline and calls ``check`` only
+    then."""
 
     def __init__(self, descs: dict[int, TensorDesc]) -> None:
-        sizes: dict[int, list[int]] = {}
-        for at, desc in descs.items():
-            if desc.numel:
-                sizes.setdefault(ITEMSIZE[desc.dtype], []).append(at)
-        self.low_bits = {at: size - 1 for size, ats in sizes.items() for at in ats}
+        # item size (0: no elements, any address), in the operands' order (the door's)
+        sizes = {at: ITEMSIZE[d.dtype] if d.numel else 0 for at, d in sorted(descs.items())}
+        groups: dict[int, list[int]] = {}
+        for at, size in sizes.items():
+            groups.setdefault(size, []).append(at)
+        masks = {size: _OUT_OF_RANGE | max(size - 1, 0) for size in groups}
+        self.masks = {at: (size, masks[size]) for at, size in sizes.items()}
         self.suspect = " or ".join(
-            f"0 in {_tuple(values)} or gcd({', '.join(values)}) & {size - 1}"
-            for size, ats in sizes.items()
+            (f"0 in {_tuple(values)} or " if size else "")
+            + f"({' | '.join(values)}) & {masks[size]}"
+            for size, ats in groups.items()
             for values in [[f"ptrs[{at}]" for at in ats]]
         )
-        self._suspect = compiled_test(self.suspect, gcd=gcd)
+        self._suspect = compiled_test(self.suspect)
 
     def check(self, ptrs: list[int], arrays: tuple, spec: Any) -> None:
-        """BAD_PARAM from the door, naming the first operand found NULL or misaligned
-        (``spec``: its ``names`` and ``spelling``)."""
+        """The door's error (BAD_PARAM, NULL_POINTER, BAD_TENSOR_STRIDES), naming the first
+        operand, in the door's order, found out of range, NULL or misaligned (``spec``: its
+        ``names`` and ``spelling``)."""
         if not self._suspect(ptrs):
             return
-        for at, low_bits in self.low_bits.items():
-            if not ptrs[at] or ptrs[at] & low_bits:
+        for at, (size, mask) in self.masks.items():
+            if (size and not ptrs[at]) or ptrs[at] & mask:
                 name = spec.spelling.get(spec.names[at], spec.names[at])
                 operand(name, arrays[at])  # raises
                 raise InfiniError(Status.BAD_PARAM, f"{name} is misaligned or NULL")
+
+
+_OUT_OF_RANGE = -1 << 64  # the bits of an int no address in [0, 2**64) has (all: negative)
 
 
 class Disjoint:
@@ -388,7 +397,9 @@ def _build(
     index = {n: i for i, n in enumerate(names)}
     extents = {n: byte_extent(op.desc) for n, op in ops.items()}
     present = list(ops)
-    disjoint = Disjoint(  # each written operand against every other one (each pair once)
+    read_only = [n for n in present if n not in spec.written]
+    disjoint = Disjoint(  # each written operand against every other one (each pair once),
+        # in the order of the door's ``check_written``: those written after it, then those read
         [
             (
                 index[w],
@@ -400,7 +411,7 @@ def _build(
             )
             for i, w in enumerate(present)
             if w in spec.written
-            for o in present[i + 1 :] + [n for n in present[:i] if n not in spec.written]
+            for o in [n for n in present[i + 1 :] if n in spec.written] + read_only
         ]
     )
     aligned = Aligned({index[n]: op.desc for n, op in ops.items() if index[n] not in described})
@@ -431,7 +442,6 @@ def _build(
         spec.result is not None,
     )
     namespace = allocators | {
-        "gcd": gcd,
         "aligned": aligned.check,
         "disjoint": disjoint.check,
         "spec": spec,

@@ -53,8 +53,11 @@ def overlap(a: TensorDesc, a_ptr: int, b: TensorDesc, b_ptr: int) -> bool:
     """Whether tensors ``a`` at ``a_ptr`` and ``b`` at ``b_ptr`` (one device) may have a byte
     in common: their byte ranges meet, except for two vectors of one stride whose elements
     interleave without touching (``buf[0::2]`` and ``buf[1::2]``). Conservative on other
-    interleavings."""
+    interleavings. A tensor with no elements has no byte: it overlaps nothing, wherever its
+    pointer lies (as PyTorch's ``get_overlap_status``)."""
     (a_low, a_high), (b_low, b_high) = byte_extent(a), byte_extent(b)
+    if a_low == a_high or b_low == b_high:
+        return False
     if a_ptr + a_low >= b_ptr + b_high or b_ptr + b_low >= a_ptr + a_high:
         return False
     a_size, b_size = ITEMSIZE[a.dtype], ITEMSIZE[b.dtype]

@@ -1,0 +1,128 @@
+"""A plan's hit against the door's miss on host arrays (review 8 of issue 17's hot path):
+each accepts what the other accepts and names the argument the other names. An array with
+no elements has no byte, so it overlaps nothing wherever its pointer lies, as in PyTorch's
+``get_overlap_status`` (aten/src/ATen/MemoryOverlap.cpp)."""
+
+import re
+
+import numpy as np
+import pytest
+
+import cudnn_bn
+from cudnn_bn import InfiniError
+
+C = 3
+
+
+def _inside(buffer: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
+    """An array of ``shape`` with no elements whose address lies inside ``buffer``'s bytes
+    (one element in), as slicing a preallocated arena gives."""
+    return np.lib.stride_tricks.as_strided(buffer[1:], shape, (120, 40, 8))
+
+
+def _twice(call) -> list:
+    """``call()`` on a miss (new plan), then on a hit of that plan."""
+    cudnn_bn.descriptor_cache.clear()
+    return [call(), call()]
+
+
+def test_an_empty_output_inside_another_operand_is_accepted():
+    arena = np.ones(64)
+    w, b, mean, var = arena[0:3], arena[8:11], arena[16:19], arena[24:27]
+    x = np.ones((0, C, 5))
+    out = _inside(w, x.shape)
+    assert out.size == 0 and w.ctypes.data < out.ctypes.data < w.ctypes.data + w.nbytes
+    for y in _twice(lambda: cudnn_bn.batch_norm_forward_inference(x, w, b, mean, var, out=out)):
+        assert y is out
+    grads = _twice(
+        lambda: cudnn_bn.batch_norm_backward(x, x, w, mean, var, mode="eval", out=(out, None, None))
+    )
+    assert all(g[0] is out for g in grads)
+
+
+def test_an_empty_input_inside_a_written_gradient_is_accepted():
+    gw_arena = np.zeros(8)
+    gw = gw_arena[:C]
+    x = _inside(gw, (0, C, 5))
+    w, mean, var = np.ones(C), np.zeros(C), np.ones(C)
+    for _, grad_weight, _ in _twice(
+        lambda: cudnn_bn.batch_norm_backward(x, x, w, mean, var, mode="eval", out=(None, gw, None))
+    ):
+        assert grad_weight is gw
+    np.testing.assert_array_equal(gw, 0.0)  # torch: the sum over no values
+
+
+def _misaligned(like: np.ndarray, bad: bool) -> np.ndarray:
+    """A new array like ``like``, one byte off its alignment where ``bad``."""
+    raw = np.zeros(like.nbytes + 1, np.uint8)
+    offset = 1 if bad else 0
+    return np.frombuffer(raw.data, like.dtype, like.size, offset=offset).reshape(like.shape)
+
+
+def _two_misaligned(bad: bool) -> None:
+    """F16 data, F32 parameters: ``weight`` and ``out``, of two item sizes, misaligned."""
+    x, w = np.ones((2, C, 4), np.float16), np.ones(C, np.float32)
+    out = _misaligned(x, bad)
+    cudnn_bn.batch_norm_forward_inference(x, _misaligned(w, bad), w, w, w, out=out)
+
+
+def _two_overlaps(bad: bool) -> None:
+    """A fused training forward whose ``running_mean`` overlaps ``z`` (read) and
+    ``out[1]`` (written)."""
+    x, w = np.ones((2, C, 4), np.float32), np.ones(C, np.float32)
+    arena = np.zeros(64, np.float32)
+    mean = arena[0:3] if bad else arena[30:33]
+    out = (np.empty_like(x), arena[1:4], np.empty_like(w))
+    z = (arena[2:26] if bad else arena[4:28]).reshape(x.shape)
+    cudnn_bn.batch_norm_forward_training(
+        x, w, w, mean, arena[40:43], fusion="add_relu", z=z, out=out
+    )
+
+
+@pytest.mark.parametrize(
+    ("call", "named"),
+    [
+        (_two_misaligned, "weight's data"),
+        (_two_overlaps, "running_mean and out[1] share memory"),
+    ],
+)
+def test_a_hit_names_the_argument_a_miss_names(call, named):
+    """Where two arguments are wrong, a hit names the one the door names on a miss: the
+    first in the pass's order (for an overlap: a written one against those written after
+    it, then those read), whatever their item sizes."""
+    cudnn_bn.descriptor_cache.clear()
+    with pytest.raises(InfiniError, match=re.escape(named)):
+        call(bad=True)  # a miss
+    call(bad=False)  # the plan
+    with pytest.raises(InfiniError, match=re.escape(named)):
+        call(bad=True)  # a hit
+
+
+@pytest.mark.parametrize("shift", [-C, -(C - 1), C - 1, C])
+def test_running_statistics_one_element_apart_on_a_hit(shift):
+    """``running_var`` ``shift`` elements after ``running_mean`` in one buffer: sharing one
+    element at either end is refused, touching is not, on a hit as on a miss (the inline
+    test's bounds are strict and exact)."""
+    x, w = np.ones((2, C, 4)), np.ones(C)
+    cudnn_bn.batch_norm_forward_training(x, w, w, np.zeros(C), np.ones(C))  # the plan
+    buffer = np.zeros(3 * C)
+    mean = buffer[C : 2 * C]
+    var = buffer[C + shift : 2 * C + shift]
+    if abs(shift) == C:
+        cudnn_bn.batch_norm_forward_training(x, w, w, mean, var)
+        return
+    with pytest.raises(InfiniError, match="running_mean and running_var share memory"):
+        cudnn_bn.batch_norm_forward_training(x, w, w, mean, var)
+    assert not buffer.any()
+
+
+@pytest.mark.parametrize(("dtype", "offset"), [(np.float64, 4), (np.float64, 2), (np.float32, 2)])
+def test_an_address_off_by_part_of_an_element_is_refused_on_a_hit(dtype, offset):
+    """Every low bit of the item size counts, not only the lowest one."""
+    x = np.ones((2, C, 4), dtype)
+    cudnn_bn.batch_norm_backward(x, x, np.ones(C, dtype), None, None)  # the plan
+    raw = np.zeros(x.nbytes + offset, np.uint8)
+    shifted = np.frombuffer(raw.data, dtype, x.size, offset=offset).reshape(x.shape)
+    assert shifted.strides == x.strides and not shifted.flags.aligned
+    with pytest.raises(InfiniError, match=r"grad_output's data .* not aligned"):
+        cudnn_bn.batch_norm_backward(x, shifted, np.ones(C, dtype), None, None)
