@@ -152,6 +152,7 @@ class _HostKernel:
         problem, else its work items on the engine's threads (``threaded``)."""
         threads = cpu_pool.thread_count() if self.parallel else 1
         if threads > 1:
+            cpu_pool.wake()
             most = self.layout.count * self.layout.channels // ITEM_MIN_VALUES
             self.threaded(at, channel, max(threads, min(threads * ITEMS_PER_THREAD, most)))
             return
