@@ -50,6 +50,11 @@ _LIKE = {
     DataType.F64: np.empty(0, np.float64),
 }
 PARALLEL_MIN_VALUES = 1 << 16  # below this many values a thread hand-off costs more than it saves
+# Below this many values a large call runs on the calling thread alone, whatever the thread
+# count: a threaded pass's own set-up (item views, sums table, per-channel step, hand-offs:
+# 0.2-0.3 ms after 5 ms idle here) costs more than a second thread saves on under 2 million
+# values (0.4-0.9 ms of work), and 2 threads took 1.2-2.9x the 1-thread time at 1 million.
+THREADS_MIN_VALUES = 1 << 21
 # A large call's work items: up to this many per thread, each of at least ITEM_MIN_VALUES,
 # claimed one at a time (``cpu_kernels._next_item``), so that a thread that starts late or
 # shares its CPU with another process does less of the work instead of holding the call up.
@@ -150,10 +155,11 @@ class _HostKernel:
         """The pass on the data slots' addresses ``at`` and the per-channel tensors'
         ``channel``: one call in this thread (``cpu_kernels.whole_pass``) for a small
         problem, else its work items on the engine's threads (``threaded``)."""
-        threads = cpu_pool.thread_count() if self.parallel else 1
+        values = self.layout.count * self.layout.channels
+        threads = cpu_pool.thread_count() if self.parallel and values >= THREADS_MIN_VALUES else 1
         if threads > 1:
             cpu_pool.wake()
-            most = self.layout.count * self.layout.channels // ITEM_MIN_VALUES
+            most = values // ITEM_MIN_VALUES
             self.threaded(at, channel, max(threads, min(threads * ITEMS_PER_THREAD, most)))
             return
         plan = self._plan if self._plan is not None else self.plan()
