@@ -7,8 +7,10 @@ cpu_pool.py, the item kernels of cpu_kernels.py), checked against torch in float
   slowly does less of the work.
 """
 
+import gc
 import threading
 import time
+import weakref
 
 import numpy as np
 import pytest
@@ -175,3 +177,24 @@ def test_calls_under_two_million_values_run_on_the_calling_thread(monkeypatch):
             torch.from_numpy(x.astype(np.float64)), None, None, training=True, eps=1e-5
         ).numpy()
         np.testing.assert_allclose(y, want, rtol=1e-5, atol=1e-5)
+
+
+def test_the_pool_keeps_no_task_alive_after_a_call(two_threads):
+    """A step's task holds the call's arrays: neither the pool nor a helper keeps it once
+    ``team`` returns."""
+    items, state = 2, np.zeros(2, np.int64)
+    taken = threading.Event()
+
+    def task() -> None:
+        if threading.current_thread() is not threading.main_thread():
+            taken.set()
+            return
+        assert taken.wait(10)  # the helper has run it (and returned, holding no item)
+        state[0] = state[1] = items
+
+    cpu_pool.team(task, items, state)
+    gone = weakref.ref(task)
+    del task
+    time.sleep(0.01)  # the helper back to waiting
+    gc.collect()
+    assert gone() is None

@@ -110,20 +110,25 @@ class _Pool:
                 if job is None or job.closed:
                     continue
                 job.taken += 1
-            error = None
-            try:
-                job.task()
-            except BaseException as failure:  # the caller's to raise, or reported below
-                error = failure
-            with self.lock:
-                job.finished += 1
-                if error is not None and not job.returned:
-                    job.error = job.error or error
-                    error = None
-                self.finished.notify_all()
-            if error is not None:  # it failed after the caller returned: report it
-                report = (type(error), error, error.__traceback__, threading.current_thread())
-                threading.excepthook(threading.ExceptHookArgs(report))
+            self.run(job)
+            del job  # its task holds the caller's arrays: keep none alive between calls
+
+    def run(self, job: _Job) -> None:
+        """Run ``job``'s task on this helper; its exception goes to the caller, or to
+        ``threading.excepthook`` once the caller has returned."""
+        error = None
+        try:
+            job.task()
+        except BaseException as failure:
+            error = failure
+        with self.lock:
+            job.finished += 1
+            if error is not None and not job.returned:
+                job.error, error = job.error or error, None
+            self.finished.notify_all()
+        if error is not None:
+            report = (type(error), error, error.__traceback__, threading.current_thread())
+            threading.excepthook(threading.ExceptHookArgs(report))
 
     def post(self, task: Callable[[], None]) -> _Job:
         """Hand ``task`` to the helpers."""
@@ -141,7 +146,7 @@ class _Pool:
         claimed), or, after the caller's task failed, every helper that took it done. A
         helper's exception is raised here."""
         with self.lock:
-            job.closed = True
+            job.closed, self.job = True, None
         if state is None or not _await(state, 1, items, SPINS):
             with self.lock:
                 while job.error is None and (
