@@ -45,7 +45,7 @@ class LateHelpers(cpu_pool._Pool):
 
 @pytest.fixture
 def two_threads(monkeypatch):
-    """Two threads, from 65536 values on (``cpu.THREADS_MIN_VALUES``: 2 million)."""
+    """Two threads, from 65536 values on (``cpu.THREADS_MIN_VALUES``: 5 million)."""
     monkeypatch.setattr(cpu, "THREADS_MIN_VALUES", cpu.PARALLEL_MIN_VALUES)
     previous = cpu_pool.thread_count()
     cpu_pool.set_thread_count(2)
@@ -158,16 +158,16 @@ def test_helpers_sleep_while_the_process_idles(two_threads):
     assert [cpu_ticks(t) - b for t, b in zip(helpers, before, strict=True)] == [0] * len(helpers)
 
 
-def test_calls_under_two_million_values_run_on_the_calling_thread(monkeypatch):
-    """At 1 million values a threaded pass's own set-up costs more than a second thread
-    saves (2 threads: 1.2-2.9x the 1-thread time after 5 ms idle): below
+def test_calls_under_five_million_values_run_on_the_calling_thread(monkeypatch):
+    """At 1-4 million values a threaded pass's own set-up and a late helper cost more than
+    a second thread saves (2 threads: 1.2-2.9x the 1-thread time after 5 ms idle): below
     ``cpu.THREADS_MIN_VALUES`` a call hands nothing to the helpers; from there it does."""
     teams = []
     team = cpu_pool.team
     monkeypatch.setattr(cpu_pool, "team", lambda *args: teams.append(args[1]) or team(*args))
     monkeypatch.setattr(cpu_pool, "_count", 2)
     rng = np.random.default_rng(3)
-    for n, want_teams in ((16, []), (32, [8, 8])):  # 1M values, 2M values
+    for n, want_teams in ((64, []), (128, [8, 8])):  # 4M values, 8M values
         x = rng.standard_normal((n, 64, 32, 32)).astype(np.float32)
         w, b = np.ones(64, np.float32), np.zeros(64, np.float32)
         teams.clear()

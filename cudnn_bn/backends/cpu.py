@@ -51,10 +51,12 @@ _LIKE = {
 }
 PARALLEL_MIN_VALUES = 1 << 16  # below this many values a thread hand-off costs more than it saves
 # Below this many values a large call runs on the calling thread alone, whatever the thread
-# count: a threaded pass's own set-up (item views, sums table, per-channel step, hand-offs:
-# 0.2-0.3 ms after 5 ms idle here) costs more than a second thread saves on under 2 million
-# values (0.4-0.9 ms of work), and 2 threads took 1.2-2.9x the 1-thread time at 1 million.
-THREADS_MIN_VALUES = 1 << 21
+# count. On the 2-core development machine, after 5 ms idle, 2 threads took 1.2-2.9x the
+# 1-thread time at 1 million values and 1.2-1.6x at 1-4 million (session 7, idle; 1.2-2x
+# here with another process on one core), mostly 0.4-0.96x from 6.4 million: a threaded pass's
+# own set-up (item views, sums table, per-channel step, hand-offs) measured 0.2-0.3 ms
+# after idle, and a helper that waits for a CPU holds the caller up by the item it holds.
+THREADS_MIN_VALUES = 5_000_000
 # A large call's work items: up to this many per thread, each of at least ITEM_MIN_VALUES,
 # claimed one at a time (``cpu_kernels._next_item``), so that a thread that starts late or
 # shares its CPU with another process does less of the work instead of holding the call up.
