@@ -132,9 +132,11 @@ def _x_layouts(shape):
 @pytest.mark.parametrize("layout", ["nchw", "channels_last", "padded", "mixed"])
 @pytest.mark.parametrize("shape", [(4, 8, 2, 32, 32), (2, 1, 64, 1024), (32768, 3)], ids=str)
 @pytest.mark.parametrize("threads", [1, 2])
-def test_large_problems_in_every_layout(layout, shape, threads):
-    """Problems of >= 65536 values take the parallel path (``threads`` > 1): channel-outer
-    walks split channels and rows, channels-innermost walks split rows."""
+def test_large_problems_in_every_layout(layout, shape, threads, monkeypatch):
+    """Problems of >= 65536 values take the parallel path (``threads`` > 1; here from 65536
+    values, not ``cpu.THREADS_MIN_VALUES``): channel-outer walks split channels and rows,
+    channels-innermost walks split rows."""
+    monkeypatch.setattr(cpu, "THREADS_MIN_VALUES", cpu.PARALLEL_MIN_VALUES)
     rng = np.random.default_rng(2)
     x64 = rng.standard_normal(shape) * 2 + 1
     dy64 = rng.standard_normal(shape)

@@ -7,9 +7,10 @@ cpu_pool.py, the item kernels of cpu_kernels.py), checked against torch in float
   slowly does less of the work.
 """
 
+import gc
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+import weakref
 
 import numpy as np
 import pytest
@@ -24,26 +25,28 @@ from cudnn_bn.tensor import TensorDesc
 LATE_S = 0.3  # how late the stand-in helper starts (a thread waiting for a CPU)
 
 
-class LateHelpers:
-    """A helper pool whose thread takes each task up at once and runs it ``LATE_S`` later."""
+class LateHelpers(cpu_pool._Pool):
+    """A pool whose helper takes each job up at once and runs it ``LATE_S`` later."""
 
     def __init__(self) -> None:
-        self.pool = ThreadPoolExecutor(1)
+        super().__init__(1)
         self.started = threading.Event()
 
-    def submit(self, task, *args):
+    def post(self, task):
         def late():
             self.started.set()
             time.sleep(LATE_S)
-            return task(*args)
+            task()
 
-        future = self.pool.submit(late)
-        assert self.started.wait(LATE_S)  # taken up: it can no longer be cancelled
-        return future
+        job = super().post(late)
+        assert self.started.wait(LATE_S)  # taken up: the caller cannot take it back
+        return job
 
 
 @pytest.fixture
-def two_threads():
+def two_threads(monkeypatch):
+    """Two threads, from 65536 values on (``cpu.THREADS_MIN_VALUES``: 5 million)."""
+    monkeypatch.setattr(cpu, "THREADS_MIN_VALUES", cpu.PARALLEL_MIN_VALUES)
     previous = cpu_pool.thread_count()
     cpu_pool.set_thread_count(2)
     yield
@@ -67,14 +70,14 @@ def test_caller_does_not_wait_for_a_helper_that_took_no_item(two_threads, monkey
     rm, rv = rng.uniform(-1, 1, 64), rng.uniform(0.5, 2, 64)
     w, b, rm, rv = (a.astype(np.float32) for a in (w, b, rm, rv))
     cudnn_bn.batch_norm_forward_inference(x, w, b, rm, rv)  # compiled, and the helper busy
-    late.pool.submit(lambda: None).result()
+    time.sleep(LATE_S)
     late.started.clear()
     start = time.perf_counter()
     y = cudnn_bn.batch_norm_forward_inference(x, w, b, rm, rv)
     took = time.perf_counter() - start
     np.testing.assert_allclose(y, torch_inference(x, w, b, rm, rv), rtol=1e-6, atol=1e-6)
     assert took < LATE_S / 2, took
-    late.pool.shutdown()
+    late.stop()
 
 
 def test_large_calls_are_split_in_more_items_than_threads(two_threads, monkeypatch):
@@ -107,3 +110,91 @@ def test_work_items_are_made_once_per_count():
     items = kernel.work_items(8)
     np.testing.assert_array_equal(items, kernel.layout.items(8))
     assert kernel.work_items(8) is items
+
+
+def test_a_helpers_exception_is_raised_by_the_caller(two_threads):
+    """A helper that fails holding a work item leaves the step incomplete: ``team`` raises
+    its exception rather than returning as if every item were done."""
+    items, state, claims = 2, np.zeros(2, np.int64), threading.Lock()
+    helper_holds_one = threading.Event()
+
+    def claim() -> int:
+        with claims:
+            state[0] += 1
+            return int(state[0]) - 1
+
+    def task() -> None:
+        if threading.current_thread() is not threading.main_thread():
+            if claim() < items:
+                helper_holds_one.set()
+                raise ValueError("the helper failed")
+            return
+        assert helper_holds_one.wait(10)
+        while claim() < items:
+            state[1] += 1
+
+    with pytest.raises(ValueError, match="the helper failed"):
+        cpu_pool.team(task, items, state)
+    assert state[1] == 1
+
+
+def cpu_ticks(thread: threading.Thread) -> int:
+    """User and system clock ticks ``thread`` has run (Linux)."""
+    with open(f"/proc/self/task/{thread.native_id}/stat") as stat:
+        fields = stat.read().rsplit(")", 1)[1].split()
+    return int(fields[11]) + int(fields[12])
+
+
+def test_helpers_sleep_while_the_process_idles(two_threads):
+    """Helpers spin between steps and calls (``SPINS``: about 0.15 ms), then sleep: an idle process
+    burns no CPU on them."""
+    x = np.random.default_rng(2).standard_normal((16, 64, 32, 32)).astype(np.float32)
+    w, b = np.ones(64, np.float32), np.zeros(64, np.float32)
+    cudnn_bn.batch_norm_forward_training(x, w, b, None, None)
+    helpers = cpu_pool._helpers(1).threads
+    time.sleep(0.05)
+    before = [cpu_ticks(t) for t in helpers]
+    time.sleep(0.3)
+    assert [cpu_ticks(t) - b for t, b in zip(helpers, before, strict=True)] == [0] * len(helpers)
+
+
+def test_calls_under_five_million_values_run_on_the_calling_thread(monkeypatch):
+    """At 1-4 million values a threaded pass's own set-up and a late helper cost more than
+    a second thread saves (2 threads: 1.2-2.9x the 1-thread time after 5 ms idle): below
+    ``cpu.THREADS_MIN_VALUES`` a call hands nothing to the helpers; from there it does."""
+    teams = []
+    team = cpu_pool.team
+    monkeypatch.setattr(cpu_pool, "team", lambda *args: teams.append(args[1]) or team(*args))
+    monkeypatch.setattr(cpu_pool, "_count", 2)
+    rng = np.random.default_rng(3)
+    for n, want_teams in ((64, []), (128, [8, 8])):  # 4M values, 8M values
+        x = rng.standard_normal((n, 64, 32, 32)).astype(np.float32)
+        w, b = np.ones(64, np.float32), np.zeros(64, np.float32)
+        teams.clear()
+        y, *_ = cudnn_bn.batch_norm_forward_training(x, w, b, None, None)
+        assert teams == want_teams, n
+        want = torch.nn.functional.batch_norm(
+            torch.from_numpy(x.astype(np.float64)), None, None, training=True, eps=1e-5
+        ).numpy()
+        np.testing.assert_allclose(y, want, rtol=1e-5, atol=1e-5)
+
+
+def test_the_pool_keeps_no_task_alive_after_a_call(two_threads):
+    """A step's task holds the call's arrays: neither the pool nor a helper keeps it once
+    ``team`` returns."""
+    items, state = 2, np.zeros(2, np.int64)
+    taken = threading.Event()
+
+    def task() -> None:
+        if threading.current_thread() is not threading.main_thread():
+            taken.set()
+            return
+        assert taken.wait(10)  # the helper has run it (and returned, holding no item)
+        state[0] = state[1] = items
+
+    cpu_pool.team(task, items, state)
+    gone = weakref.ref(task)
+    del task
+    time.sleep(0.01)  # the helper back to waiting
+    gc.collect()
+    assert gone() is None

@@ -53,6 +53,13 @@ _LIKE = {
 }
 _BEYOND_HOST = 1 << 63  # no host address is this high (x86-64 and AArch64 user space)
 PARALLEL_MIN_VALUES = 1 << 16  # below this many values a thread hand-off costs more than it saves
+# Below this many values a large call runs on the calling thread alone, whatever the thread
+# count. On the 2-core development machine, after 5 ms idle, 2 threads took 1.2-2.9x the
+# 1-thread time at 1 million values and 1.2-1.6x at 1-4 million (session 7, idle; 1.2-2x
+# here with another process on one core), mostly 0.4-0.96x from 6.4 million: a threaded pass's
+# own set-up (item views, sums table, per-channel step, hand-offs) measured 0.2-0.3 ms
+# after idle, and a helper that waits for a CPU holds the caller up by the item it holds.
+THREADS_MIN_VALUES = 5_000_000
 # A large call's work items: up to this many per thread, each of at least ITEM_MIN_VALUES,
 # claimed one at a time (``cpu_kernels._next_item``), so that a thread that starts late or
 # shares its CPU with another process does less of the work instead of holding the call up.
@@ -171,9 +178,11 @@ class _HostKernel:
         """The pass on the data slots' addresses ``at`` and the per-channel tensors'
         ``channel``: one call in this thread (``cpu_kernels.whole_pass``) for a small
         problem, else its work items on the engine's threads (``threaded``)."""
-        threads = cpu_pool.thread_count() if self.parallel else 1
+        values = self.layout.count * self.layout.channels
+        threads = cpu_pool.thread_count() if self.parallel and values >= THREADS_MIN_VALUES else 1
         if threads > 1:
-            most = self.layout.count * self.layout.channels // ITEM_MIN_VALUES
+            cpu_pool.wake()
+            most = values // ITEM_MIN_VALUES
             self.threaded(at, channel, max(threads, min(threads * ITEMS_PER_THREAD, most)))
             return
         whole = self._whole if self._whole is not None else self.one_call()

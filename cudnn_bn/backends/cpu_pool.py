@@ -4,19 +4,30 @@ The kernels (``cpu_kernels``) release the GIL, so work items handed to plain thr
 truly in parallel; numba's parallel layer (OpenMP, TBB, workqueue) is never started, so
 none of its limits apply: a child forked after a parallel call gets a fresh pool (the
 parent's threads do not exist in it), and any number of calling threads may share the
-pool. The calling thread works too: every thread of a step runs the same kernel, which
-claims work items one at a time (an atomic counter) until none is left, then waits a
-little (without the GIL) until all are done; the caller returns once every item is done,
-without waiting for a helper that holds none (``team``).
+pool (one caller at a time has its helpers; another runs its steps alone). The calling
+thread works too: every thread of a step runs the same kernel, which claims work items
+one at a time (an atomic counter) until none is left, then waits a little (without the
+GIL) until all are done; the caller returns once every item is done, without waiting for
+a helper that holds none (``team``).
+
+Between steps and calls a helper spins on a word (compiled, without the GIL) for about
+``SPINS`` reads, then sleeps on a condition, so that an idle process burns no CPU: a pass's
+steps, and calls back to back, find it awake. Handing each step to a sleeping helper (an
+executor's queue) cost a futex wake per step: 40-130 us here after 0.1-20 ms idle, and
+20-80 us for the caller to submit it. A large call wakes a sleeping helper as it begins
+(``wake``), so that the wake-up overlaps the call's own set-up.
 """
 
 import os
 import threading
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 
 import numba
 import numpy as np
+
+from .cpu_kernels import _atomic_read, jit
+
+SPINS = 1 << 18  # reads of a word before a waiting thread sleeps: about 0.15 ms here
 
 
 def _configured_count() -> int:
@@ -29,9 +40,128 @@ def _configured_count() -> int:
         return count
 
 
+@jit
+def _await(word, index, target, spins):
+    """Whether ``word[index]`` reaches ``target`` within ``spins`` reads (GIL released)."""
+    reads = 0
+    while reads < spins and _atomic_read(word, index) < target:
+        reads += 1
+    return reads < spins
+
+
+class _Job:
+    """One step's task as handed to the helpers, and what became of it."""
+
+    __slots__ = ("closed", "error", "finished", "returned", "taken", "task")
+
+    def __init__(self, task: Callable[[], None]) -> None:
+        self.task, self.taken, self.finished = task, 0, 0
+        self.closed = self.returned = False  # no helper may take it; the caller has returned
+        self.error: BaseException | None = None  # a helper's, for the caller to raise
+
+
+class _Pool:
+    """``helpers`` daemon threads running the jobs one caller at a time posts (``team``)."""
+
+    def __init__(self, helpers: int) -> None:
+        self.helpers = helpers
+        self.word = np.zeros(1, np.int64)  # the number of the latest job (or stop)
+        self.lock = threading.Lock()  # guards the job and the counts below
+        self.posted = threading.Condition(self.lock)  # sleeping helpers wait here
+        self.finished = threading.Condition(self.lock)  # a caller waits here for helpers
+        self.busy = threading.Lock()  # held by the caller whose job it is
+        self.job: _Job | None = None
+        self.sleeping, self.running = 0, True
+        self.threads = [
+            threading.Thread(target=self.serve, name=f"cudnn_bn-cpu-{i}", daemon=True)
+            for i in range(helpers)
+        ]
+        for thread in self.threads:
+            thread.start()
+
+    def wake(self) -> None:
+        """Make sleeping helpers spin again (they sleep after ``SPINS`` reads)."""
+        if self.sleeping:
+            with self.lock:
+                self.posted.notify_all()
+
+    def stop(self) -> None:
+        """Let the helpers end (after the job they run, if any)."""
+        with self.lock:
+            self.running = False
+            self.word[0] += 1
+            self.posted.notify_all()
+
+    def serve(self) -> None:
+        """A helper: spin, then sleep, until a job is posted; run it; again."""
+        seen = 0
+        while True:
+            if not _await(self.word, 0, seen + 1, SPINS):
+                with self.lock:
+                    if self.word[0] == seen and self.running:
+                        self.sleeping += 1
+                        self.posted.wait()  # a job, or ``wake``
+                        self.sleeping -= 1
+                continue
+            with self.lock:
+                if not self.running:
+                    return
+                seen, job = int(self.word[0]), self.job
+                if job is None or job.closed:
+                    continue
+                job.taken += 1
+            self.run(job)
+            del job  # its task holds the caller's arrays: keep none alive between calls
+
+    def run(self, job: _Job) -> None:
+        """Run ``job``'s task on this helper; its exception goes to the caller, or to
+        ``threading.excepthook`` once the caller has returned."""
+        error = None
+        try:
+            job.task()
+        except BaseException as failure:
+            error = failure
+        with self.lock:
+            job.finished += 1
+            if error is not None and not job.returned:
+                job.error, error = job.error or error, None
+            self.finished.notify_all()
+        if error is not None:
+            report = (type(error), error, error.__traceback__, threading.current_thread())
+            threading.excepthook(threading.ExceptHookArgs(report))
+
+    def post(self, task: Callable[[], None]) -> _Job:
+        """Hand ``task`` to the helpers."""
+        job = _Job(task)
+        with self.lock:
+            self.job = job
+            self.word[0] += 1
+            if self.sleeping:
+                self.posted.notify_all()
+        return job
+
+    def close(self, job: _Job, state: np.ndarray | None, items: int) -> None:
+        """Take ``job`` back from the helpers once no helper can write for it any more:
+        every item done (``state[1]``, when the caller's task returned: every item was
+        claimed), or, after the caller's task failed, every helper that took it done. A
+        helper's exception is raised here."""
+        with self.lock:
+            job.closed, self.job = True, None
+        if state is None or not _await(state, 1, items, SPINS):
+            with self.lock:
+                while job.error is None and (
+                    state[1] < items if state is not None else job.finished < job.taken
+                ):
+                    self.finished.wait()
+        with self.lock:
+            job.returned, error = True, job.error
+        if error is not None and state is not None:
+            raise error
+
+
 _count = _configured_count()
 _lock = threading.Lock()
-_pool: tuple[int, ThreadPoolExecutor] | None = None  # (helpers, pool), on first use
+_pool: _Pool | None = None  # on first use
 
 
 def thread_count() -> int:
@@ -45,13 +175,15 @@ def set_thread_count(count: int) -> None:
     _count = max(1, int(count))
 
 
-def _helpers(count: int) -> ThreadPoolExecutor:
+def _helpers(count: int) -> _Pool:
     """The pool of ``count`` helper threads (a new one when the thread count changed)."""
     global _pool
     with _lock:
-        if _pool is None or _pool[0] != count:
-            _pool = (count, ThreadPoolExecutor(count, thread_name_prefix="cudnn_bn-cpu"))
-        return _pool[1]
+        if _pool is None or _pool.helpers != count:
+            if _pool is not None:
+                _pool.stop()
+            _pool = _Pool(count)
+        return _pool
 
 
 def _forget_pool() -> None:
@@ -63,19 +195,36 @@ def _forget_pool() -> None:
 os.register_at_fork(after_in_child=_forget_pool)
 
 
+def wake() -> None:
+    """Wake the helpers now, ahead of a large call's first ``team``: waking a sleeping
+    thread takes tens to hundreds of microseconds, which then overlap the caller's work."""
+    if _count > 1:
+        _helpers(_count - 1).wake()
+
+
 def team(task: Callable[[], None], items: int, state: np.ndarray) -> None:
-    """``task()`` on the calling thread and at once on up to ``thread_count() - 1`` helpers
-    (no more threads than ``items``), for a task that claims its work items itself and
-    counts those done in ``state[1]`` (``cpu_kernels``' item kernels). The caller waits for
-    a helper only if an item is still in progress when its own task returns: a helper that
-    starts late finds nothing left. (Waking the caller when a helper finishes, and handing
-    each item out under the GIL, cost 0.1-0.4 ms a step on a busy 2-core machine: the
-    caller's return waited on the GIL while a helper took every other item.)"""
-    helpers = min(items, _count) - 1
-    started = [_helpers(_count - 1).submit(task) for _ in range(helpers)]
-    try:
+    """``task()`` on the calling thread and at once on the helpers (unless another caller
+    has them), for a task that claims its work items itself and counts those done in
+    ``state[1]`` (``cpu_kernels``' item kernels). The caller waits for a helper only if an
+    item is still in progress when its own task returns: a helper that starts late finds
+    nothing left. (Waking the caller when a helper finishes, and handing each item out
+    under the GIL, cost 0.1-0.4 ms a step on a busy 2-core machine: the caller's return
+    waited on the GIL while a helper took every other item.) A helper's exception is
+    raised here."""
+    if min(items, _count) < 2:
         task()
-    finally:  # no helper may still write into the caller's memory after we return
-        for helper in started:
-            if not helper.cancel() and state[1] < items:
-                helper.exception()
+        return
+    pool = _helpers(_count - 1)
+    if not pool.busy.acquire(blocking=False):
+        task()  # another caller has the helpers
+        return
+    try:
+        job = pool.post(task)
+        try:
+            task()
+        except BaseException:
+            pool.close(job, None, items)
+            raise
+        pool.close(job, state, items)
+    finally:
+        pool.busy.release()
