@@ -164,6 +164,31 @@ def test_large_problems_in_every_layout(layout, shape, threads):
     assert_close(y, want_y)
 
 
+@pytest.mark.parametrize("shape", [(1, 3, 49), (3, 3, 49), (5, 2, 7, 7), (3, 64, 1024)], ids=str)
+def test_sums_over_an_odd_number_of_rows(shape):
+    """The channel-outer walks sum two rows per loop; a lone last row (odd row counts; one
+    row) is a pair with itself, its sums halved: every pass's sums (x alone, x and dy,
+    dy alone with given statistics) as torch's in float64."""
+    rng = np.random.default_rng(3)
+    x, dy = rng.standard_normal(shape) * 3 + 100, rng.standard_normal(shape)
+    w, b = rng.uniform(0.5, 1.5, shape[1]), rng.standard_normal(shape[1])
+    y, mean, invstd = cudnn_bn.batch_norm_forward_training(x, w, b, None, None)
+    t = (torch.from_numpy(a) for a in (x, w, b))
+    want_y, want_mean, want_invstd = torch.ops.aten.native_batch_norm(
+        *t, None, None, True, 0.1, EPS
+    )
+    for got, want in ((y, want_y), (mean, want_mean), (invstd, want_invstd)):
+        assert_close(got, want, 1e-11)
+    want = torch_backward(x, dy, w)
+    train = cudnn_bn.batch_norm_backward(x, dy, w, None, None)
+    saved = cudnn_bn.batch_norm_backward(
+        x, dy, w, None, None, mode="saved", saved_mean=mean, saved_invstd=invstd
+    )
+    for got in (train, saved):
+        for g, v in zip(got, want, strict=True):
+            assert_close(g, v, 1e-10)
+
+
 # --- speed ---------------------------------------------------------------------------------
 
 

@@ -228,6 +228,20 @@ def test_large_calls_compile_their_walk_and_the_per_channel_steps_only(tmp_path)
     assert_printed(run_child(script, NUMBA_CACHE_DIR=str(tmp_path)), steps)
 
 
+def test_each_helper_compiles_once(tmp_path):
+    """A helper the item kernels call is compiled once per dtype and called, not once per
+    kind of argument at its call sites: the first claim of a work item passed the literal
+    -1, and numba compiled ``_next_item`` a second time for it (0.05-0.1 s of the README
+    block's first call)."""
+    script = PROBLEM + (
+        "from numba.core.registry import CPUDispatcher\n"
+        "from cudnn_bn.backends import cpu_kernels as k\n"
+        "functions = [f for f in vars(k).values() if isinstance(f, CPUDispatcher)]\n"
+        "print(sorted(f.__name__ for f in functions if len(f.signatures) > 1))\n"
+    )
+    assert_printed(run_child(script, NUMBA_CACHE_DIR=str(tmp_path)), "[]")
+
+
 def test_conversions_and_views_compile_no_function_of_their_own(tmp_path):
     """Element conversions (F16/BF16 bits, rounding) and views of raw pointers are
     intrinsics, written into the kernels that use them: a large call compiles no function

@@ -469,6 +469,9 @@ def _atomic_read(typingctx, array, index):
 
 
 SPIN = 1 << 16  # reads of the done count, at most, before a kernel returns with items in progress
+# ``_next_item``'s "none done yet": an int64, not the literal -1, for which numba would compile
+# ``_next_item`` a second time (0.05-0.1 s of a first call)
+NO_ITEM = np.int64(-1)
 
 
 @helper
@@ -501,52 +504,19 @@ def _next_item(state, previous, items):
 
 @helper(inline="always")
 def _sums_along(x, dy, y, ox, od, oy, ox2, od2, sx, sd, sy, n, k, has_dy, masked, x_sums):
-    # The sums of a channel's run in one row, or in two (the second's x and dy offsets
-    # ``ox2`` and ``od2``; ``ox2`` -1 for none, as a masked run always is): a loop over two
-    # runs pays its fixed costs (entry checks, scalar tail, the vectors' final adds) once
-    # per 2n values, which matters for short runs (49 values: sums 1.9x faster).
+    # The sums of a channel's run in two rows at once (the second's x and dy offsets
+    # ``ox2`` and ``od2``): a loop over two runs pays its fixed costs (entry checks, scalar
+    # tail, the vectors' final adds) once per 2n values, which matters for short runs
+    # (49 values: sums 1.9x faster). A lone row (``ox2`` -1) is a pair with itself, its sums
+    # halved (exact: every rounding of the doubled sums is the same, doubled), so that each
+    # case is one loop to compile, not two. The masked sums (ReLU's backward) go one row at
+    # a time (``ox2`` is -1 for them).
     # Inlined (``inline``), as ``_forward_along`` and ``_backward_along``: a compiled call
     # passes each array with an atomic reference count increment and decrement, which
     # cost more than the arithmetic of a 49-value run; the reassociation that vectorizes
     # the sums is then the caller's (``fastmath`` of ``item_sums_along``).
     s0 = s1 = s2 = s3 = 0.0
-    if not has_dy and ox2 >= 0:
-        for i in range(n):
-            a, b = decode(x[_at(ox, i, sx)]) - k, decode(x[_at(ox2, i, sx)]) - k
-            s0 += a + b
-            s1 += a * a + b * b
-    elif not has_dy:
-        for i in range(n):
-            xv = decode(x[_at(ox, i, sx)]) - k
-            s0 += xv
-            s1 += xv * xv
-    elif not (masked or x_sums) and ox2 >= 0:  # given statistics: dy's two sums alone
-        for i in range(n):
-            a, da = decode(x[_at(ox, i, sx)]) - k, decode(dy[_at(od, i, sd)])
-            b, db = decode(x[_at(ox2, i, sx)]) - k, decode(dy[_at(od2, i, sd)])
-            s2 += da + db
-            s3 += da * a + db * b
-    elif not (masked or x_sums):
-        for i in range(n):
-            xv, dv = decode(x[_at(ox, i, sx)]) - k, decode(dy[_at(od, i, sd)])
-            s2 += dv
-            s3 += dv * xv
-    elif not masked and ox2 >= 0:
-        for i in range(n):
-            a, da = decode(x[_at(ox, i, sx)]) - k, decode(dy[_at(od, i, sd)])
-            b, db = decode(x[_at(ox2, i, sx)]) - k, decode(dy[_at(od2, i, sd)])
-            s0 += a + b
-            s1 += a * a + b * b
-            s2 += da + db
-            s3 += da * a + db * b
-    elif not masked:
-        for i in range(n):
-            xv, dv = decode(x[_at(ox, i, sx)]) - k, decode(dy[_at(od, i, sd)])
-            s0 += xv
-            s1 += xv * xv
-            s2 += dv
-            s3 += dv * xv
-    else:
+    if masked:
         for i in range(n):
             xv, dv = decode(x[_at(ox, i, sx)]) - k, decode(dy[_at(od, i, sd)])
             dv = dv if decode(y[_at(oy, i, sy)]) > 0 else 0.0
@@ -554,7 +524,28 @@ def _sums_along(x, dy, y, ox, od, oy, ox2, od2, sx, sd, sy, n, k, has_dy, masked
             s1 += xv * xv
             s2 += dv
             s3 += dv * xv
-    return s0, s1, s2, s3
+        return s0, s1, s2, s3
+    w, p, q = (1.0, ox2, od2) if ox2 >= 0 else (0.5, ox, od)
+    if not has_dy:
+        for i in range(n):
+            a, b = decode(x[_at(ox, i, sx)]) - k, decode(x[_at(p, i, sx)]) - k
+            s0 += a + b
+            s1 += a * a + b * b
+    elif not x_sums:  # given statistics: dy's two sums alone
+        for i in range(n):
+            a, da = decode(x[_at(ox, i, sx)]) - k, decode(dy[_at(od, i, sd)])
+            b, db = decode(x[_at(p, i, sx)]) - k, decode(dy[_at(q, i, sd)])
+            s2 += da + db
+            s3 += da * a + db * b
+    else:
+        for i in range(n):
+            a, da = decode(x[_at(ox, i, sx)]) - k, decode(dy[_at(od, i, sd)])
+            b, db = decode(x[_at(p, i, sx)]) - k, decode(dy[_at(q, i, sd)])
+            s0 += a + b
+            s1 += a * a + b * b
+            s2 += da + db
+            s3 += da * a + db * b
+    return s0 * w, s1 * w, s2 * w, s3 * w
 
 
 @helper
@@ -630,7 +621,7 @@ def item_sums_along(x, dy, y, geometry, strides, shift, out, first, items, state
     ``dy * (x - k)`` with ``k = shift[c]``; ``dy`` zero where ``y <= 0`` if ``y`` is not
     empty; with ``dy`` empty its sums stay zero. Sums before row ``first`` (0 or
     ``DY_SUMS``) are not wanted: they may be left partial."""
-    i = _next_item(state, -1, items)
+    i = _next_item(state, NO_ITEM, items)
     while i >= 0:
         c0, c1, r0, r1, _, n, s = _walk(items[i], geometry, strides)
         has_dy, masked = dy.size > 0, y.size > 0
@@ -670,7 +661,7 @@ def item_sums_along(x, dy, y, geometry, strides, shift, out, first, items, state
 def item_sums_across(x, dy, y, geometry, strides, shift, out, first, items, state):
     """``item_sums_along`` where runs cross channels (channels innermost): each walk is
     compiled apart, so that a layout compiles only its own."""
-    i = _next_item(state, -1, items)
+    i = _next_item(state, NO_ITEM, items)
     while i >= 0:
         _, _, r0, r1, _, n, _ = _walk(items[i], geometry, strides)
         _sums_across(x, dy, y, geometry, strides, r0, r1, n, shift, out, SUMS * i, first)
@@ -767,7 +758,7 @@ def item_forward_along(x, z, y, geometry, strides, mean, scale, shift, flags, it
     """``y = relu?((x - mean)*scale + shift [+ z])`` over each work item of ``items``
     (``_next_item``; the per-channel arrays tiled) where runs stay in one channel.
     ``flags``: add z, ReLU. Data slots: x, z, y."""
-    i = _next_item(state, -1, items)
+    i = _next_item(state, NO_ITEM, items)
     while i >= 0:
         c0, c1, r0, r1, _, n, s = _walk(items[i], geometry, strides)
         for r in range(r0, r1):
@@ -797,7 +788,7 @@ def item_forward_along(x, z, y, geometry, strides, mean, scale, shift, flags, it
 def item_forward_across(x, z, y, geometry, strides, mean, scale, shift, flags, items, state):
     """``item_forward_along`` where runs cross channels (channels innermost): each walk is
     compiled apart, so that a layout compiles only its own."""
-    i = _next_item(state, -1, items)
+    i = _next_item(state, NO_ITEM, items)
     while i >= 0:
         _, _, r0, r1, _, n, _ = _walk(items[i], geometry, strides)
         _forward_across(x, z, y, geometry, strides, r0, r1, n, mean, scale, shift, flags)
@@ -906,7 +897,7 @@ def item_backward_along(x, dy, y, gi, gz, geometry, strides, k_dy, k_x, k_c, fla
     masked) over each work item of ``items`` (``_next_item``; the coefficients tiled) where
     runs stay in one channel. ``flags``: use x (all but eval), mask, write gi, write gz.
     Data slots: x, dy, y, gi, gz."""
-    i = _next_item(state, -1, items)
+    i = _next_item(state, NO_ITEM, items)
     while i >= 0:
         c0, c1, r0, r1, _, n, s = _walk(items[i], geometry, strides)
         h = (r1 - r0) // 2
@@ -924,7 +915,7 @@ def item_backward_along(x, dy, y, gi, gz, geometry, strides, k_dy, k_x, k_c, fla
 def item_backward_across(x, dy, y, gi, gz, geometry, strides, k_dy, k_x, k_c, flags, items, state):
     """``item_backward_along`` where runs cross channels (channels innermost): each walk is
     compiled apart, so that a layout compiles only its own."""
-    i = _next_item(state, -1, items)
+    i = _next_item(state, NO_ITEM, items)
     while i >= 0:
         _, _, r0, r1, _, n, _ = _walk(items[i], geometry, strides)
         _backward_across(x, dy, y, gi, gz, geometry, strides, r0, r1, n, k_dy, k_x, k_c, flags)
@@ -1087,7 +1078,7 @@ def batch_pass(whole, plan, eps, momentum, like, steps, items, state, x_at, a_at
     Python. Work items (``_next_item``) are blocks of problems, ``items[i]`` their
     ``(first, end)``."""
     s = steps
-    i = _next_item(state, -1, items)
+    i = _next_item(state, NO_ITEM, items)
     while i >= 0:
         for b in range(items[i, 0], items[i, 1]):
             _call(whole, (plan, eps, momentum, like, x_at + b * s[0], a_at + b * s[1],
