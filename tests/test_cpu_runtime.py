@@ -230,10 +230,14 @@ def test_large_calls_compile_their_walk_and_the_per_channel_steps_only(tmp_path)
 
 def test_each_helper_compiles_once(tmp_path):
     """A helper the item kernels call is compiled once per dtype and called, not once per
-    kind of argument at its call sites: the first claim of a work item passed the literal
-    -1, and numba compiled ``_next_item`` a second time for it (0.05-0.1 s of the README
-    block's first call)."""
+    kind of argument at its call sites, in either walk: numba compiled ``_next_item``
+    again for the literal -1 of a first claim, and ``_column`` for the literal 0 of the
+    backward's channel strides (0.05-0.1 s of a first call each)."""
     script = PROBLEM + (
+        "nhwc = np.moveaxis(x.reshape(32, 64, 8, 16), 1, -1).copy()\n"
+        "nhwc = np.moveaxis(nhwc, -1, 1)  # channels last: the walk across channels\n"
+        "cudnn_bn.batch_norm_backward(nhwc, nhwc, w, None, None)\n"
+        "cudnn_bn.batch_norm_forward_training(nhwc, w, b, None, None)\n"
         "from numba.core.registry import CPUDispatcher\n"
         "from cudnn_bn.backends import cpu_kernels as k\n"
         "functions = [f for f in vars(k).values() if isinstance(f, CPUDispatcher)]\n"

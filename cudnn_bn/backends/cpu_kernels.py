@@ -392,6 +392,12 @@ def row_offset(row, geometry, strides):
     return offset + row * strides[2]
 
 
+# Columns of ``Layout.strides``: each slot's channel stride, and its stride along a run. Like
+# every constant argument of a helper, int64 values, not literals: numba would compile the
+# helper once more for each literal argument (``_next_item``'s ``NO_ITEM`` too).
+CHANNEL, RUN = np.int64(0), np.int64(1)
+
+
 @helper
 def _walk(bounds, geometry, strides):
     """What an item's loops need: its ``bounds`` (a row of the items table: first channel,
@@ -400,7 +406,7 @@ def _walk(bounds, geometry, strides):
     a run."""
     c0, c1, r0, r1 = bounds[0], bounds[1], bounds[2], bounds[3]
     across = geometry[3] != 0
-    column = 0 if across else 1
+    column = CHANNEL if across else RUN
     return c0, c1, r0, r1, across, c1 - c0 if across else geometry[1], _column(strides, column)
 
 
@@ -469,9 +475,7 @@ def _atomic_read(typingctx, array, index):
 
 
 SPIN = 1 << 16  # reads of the done count, at most, before a kernel returns with items in progress
-# ``_next_item``'s "none done yet": an int64, not the literal -1, for which numba would compile
-# ``_next_item`` a second time (0.05-0.1 s of a first call)
-NO_ITEM = np.int64(-1)
+NO_ITEM = np.int64(-1)  # ``_next_item``'s "none done yet" (an int64: see ``CHANNEL``)
 
 
 @helper
@@ -500,52 +504,6 @@ def _next_item(state, previous, items):
 # loops walk all the item's rows themselves (rows of few channels are short). Each case a
 # pass asks for (x alone; x and dy; x and masked dy) is its own loop, with no test inside,
 # so that it vectorizes.
-
-
-@helper(inline="always")
-def _sums_along(x, dy, y, ox, od, oy, ox2, od2, sx, sd, sy, n, k, has_dy, masked, x_sums):
-    # The sums of a channel's run in two rows at once (the second's x and dy offsets
-    # ``ox2`` and ``od2``): a loop over two runs pays its fixed costs (entry checks, scalar
-    # tail, the vectors' final adds) once per 2n values, which matters for short runs
-    # (49 values: sums 1.9x faster). A lone row (``ox2`` -1) is a pair with itself, its sums
-    # halved (exact: every rounding of the doubled sums is the same, doubled), so that each
-    # case is one loop to compile, not two. The masked sums (ReLU's backward) go one row at
-    # a time (``ox2`` is -1 for them).
-    # Inlined (``inline``), as ``_forward_along`` and ``_backward_along``: a compiled call
-    # passes each array with an atomic reference count increment and decrement, which
-    # cost more than the arithmetic of a 49-value run; the reassociation that vectorizes
-    # the sums is then the caller's (``fastmath`` of ``item_sums_along``).
-    s0 = s1 = s2 = s3 = 0.0
-    if masked:
-        for i in range(n):
-            xv, dv = decode(x[_at(ox, i, sx)]) - k, decode(dy[_at(od, i, sd)])
-            dv = dv if decode(y[_at(oy, i, sy)]) > 0 else 0.0
-            s0 += xv
-            s1 += xv * xv
-            s2 += dv
-            s3 += dv * xv
-        return s0, s1, s2, s3
-    w, p, q = (1.0, ox2, od2) if ox2 >= 0 else (0.5, ox, od)
-    if not has_dy:
-        for i in range(n):
-            a, b = decode(x[_at(ox, i, sx)]) - k, decode(x[_at(p, i, sx)]) - k
-            s0 += a + b
-            s1 += a * a + b * b
-    elif not x_sums:  # given statistics: dy's two sums alone
-        for i in range(n):
-            a, da = decode(x[_at(ox, i, sx)]) - k, decode(dy[_at(od, i, sd)])
-            b, db = decode(x[_at(p, i, sx)]) - k, decode(dy[_at(q, i, sd)])
-            s2 += da + db
-            s3 += da * a + db * b
-    else:
-        for i in range(n):
-            a, da = decode(x[_at(ox, i, sx)]) - k, decode(dy[_at(od, i, sd)])
-            b, db = decode(x[_at(p, i, sx)]) - k, decode(dy[_at(q, i, sd)])
-            s0 += a + b
-            s1 += a * a + b * b
-            s2 += da + db
-            s3 += da * a + db * b
-    return s0 * w, s1 * w, s2 * w, s3 * w
 
 
 @helper
@@ -621,39 +579,64 @@ def item_sums_along(x, dy, y, geometry, strides, shift, out, first, items, state
     ``dy * (x - k)`` with ``k = shift[c]``; ``dy`` zero where ``y <= 0`` if ``y`` is not
     empty; with ``dy`` empty its sums stay zero. Sums before row ``first`` (0 or
     ``DY_SUMS``) are not wanted: they may be left partial."""
+    # A channel's runs in two rows at once (``ox``, ``px``): a loop over two runs pays its
+    # fixed costs (entry checks, scalar tail, the vectors' final adds) once per 2n values,
+    # which matters for short runs (49 values: sums 1.9x faster). A lone row is a pair with
+    # itself, its sums halved (exact: every rounding of the doubled sums is the same,
+    # doubled), so that each case is one loop to compile, not two. The masked sums (ReLU's
+    # backward) go one row at a time. The loops are written here, not in a helper: a
+    # compiled call passes each array with an atomic reference count increment and
+    # decrement, which cost more than the arithmetic of a 49-value run, and numba's own
+    # inlining copies the callee's IR at each call (0.1-0.2 s of a first call).
+    has_dy, masked, x_sums = dy.size > 0, y.size > 0, first < DY_SUMS
     i = _next_item(state, NO_ITEM, items)
     while i >= 0:
         c0, c1, r0, r1, _, n, s = _walk(items[i], geometry, strides)
-        has_dy, masked = dy.size > 0, y.size > 0
+        sx, sd, sy = s[0], s[1], s[2]
         h = 0 if masked else (r1 - r0) // 2
         for j in range(r0, r1 - h):
-            r = j if j < r0 + h else j + h
+            pair = j < r0 + h  # rows r and r + h together; the last of an odd count alone
+            r = j if pair else j + h
             ox, od = row_offset(r, geometry, strides[0]), row_offset(r, geometry, strides[1])
             oy = row_offset(r, geometry, strides[2])
-            pair = j < r0 + h  # rows r and r + h together; the last of an odd count alone
-            ox2 = row_offset(r + h, geometry, strides[0]) if pair else -1
-            od2 = row_offset(r + h, geometry, strides[1]) if pair else 0
+            px = row_offset(r + h, geometry, strides[0]) if pair else ox
+            pd = row_offset(r + h, geometry, strides[1]) if pair else od
+            w = 1.0 if pair or masked else 0.5
             for c in range(c0, c1):
-                sums = _sums_along(
-                    x,
-                    dy,
-                    y,
-                    ox + c * strides[0, 0],
-                    od + c * strides[1, 0],
-                    oy + c * strides[2, 0],
-                    ox2 + c * strides[0, 0] if pair else -1,
-                    od2 + c * strides[1, 0],
-                    s[0],
-                    s[1],
-                    s[2],
-                    n,
-                    shift[c],
-                    has_dy,
-                    masked,
-                    first < DY_SUMS,
-                )
+                a0, b0 = ox + c * strides[0, 0], px + c * strides[0, 0]
+                a1, b1 = od + c * strides[1, 0], pd + c * strides[1, 0]
+                y0, k = oy + c * strides[2, 0], shift[c]
+                s0 = s1 = s2 = s3 = 0.0
+                if masked:
+                    for e in range(n):
+                        xv, dv = decode(x[_at(a0, e, sx)]) - k, decode(dy[_at(a1, e, sd)])
+                        dv = dv if decode(y[_at(y0, e, sy)]) > 0 else 0.0
+                        s0 += xv
+                        s1 += xv * xv
+                        s2 += dv
+                        s3 += dv * xv
+                elif not has_dy:
+                    for e in range(n):
+                        a, b = decode(x[_at(a0, e, sx)]) - k, decode(x[_at(b0, e, sx)]) - k
+                        s0 += a + b
+                        s1 += a * a + b * b
+                elif not x_sums:  # given statistics: dy's two sums alone
+                    for e in range(n):
+                        a, da = decode(x[_at(a0, e, sx)]) - k, decode(dy[_at(a1, e, sd)])
+                        b, db = decode(x[_at(b0, e, sx)]) - k, decode(dy[_at(b1, e, sd)])
+                        s2 += da + db
+                        s3 += da * a + db * b
+                else:
+                    for e in range(n):
+                        a, da = decode(x[_at(a0, e, sx)]) - k, decode(dy[_at(a1, e, sd)])
+                        b, db = decode(x[_at(b0, e, sx)]) - k, decode(dy[_at(b1, e, sd)])
+                        s0 += a + b
+                        s1 += a * a + b * b
+                        s2 += da + db
+                        s3 += da * a + db * b
+                sums = (s0, s1, s2, s3)
                 for q in range(first, SUMS):
-                    out[SUMS * i + q, c] += sums[q]
+                    out[SUMS * i + q, c] += sums[q] * w
         i = _next_item(state, i, items)
 
 
@@ -701,19 +684,6 @@ def _low(value, hi, like):
     return narrow(lo if lo - lo == 0.0 else 0.0, like)
 
 
-@helper(inline="always")
-def _forward_along(x, z, y, ox, oz, oy, sx, sz, sy, n, mean, scale, shift, flags):
-    add_z, relu = flags
-    if not (add_z or relu):
-        k = _working(mean, scale, shift, y)
-        for i in range(n):
-            y[_at(oy, i, sy)] = encode(normalize(x[_at(ox, i, sx)], k), y.dtype)
-        return
-    for i in range(n):
-        at = (_at(ox, i, sx), _at(oz, i, sz), _at(oy, i, sy))
-        _forward_element(x, z, y, *at, mean, scale, shift, add_z, relu)
-
-
 @helper
 def _forward_across(x, z, y, geometry, strides, r0, r1, n, mean, scale, shift, flags):
     add_z, relu = flags
@@ -757,30 +727,26 @@ def _forward_across(x, z, y, geometry, strides, r0, r1, n, mean, scale, shift, f
 def item_forward_along(x, z, y, geometry, strides, mean, scale, shift, flags, items, state):
     """``y = relu?((x - mean)*scale + shift [+ z])`` over each work item of ``items``
     (``_next_item``; the per-channel arrays tiled) where runs stay in one channel.
-    ``flags``: add z, ReLU. Data slots: x, z, y."""
+    ``flags``: add z, ReLU. Data slots: x, z, y. (A run's loops are written here, as
+    ``item_sums_along``'s.)"""
+    add_z, relu = flags
     i = _next_item(state, NO_ITEM, items)
     while i >= 0:
         c0, c1, r0, r1, _, n, s = _walk(items[i], geometry, strides)
+        sx, sz, sy = s[0], s[1], s[2]
         for r in range(r0, r1):
             ox, oz = row_offset(r, geometry, strides[0]), row_offset(r, geometry, strides[1])
             oy = row_offset(r, geometry, strides[2])
             for c in range(c0, c1):
-                _forward_along(
-                    x,
-                    z,
-                    y,
-                    ox + c * strides[0, 0],
-                    oz + c * strides[1, 0],
-                    oy + c * strides[2, 0],
-                    s[0],
-                    s[1],
-                    s[2],
-                    n,
-                    mean[c],
-                    scale[c],
-                    shift[c],
-                    flags,
-                )
+                bx, bz, by = ox + c * strides[0, 0], oz + c * strides[1, 0], oy + c * strides[2, 0]
+                if not (add_z or relu):
+                    k = _working(mean[c], scale[c], shift[c], y)
+                    for e in range(n):
+                        y[_at(by, e, sy)] = encode(normalize(x[_at(bx, e, sx)], k), y.dtype)
+                    continue
+                for e in range(n):
+                    at = (_at(bx, e, sx), _at(bz, e, sz), _at(by, e, sy))
+                    _forward_element(x, z, y, *at, mean[c], scale[c], shift[c], add_z, relu)
         i = _next_item(state, i, items)
 
 
@@ -812,29 +778,6 @@ def _backward_element(x, dy, y, gi, gz, o, s, i, k_dy, k_x, k_c, flags):
         gz[_at(o[4], i, s[4])] = encode(dv, gz.dtype)
 
 
-@helper(inline="always")
-def _backward_along(x, dy, y, gi, gz, o, p, s, n, a, b, k, flags):
-    # A channel's runs in two rows at once, offsets ``o`` and ``p``, as ``_sums_along``
-    # (backward of 49-value runs 2x faster); ``p`` is ``o`` for a lone row, which the plain
-    # loop then writes twice: it reads both values before writing either, so that is
-    # right in place too.
-    use_x, masked, write_gi, write_gz = flags
-    if write_gi and not (masked or write_gz):
-        for i in range(n):
-            u = _fma(b, decode(x[_at(o[0], i, s[0])]), k) if use_x else k
-            v = _fma(b, decode(x[_at(p[0], i, s[0])]), k) if use_x else k
-            u = _fma(a, decode(dy[_at(o[1], i, s[1])]), u)
-            v = _fma(a, decode(dy[_at(p[1], i, s[1])]), v)
-            gi[_at(o[3], i, s[3])] = encode(u, gi.dtype)
-            gi[_at(p[3], i, s[3])] = encode(v, gi.dtype)
-        return
-    lone = p == o
-    for i in range(n):
-        _backward_element(x, dy, y, gi, gz, o, s, i, a, b, k, flags)
-        if not lone:
-            _backward_element(x, dy, y, gi, gz, p, s, i, a, b, k, flags)
-
-
 @helper
 def _row_offsets(r, geometry, strides):
     """Offsets of row ``r`` in the five data slots."""
@@ -847,22 +790,18 @@ def _row_offsets(r, geometry, strides):
     )
 
 
-@helper(inline="always")
-def _channel_offsets(o, c, strides):
-    """Offsets ``o`` of a row's five data slots moved to channel ``c``."""
-    return (
-        o[0] + c * strides[0, 0],
-        o[1] + c * strides[1, 0],
-        o[2] + c * strides[2, 0],
-        o[3] + c * strides[3, 0],
-        o[4] + c * strides[4, 0],
-    )
+@helper
+def _channel_offsets(o, c, s):
+    """Offsets ``o`` of a row's five data slots moved to channel ``c`` (``s``: the slots'
+    channel strides, ``_column``): values only, no array, so that a call (which LLVM
+    inlines) takes and drops no reference."""
+    return o[0] + c * s[0], o[1] + c * s[1], o[2] + c * s[2], o[3] + c * s[3], o[4] + c * s[4]
 
 
 @helper
 def _backward_across(x, dy, y, gi, gz, geometry, strides, r0, r1, n, k_dy, k_x, k_c, flags):
     use_x, masked, write_gi, write_gz = flags
-    s = _column(strides, 0)
+    s = _column(strides, CHANNEL)
     if masked or write_gz or not write_gi:
         for r in range(r0, r1):
             o = _row_offsets(r, geometry, strides)
@@ -897,17 +836,38 @@ def item_backward_along(x, dy, y, gi, gz, geometry, strides, k_dy, k_x, k_c, fla
     masked) over each work item of ``items`` (``_next_item``; the coefficients tiled) where
     runs stay in one channel. ``flags``: use x (all but eval), mask, write gi, write gz.
     Data slots: x, dy, y, gi, gz."""
+    # A channel's runs in two rows at once, offsets ``o`` and ``p``, as ``item_sums_along``
+    # (backward of 49-value runs 2x faster); ``p`` is ``o`` for a lone row, which the plain
+    # loop then writes twice: it reads both values before writing either, so that is
+    # right in place too.
+    use_x, masked, write_gi, write_gz = flags
+    plain = write_gi and not (masked or write_gz)
+    cs = _column(strides, CHANNEL)
     i = _next_item(state, NO_ITEM, items)
     while i >= 0:
         c0, c1, r0, r1, _, n, s = _walk(items[i], geometry, strides)
         h = (r1 - r0) // 2
         for j in range(r0, r1 - h):
-            r = j if j < r0 + h else j + h  # rows r and r + h; the last of an odd count alone
+            lone = j >= r0 + h
+            r = j + h if lone else j  # rows r and r + h; the last of an odd count alone
             o = _row_offsets(r, geometry, strides)
-            p = _row_offsets(r + h if j < r0 + h else r, geometry, strides)
+            p = o if lone else _row_offsets(r + h, geometry, strides)
             for c in range(c0, c1):
-                oc, pc = _channel_offsets(o, c, strides), _channel_offsets(p, c, strides)
-                _backward_along(x, dy, y, gi, gz, oc, pc, s, n, k_dy[c], k_x[c], k_c[c], flags)
+                oc, pc = _channel_offsets(o, c, cs), _channel_offsets(p, c, cs)
+                a, b, k = k_dy[c], k_x[c], k_c[c]
+                if plain:
+                    for e in range(n):
+                        u = _fma(b, decode(x[_at(oc[0], e, s[0])]), k) if use_x else k
+                        v = _fma(b, decode(x[_at(pc[0], e, s[0])]), k) if use_x else k
+                        u = _fma(a, decode(dy[_at(oc[1], e, s[1])]), u)
+                        v = _fma(a, decode(dy[_at(pc[1], e, s[1])]), v)
+                        gi[_at(oc[3], e, s[3])] = encode(u, gi.dtype)
+                        gi[_at(pc[3], e, s[3])] = encode(v, gi.dtype)
+                    continue
+                for e in range(n):
+                    _backward_element(x, dy, y, gi, gz, oc, s, e, a, b, k, flags)
+                    if not lone:
+                        _backward_element(x, dy, y, gi, gz, pc, s, e, a, b, k, flags)
         i = _next_item(state, i, items)
 
 
