@@ -277,6 +277,22 @@ def test_one_per_channel_copy_serves_every_dtype(tmp_path):
     assert_printed(run_child(script, NUMBA_CACHE_DIR=str(tmp_path)), "1")
 
 
+def test_a_small_call_compiles_two_numpy_implementations(tmp_path):
+    """The whole-pass function's scratch is two ``np.empty`` arrays, carved into views: each
+    ``np.zeros`` or ``np.empty`` of another dtype or number of dimensions compiled numba's
+    implementations of it apart (11 functions, 0.4-0.7 s of a first small call)."""
+    script = COMPILES + (
+        "import numpy as np, cudnn_bn\n"
+        "x, w = np.ones((4, 8, 16), np.float32), np.ones(8, np.float32)\n"
+        "cudnn_bn.batch_norm_forward_training(x, w, w, w.copy(), w.copy())\n"
+        "cudnn_bn.batch_norm_backward(x, x, w, None, None)\n"
+        "cudnn_bn.batch_norm_forward_inference(x, w, w, w, w)\n"
+        "print(sorted(name.split('.')[-3] for name in others))\n"
+    )
+    implementations = "['_ol_array_allocate', 'ol_np_empty']"
+    assert_printed(run_child(script, NUMBA_CACHE_DIR=str(tmp_path)), implementations)
+
+
 def test_a_small_call_compiles_no_kernel_of_its_own(tmp_path):
     """After large calls, small calls of the same dtype and walk compile only the whole-pass
     function: it calls the large calls' compiled steps (the one-call passes compiled a copy

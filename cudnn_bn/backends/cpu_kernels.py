@@ -1002,27 +1002,36 @@ def whole_pass(plan, eps, momentum, like, x_at, a_at, y_at, gi_at, gz_at, c0, c1
     steps = plan[PLAN_STEPS:PLAN_SIZE]
     x, a, y = flat(x_at, spans[0], like), flat(a_at, spans[1], like), flat(y_at, spans[2], like)
     gi, gz = flat(gi_at, spans[3], like), flat(gz_at, spans[4], like)
-    at = np.zeros(CHANNEL_SLOTS, np.int64)
+    # Scratch in two allocations, carved into views: each np.zeros or np.empty of another
+    # dtype or number of dimensions compiled numba's implementations of it apart (11
+    # functions, 0.4-0.7 s of a first small call); a step's work-item state is reset for
+    # the next step.
+    ints = np.empty(CHANNEL_SLOTS + 2, np.int64)
+    at, state = ints[:CHANNEL_SLOTS], ints[CHANNEL_SLOTS:]
     at[0], at[1], at[2], at[3], at[4], at[5] = c0, c1, c2, c3, c4, c5
     at[FIRST_VALUES] = x_at
     channels, tile = geometry[0], geometry[TILE]
-    values, shift = np.zeros((CHANNEL_SLOTS, channels)), np.zeros(channels * tile)
+    n, width = channels * tile, 0 if kind == INFERENCE else channels * tile + PAD
+    floats = np.empty(CHANNEL_SLOTS * channels + n + SUMS * width + 3 * n)
+    floats[:] = 0.0
+    values = floats[: CHANNEL_SLOTS * channels].reshape((CHANNEL_SLOTS, channels))
+    o = CHANNEL_SLOTS * channels
+    shift, sums = floats[o : o + n], floats[o + n : o + n + SUMS * width].reshape((SUMS, width))
+    k = floats[o + n + SUMS * width :].reshape((3, n))
     _call(steps[COPY], (at, channel_args, reads, values, shift, shift_row, False))
-    sums = np.zeros((SUMS, 0 if kind == INFERENCE else channels * tile + PAD))
+    state[0] = state[1] = 0
     if kind == BACKWARD:
-        state = np.zeros(2, np.int64)
         _call(steps[ITEM_SUMS], (x, a, y, geometry, strides, shift, sums, first, whole, state))
     elif kind == TRAINING:
-        state = np.zeros(2, np.int64)
         empty = x[:0]
         _call(steps[ITEM_SUMS], (x, empty, empty, geometry, strides, shift, sums, first, whole,
                                  state))  # fmt: skip
-    k = np.empty((3, channels * tile))
     count = geometry[1] * geometry[2] * tile
     _call(steps[RESULTS], (kind, sums, shift, values, count, eps, momentum, mode, k))
     if writes:
         _call(steps[COPY], (at, channel_args, writes, values, shift, -1, True))
-    data, state = (geometry, strides, k[0], k[1], k[2]), np.zeros(2, np.int64)
+    data = (geometry, strides, k[0], k[1], k[2])
+    state[0] = state[1] = 0
     if kind != BACKWARD:
         _call(steps[ITEM_FORWARD], (x, a, y, *data, (flags[0], flags[1]), whole, state))
     elif flags[2] or flags[3]:
