@@ -18,6 +18,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from helpers import channels_last, padded_strides
+from numba.core.registry import CPUDispatcher
 
 import cudnn_bn
 from cudnn_bn.backends import cpu, cpu_kernels, cpu_pool
@@ -166,17 +167,46 @@ def test_large_problems_in_every_layout(layout, shape, threads, monkeypatch):
     assert_close(y, want_y)
 
 
+@pytest.mark.parametrize("shape", [(1, 3, 49), (3, 3, 49), (5, 2, 7, 7), (3, 64, 1024)], ids=str)
+def test_sums_over_an_odd_number_of_rows(shape):
+    """The channel-outer walks sum two rows per loop; a lone last row (odd row counts; one
+    row) is a pair with itself, its sums halved: every pass's sums (x alone, x and dy,
+    dy alone with given statistics) as torch's in float64."""
+    rng = np.random.default_rng(3)
+    x, dy = rng.standard_normal(shape) * 3 + 100, rng.standard_normal(shape)
+    w, b = rng.uniform(0.5, 1.5, shape[1]), rng.standard_normal(shape[1])
+    y, mean, invstd = cudnn_bn.batch_norm_forward_training(x, w, b, None, None)
+    t = (torch.from_numpy(a) for a in (x, w, b))
+    want_y, want_mean, want_invstd = torch.ops.aten.native_batch_norm(
+        *t, None, None, True, 0.1, EPS
+    )
+    for got, want in ((y, want_y), (mean, want_mean), (invstd, want_invstd)):
+        assert_close(got, want, 1e-11)
+    want = torch_backward(x, dy, w)
+    train = cudnn_bn.batch_norm_backward(x, dy, w, None, None)
+    saved = cudnn_bn.batch_norm_backward(
+        x, dy, w, None, None, mode="saved", saved_mean=mean, saved_invstd=invstd
+    )
+    for got in (train, saved):
+        for g, v in zip(got, want, strict=True):
+            assert_close(g, v, 1e-10)
+
+
 # --- speed ---------------------------------------------------------------------------------
 
 
-def test_along_runs_are_inlined_into_their_walks():
+def test_along_runs_are_written_in_their_walks():
     """A compiled helper's call passes each array with an atomic reference count increment
     and decrement: per run of a channel, that cost short runs ((8, 2048, 7, 7): 49 values)
-    more than their arithmetic (backward 1.5x torch's time), so the run helpers are
-    inlined into the item kernels."""
+    more than their arithmetic (backward 1.5x torch's time), so the run loops are written
+    in the item kernels. Nor is any helper inlined by numba (``inline="always"``): that
+    copies and types the callee's IR again in its caller, 0.1-0.2 s of the README block's
+    first call per item kernel."""
     k = cpu_kernels
-    for helper in (k._sums_along, k._forward_along, k._backward_along):
-        assert helper.targetoptions.get("inline") == "always", helper.__name__
+    functions = [f for f in vars(k).values() if isinstance(f, CPUDispatcher)]
+    assert [f.__name__ for f in functions if f.targetoptions.get("inline") == "always"] == []
+    for per_run in ("_sums_along", "_forward_along", "_backward_along"):
+        assert not hasattr(k, per_run)
 
 
 # --- overlapping outputs -------------------------------------------------------------------

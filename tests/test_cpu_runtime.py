@@ -232,6 +232,24 @@ def test_large_calls_compile_their_walk_and_the_per_channel_steps_only(tmp_path)
     assert_printed(run_child(script, NUMBA_CACHE_DIR=str(tmp_path)), steps)
 
 
+def test_each_helper_compiles_once(tmp_path):
+    """A helper the item kernels call is compiled once per dtype and called, not once per
+    kind of argument at its call sites, in either walk: numba compiled ``_next_item``
+    again for the literal -1 of a first claim, and ``_column`` for the literal 0 of the
+    backward's channel strides (0.05-0.1 s of a first call each)."""
+    script = PROBLEM + (
+        "nhwc = np.moveaxis(x.reshape(32, 64, 8, 16), 1, -1).copy()\n"
+        "nhwc = np.moveaxis(nhwc, -1, 1)  # channels last: the walk across channels\n"
+        "cudnn_bn.batch_norm_backward(nhwc, nhwc, w, None, None)\n"
+        "cudnn_bn.batch_norm_forward_training(nhwc, w, b, None, None)\n"
+        "from numba.core.registry import CPUDispatcher\n"
+        "from cudnn_bn.backends import cpu_kernels as k\n"
+        "functions = [f for f in vars(k).values() if isinstance(f, CPUDispatcher)]\n"
+        "print(sorted(f.__name__ for f in functions if len(f.signatures) > 1))\n"
+    )
+    assert_printed(run_child(script, NUMBA_CACHE_DIR=str(tmp_path)), "[]")
+
+
 def test_conversions_and_views_compile_no_function_of_their_own(tmp_path):
     """Element conversions (F16/BF16 bits, rounding) and views of raw pointers are
     intrinsics, written into the kernels that use them: a large call compiles no function
@@ -261,6 +279,22 @@ def test_one_per_channel_copy_serves_every_dtype(tmp_path):
         "print(len(k.copy_channels.signatures))\n"
     )
     assert_printed(run_child(script, NUMBA_CACHE_DIR=str(tmp_path)), "1")
+
+
+def test_a_small_call_compiles_two_numpy_implementations(tmp_path):
+    """The whole-pass function's scratch is two ``np.empty`` arrays, carved into views: each
+    ``np.zeros`` or ``np.empty`` of another dtype or number of dimensions compiled numba's
+    implementations of it apart (11 functions, 0.4-0.7 s of a first small call)."""
+    script = COMPILES + (
+        "import numpy as np, cudnn_bn\n"
+        "x, w = np.ones((4, 8, 16), np.float32), np.ones(8, np.float32)\n"
+        "cudnn_bn.batch_norm_forward_training(x, w, w, w.copy(), w.copy())\n"
+        "cudnn_bn.batch_norm_backward(x, x, w, None, None)\n"
+        "cudnn_bn.batch_norm_forward_inference(x, w, w, w, w)\n"
+        "print(sorted(name.split('.')[-3] for name in others))\n"
+    )
+    implementations = "['_ol_array_allocate', 'ol_np_empty']"
+    assert_printed(run_child(script, NUMBA_CACHE_DIR=str(tmp_path)), implementations)
 
 
 def test_a_small_call_compiles_no_kernel_of_its_own(tmp_path):

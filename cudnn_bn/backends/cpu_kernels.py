@@ -392,6 +392,12 @@ def row_offset(row, geometry, strides):
     return offset + row * strides[2]
 
 
+# Columns of ``Layout.strides``: each slot's channel stride, and its stride along a run. Like
+# every constant argument of a helper, int64 values, not literals: numba would compile the
+# helper once more for each literal argument (``_next_item``'s ``NO_ITEM`` too).
+CHANNEL, RUN = np.int64(0), np.int64(1)
+
+
 @helper
 def _walk(bounds, geometry, strides):
     """What an item's loops need: its ``bounds`` (a row of the items table: first channel,
@@ -400,7 +406,7 @@ def _walk(bounds, geometry, strides):
     a run."""
     c0, c1, r0, r1 = bounds[0], bounds[1], bounds[2], bounds[3]
     across = geometry[3] != 0
-    column = 0 if across else 1
+    column = CHANNEL if across else RUN
     return c0, c1, r0, r1, across, c1 - c0 if across else geometry[1], _column(strides, column)
 
 
@@ -469,6 +475,7 @@ def _atomic_read(typingctx, array, index):
 
 
 SPIN = 1 << 16  # reads of the done count, at most, before a kernel returns with items in progress
+NO_ITEM = np.int64(-1)  # ``_next_item``'s "none done yet" (an int64: see ``CHANNEL``)
 
 
 @helper
@@ -497,64 +504,6 @@ def _next_item(state, previous, items):
 # loops walk all the item's rows themselves (rows of few channels are short). Each case a
 # pass asks for (x alone; x and dy; x and masked dy) is its own loop, with no test inside,
 # so that it vectorizes.
-
-
-@helper(inline="always")
-def _sums_along(x, dy, y, ox, od, oy, ox2, od2, sx, sd, sy, n, k, has_dy, masked, x_sums):
-    # The sums of a channel's run in one row, or in two (the second's x and dy offsets
-    # ``ox2`` and ``od2``; ``ox2`` -1 for none, as a masked run always is): a loop over two
-    # runs pays its fixed costs (entry checks, scalar tail, the vectors' final adds) once
-    # per 2n values, which matters for short runs (49 values: sums 1.9x faster).
-    # Inlined (``inline``), as ``_forward_along`` and ``_backward_along``: a compiled call
-    # passes each array with an atomic reference count increment and decrement, which
-    # cost more than the arithmetic of a 49-value run; the reassociation that vectorizes
-    # the sums is then the caller's (``fastmath`` of ``item_sums_along``).
-    s0 = s1 = s2 = s3 = 0.0
-    if not has_dy and ox2 >= 0:
-        for i in range(n):
-            a, b = decode(x[_at(ox, i, sx)]) - k, decode(x[_at(ox2, i, sx)]) - k
-            s0 += a + b
-            s1 += a * a + b * b
-    elif not has_dy:
-        for i in range(n):
-            xv = decode(x[_at(ox, i, sx)]) - k
-            s0 += xv
-            s1 += xv * xv
-    elif not (masked or x_sums) and ox2 >= 0:  # given statistics: dy's two sums alone
-        for i in range(n):
-            a, da = decode(x[_at(ox, i, sx)]) - k, decode(dy[_at(od, i, sd)])
-            b, db = decode(x[_at(ox2, i, sx)]) - k, decode(dy[_at(od2, i, sd)])
-            s2 += da + db
-            s3 += da * a + db * b
-    elif not (masked or x_sums):
-        for i in range(n):
-            xv, dv = decode(x[_at(ox, i, sx)]) - k, decode(dy[_at(od, i, sd)])
-            s2 += dv
-            s3 += dv * xv
-    elif not masked and ox2 >= 0:
-        for i in range(n):
-            a, da = decode(x[_at(ox, i, sx)]) - k, decode(dy[_at(od, i, sd)])
-            b, db = decode(x[_at(ox2, i, sx)]) - k, decode(dy[_at(od2, i, sd)])
-            s0 += a + b
-            s1 += a * a + b * b
-            s2 += da + db
-            s3 += da * a + db * b
-    elif not masked:
-        for i in range(n):
-            xv, dv = decode(x[_at(ox, i, sx)]) - k, decode(dy[_at(od, i, sd)])
-            s0 += xv
-            s1 += xv * xv
-            s2 += dv
-            s3 += dv * xv
-    else:
-        for i in range(n):
-            xv, dv = decode(x[_at(ox, i, sx)]) - k, decode(dy[_at(od, i, sd)])
-            dv = dv if decode(y[_at(oy, i, sy)]) > 0 else 0.0
-            s0 += xv
-            s1 += xv * xv
-            s2 += dv
-            s3 += dv * xv
-    return s0, s1, s2, s3
 
 
 @helper
@@ -630,39 +579,64 @@ def item_sums_along(x, dy, y, geometry, strides, shift, out, first, items, state
     ``dy * (x - k)`` with ``k = shift[c]``; ``dy`` zero where ``y <= 0`` if ``y`` is not
     empty; with ``dy`` empty its sums stay zero. Sums before row ``first`` (0 or
     ``DY_SUMS``) are not wanted: they may be left partial."""
-    i = _next_item(state, -1, items)
+    # A channel's runs in two rows at once (``ox``, ``px``): a loop over two runs pays its
+    # fixed costs (entry checks, scalar tail, the vectors' final adds) once per 2n values,
+    # which matters for short runs (49 values: sums 1.9x faster). A lone row is a pair with
+    # itself, its sums halved (exact: every rounding of the doubled sums is the same,
+    # doubled), so that each case is one loop to compile, not two. The masked sums (ReLU's
+    # backward) go one row at a time. The loops are written here, not in a helper: a
+    # compiled call passes each array with an atomic reference count increment and
+    # decrement, which cost more than the arithmetic of a 49-value run, and numba's own
+    # inlining copies the callee's IR at each call (0.1-0.2 s of a first call).
+    has_dy, masked, x_sums = dy.size > 0, y.size > 0, first < DY_SUMS
+    i = _next_item(state, NO_ITEM, items)
     while i >= 0:
         c0, c1, r0, r1, _, n, s = _walk(items[i], geometry, strides)
-        has_dy, masked = dy.size > 0, y.size > 0
+        sx, sd, sy = s[0], s[1], s[2]
         h = 0 if masked else (r1 - r0) // 2
         for j in range(r0, r1 - h):
-            r = j if j < r0 + h else j + h
+            pair = j < r0 + h  # rows r and r + h together; the last of an odd count alone
+            r = j if pair else j + h
             ox, od = row_offset(r, geometry, strides[0]), row_offset(r, geometry, strides[1])
             oy = row_offset(r, geometry, strides[2])
-            pair = j < r0 + h  # rows r and r + h together; the last of an odd count alone
-            ox2 = row_offset(r + h, geometry, strides[0]) if pair else -1
-            od2 = row_offset(r + h, geometry, strides[1]) if pair else 0
+            px = row_offset(r + h, geometry, strides[0]) if pair else ox
+            pd = row_offset(r + h, geometry, strides[1]) if pair else od
+            w = 1.0 if pair or masked else 0.5
             for c in range(c0, c1):
-                sums = _sums_along(
-                    x,
-                    dy,
-                    y,
-                    ox + c * strides[0, 0],
-                    od + c * strides[1, 0],
-                    oy + c * strides[2, 0],
-                    ox2 + c * strides[0, 0] if pair else -1,
-                    od2 + c * strides[1, 0],
-                    s[0],
-                    s[1],
-                    s[2],
-                    n,
-                    shift[c],
-                    has_dy,
-                    masked,
-                    first < DY_SUMS,
-                )
+                a0, b0 = ox + c * strides[0, 0], px + c * strides[0, 0]
+                a1, b1 = od + c * strides[1, 0], pd + c * strides[1, 0]
+                y0, k = oy + c * strides[2, 0], shift[c]
+                s0 = s1 = s2 = s3 = 0.0
+                if masked:
+                    for e in range(n):
+                        xv, dv = decode(x[_at(a0, e, sx)]) - k, decode(dy[_at(a1, e, sd)])
+                        dv = dv if decode(y[_at(y0, e, sy)]) > 0 else 0.0
+                        s0 += xv
+                        s1 += xv * xv
+                        s2 += dv
+                        s3 += dv * xv
+                elif not has_dy:
+                    for e in range(n):
+                        a, b = decode(x[_at(a0, e, sx)]) - k, decode(x[_at(b0, e, sx)]) - k
+                        s0 += a + b
+                        s1 += a * a + b * b
+                elif not x_sums:  # given statistics: dy's two sums alone
+                    for e in range(n):
+                        a, da = decode(x[_at(a0, e, sx)]) - k, decode(dy[_at(a1, e, sd)])
+                        b, db = decode(x[_at(b0, e, sx)]) - k, decode(dy[_at(b1, e, sd)])
+                        s2 += da + db
+                        s3 += da * a + db * b
+                else:
+                    for e in range(n):
+                        a, da = decode(x[_at(a0, e, sx)]) - k, decode(dy[_at(a1, e, sd)])
+                        b, db = decode(x[_at(b0, e, sx)]) - k, decode(dy[_at(b1, e, sd)])
+                        s0 += a + b
+                        s1 += a * a + b * b
+                        s2 += da + db
+                        s3 += da * a + db * b
+                sums = (s0, s1, s2, s3)
                 for q in range(first, SUMS):
-                    out[SUMS * i + q, c] += sums[q]
+                    out[SUMS * i + q, c] += sums[q] * w
         i = _next_item(state, i, items)
 
 
@@ -670,7 +644,7 @@ def item_sums_along(x, dy, y, geometry, strides, shift, out, first, items, state
 def item_sums_across(x, dy, y, geometry, strides, shift, out, first, items, state):
     """``item_sums_along`` where runs cross channels (channels innermost): each walk is
     compiled apart, so that a layout compiles only its own."""
-    i = _next_item(state, -1, items)
+    i = _next_item(state, NO_ITEM, items)
     while i >= 0:
         _, _, r0, r1, _, n, _ = _walk(items[i], geometry, strides)
         _sums_across(x, dy, y, geometry, strides, r0, r1, n, shift, out, SUMS * i, first)
@@ -708,19 +682,6 @@ def _low(value, hi, like):
     NaN value is all in ``hi``)."""
     lo = value - hi
     return narrow(lo if lo - lo == 0.0 else 0.0, like)
-
-
-@helper(inline="always")
-def _forward_along(x, z, y, ox, oz, oy, sx, sz, sy, n, mean, scale, shift, flags):
-    add_z, relu = flags
-    if not (add_z or relu):
-        k = _working(mean, scale, shift, y)
-        for i in range(n):
-            y[_at(oy, i, sy)] = encode(normalize(x[_at(ox, i, sx)], k), y.dtype)
-        return
-    for i in range(n):
-        at = (_at(ox, i, sx), _at(oz, i, sz), _at(oy, i, sy))
-        _forward_element(x, z, y, *at, mean, scale, shift, add_z, relu)
 
 
 @helper
@@ -766,30 +727,26 @@ def _forward_across(x, z, y, geometry, strides, r0, r1, n, mean, scale, shift, f
 def item_forward_along(x, z, y, geometry, strides, mean, scale, shift, flags, items, state):
     """``y = relu?((x - mean)*scale + shift [+ z])`` over each work item of ``items``
     (``_next_item``; the per-channel arrays tiled) where runs stay in one channel.
-    ``flags``: add z, ReLU. Data slots: x, z, y."""
-    i = _next_item(state, -1, items)
+    ``flags``: add z, ReLU. Data slots: x, z, y. (A run's loops are written here, as
+    ``item_sums_along``'s.)"""
+    add_z, relu = flags
+    i = _next_item(state, NO_ITEM, items)
     while i >= 0:
         c0, c1, r0, r1, _, n, s = _walk(items[i], geometry, strides)
+        sx, sz, sy = s[0], s[1], s[2]
         for r in range(r0, r1):
             ox, oz = row_offset(r, geometry, strides[0]), row_offset(r, geometry, strides[1])
             oy = row_offset(r, geometry, strides[2])
             for c in range(c0, c1):
-                _forward_along(
-                    x,
-                    z,
-                    y,
-                    ox + c * strides[0, 0],
-                    oz + c * strides[1, 0],
-                    oy + c * strides[2, 0],
-                    s[0],
-                    s[1],
-                    s[2],
-                    n,
-                    mean[c],
-                    scale[c],
-                    shift[c],
-                    flags,
-                )
+                bx, bz, by = ox + c * strides[0, 0], oz + c * strides[1, 0], oy + c * strides[2, 0]
+                if not (add_z or relu):
+                    k = _working(mean[c], scale[c], shift[c], y)
+                    for e in range(n):
+                        y[_at(by, e, sy)] = encode(normalize(x[_at(bx, e, sx)], k), y.dtype)
+                    continue
+                for e in range(n):
+                    at = (_at(bx, e, sx), _at(bz, e, sz), _at(by, e, sy))
+                    _forward_element(x, z, y, *at, mean[c], scale[c], shift[c], add_z, relu)
         i = _next_item(state, i, items)
 
 
@@ -797,7 +754,7 @@ def item_forward_along(x, z, y, geometry, strides, mean, scale, shift, flags, it
 def item_forward_across(x, z, y, geometry, strides, mean, scale, shift, flags, items, state):
     """``item_forward_along`` where runs cross channels (channels innermost): each walk is
     compiled apart, so that a layout compiles only its own."""
-    i = _next_item(state, -1, items)
+    i = _next_item(state, NO_ITEM, items)
     while i >= 0:
         _, _, r0, r1, _, n, _ = _walk(items[i], geometry, strides)
         _forward_across(x, z, y, geometry, strides, r0, r1, n, mean, scale, shift, flags)
@@ -821,29 +778,6 @@ def _backward_element(x, dy, y, gi, gz, o, s, i, k_dy, k_x, k_c, flags):
         gz[_at(o[4], i, s[4])] = encode(dv, gz.dtype)
 
 
-@helper(inline="always")
-def _backward_along(x, dy, y, gi, gz, o, p, s, n, a, b, k, flags):
-    # A channel's runs in two rows at once, offsets ``o`` and ``p``, as ``_sums_along``
-    # (backward of 49-value runs 2x faster); ``p`` is ``o`` for a lone row, which the plain
-    # loop then writes twice: it reads both values before writing either, so that is
-    # right in place too.
-    use_x, masked, write_gi, write_gz = flags
-    if write_gi and not (masked or write_gz):
-        for i in range(n):
-            u = _fma(b, decode(x[_at(o[0], i, s[0])]), k) if use_x else k
-            v = _fma(b, decode(x[_at(p[0], i, s[0])]), k) if use_x else k
-            u = _fma(a, decode(dy[_at(o[1], i, s[1])]), u)
-            v = _fma(a, decode(dy[_at(p[1], i, s[1])]), v)
-            gi[_at(o[3], i, s[3])] = encode(u, gi.dtype)
-            gi[_at(p[3], i, s[3])] = encode(v, gi.dtype)
-        return
-    lone = p == o
-    for i in range(n):
-        _backward_element(x, dy, y, gi, gz, o, s, i, a, b, k, flags)
-        if not lone:
-            _backward_element(x, dy, y, gi, gz, p, s, i, a, b, k, flags)
-
-
 @helper
 def _row_offsets(r, geometry, strides):
     """Offsets of row ``r`` in the five data slots."""
@@ -856,22 +790,18 @@ def _row_offsets(r, geometry, strides):
     )
 
 
-@helper(inline="always")
-def _channel_offsets(o, c, strides):
-    """Offsets ``o`` of a row's five data slots moved to channel ``c``."""
-    return (
-        o[0] + c * strides[0, 0],
-        o[1] + c * strides[1, 0],
-        o[2] + c * strides[2, 0],
-        o[3] + c * strides[3, 0],
-        o[4] + c * strides[4, 0],
-    )
+@helper
+def _channel_offsets(o, c, s):
+    """Offsets ``o`` of a row's five data slots moved to channel ``c`` (``s``: the slots'
+    channel strides, ``_column``): values only, no array, so that a call (which LLVM
+    inlines) takes and drops no reference."""
+    return o[0] + c * s[0], o[1] + c * s[1], o[2] + c * s[2], o[3] + c * s[3], o[4] + c * s[4]
 
 
 @helper
 def _backward_across(x, dy, y, gi, gz, geometry, strides, r0, r1, n, k_dy, k_x, k_c, flags):
     use_x, masked, write_gi, write_gz = flags
-    s = _column(strides, 0)
+    s = _column(strides, CHANNEL)
     if masked or write_gz or not write_gi:
         for r in range(r0, r1):
             o = _row_offsets(r, geometry, strides)
@@ -906,17 +836,38 @@ def item_backward_along(x, dy, y, gi, gz, geometry, strides, k_dy, k_x, k_c, fla
     masked) over each work item of ``items`` (``_next_item``; the coefficients tiled) where
     runs stay in one channel. ``flags``: use x (all but eval), mask, write gi, write gz.
     Data slots: x, dy, y, gi, gz."""
-    i = _next_item(state, -1, items)
+    # A channel's runs in two rows at once, offsets ``o`` and ``p``, as ``item_sums_along``
+    # (backward of 49-value runs 2x faster); ``p`` is ``o`` for a lone row, which the plain
+    # loop then writes twice: it reads both values before writing either, so that is
+    # right in place too.
+    use_x, masked, write_gi, write_gz = flags
+    plain = write_gi and not (masked or write_gz)
+    cs = _column(strides, CHANNEL)
+    i = _next_item(state, NO_ITEM, items)
     while i >= 0:
         c0, c1, r0, r1, _, n, s = _walk(items[i], geometry, strides)
         h = (r1 - r0) // 2
         for j in range(r0, r1 - h):
-            r = j if j < r0 + h else j + h  # rows r and r + h; the last of an odd count alone
+            lone = j >= r0 + h
+            r = j + h if lone else j  # rows r and r + h; the last of an odd count alone
             o = _row_offsets(r, geometry, strides)
-            p = _row_offsets(r + h if j < r0 + h else r, geometry, strides)
+            p = o if lone else _row_offsets(r + h, geometry, strides)
             for c in range(c0, c1):
-                oc, pc = _channel_offsets(o, c, strides), _channel_offsets(p, c, strides)
-                _backward_along(x, dy, y, gi, gz, oc, pc, s, n, k_dy[c], k_x[c], k_c[c], flags)
+                oc, pc = _channel_offsets(o, c, cs), _channel_offsets(p, c, cs)
+                a, b, k = k_dy[c], k_x[c], k_c[c]
+                if plain:
+                    for e in range(n):
+                        u = _fma(b, decode(x[_at(oc[0], e, s[0])]), k) if use_x else k
+                        v = _fma(b, decode(x[_at(pc[0], e, s[0])]), k) if use_x else k
+                        u = _fma(a, decode(dy[_at(oc[1], e, s[1])]), u)
+                        v = _fma(a, decode(dy[_at(pc[1], e, s[1])]), v)
+                        gi[_at(oc[3], e, s[3])] = encode(u, gi.dtype)
+                        gi[_at(pc[3], e, s[3])] = encode(v, gi.dtype)
+                    continue
+                for e in range(n):
+                    _backward_element(x, dy, y, gi, gz, oc, s, e, a, b, k, flags)
+                    if not lone:
+                        _backward_element(x, dy, y, gi, gz, pc, s, e, a, b, k, flags)
         i = _next_item(state, i, items)
 
 
@@ -924,7 +875,7 @@ def item_backward_along(x, dy, y, gi, gz, geometry, strides, k_dy, k_x, k_c, fla
 def item_backward_across(x, dy, y, gi, gz, geometry, strides, k_dy, k_x, k_c, flags, items, state):
     """``item_backward_along`` where runs cross channels (channels innermost): each walk is
     compiled apart, so that a layout compiles only its own."""
-    i = _next_item(state, -1, items)
+    i = _next_item(state, NO_ITEM, items)
     while i >= 0:
         _, _, r0, r1, _, n, _ = _walk(items[i], geometry, strides)
         _backward_across(x, dy, y, gi, gz, geometry, strides, r0, r1, n, k_dy, k_x, k_c, flags)
@@ -1051,27 +1002,36 @@ def whole_pass(plan, eps, momentum, like, x_at, a_at, y_at, gi_at, gz_at, c0, c1
     steps = plan[PLAN_STEPS:PLAN_SIZE]
     x, a, y = flat(x_at, spans[0], like), flat(a_at, spans[1], like), flat(y_at, spans[2], like)
     gi, gz = flat(gi_at, spans[3], like), flat(gz_at, spans[4], like)
-    at = np.zeros(CHANNEL_SLOTS, np.int64)
+    # Scratch in two allocations, carved into views: each np.zeros or np.empty of another
+    # dtype or number of dimensions compiled numba's implementations of it apart (11
+    # functions, 0.4-0.7 s of a first small call); a step's work-item state is reset for
+    # the next step.
+    ints = np.empty(CHANNEL_SLOTS + 2, np.int64)
+    at, state = ints[:CHANNEL_SLOTS], ints[CHANNEL_SLOTS:]
     at[0], at[1], at[2], at[3], at[4], at[5] = c0, c1, c2, c3, c4, c5
     at[FIRST_VALUES] = x_at
     channels, tile = geometry[0], geometry[TILE]
-    values, shift = np.zeros((CHANNEL_SLOTS, channels)), np.zeros(channels * tile)
+    n, width = channels * tile, 0 if kind == INFERENCE else channels * tile + PAD
+    floats = np.empty(CHANNEL_SLOTS * channels + n + SUMS * width + 3 * n)
+    floats[:] = 0.0
+    values = floats[: CHANNEL_SLOTS * channels].reshape((CHANNEL_SLOTS, channels))
+    o = CHANNEL_SLOTS * channels
+    shift, sums = floats[o : o + n], floats[o + n : o + n + SUMS * width].reshape((SUMS, width))
+    k = floats[o + n + SUMS * width :].reshape((3, n))
     _call(steps[COPY], (at, channel_args, reads, values, shift, shift_row, False))
-    sums = np.zeros((SUMS, 0 if kind == INFERENCE else channels * tile + PAD))
+    state[0] = state[1] = 0
     if kind == BACKWARD:
-        state = np.zeros(2, np.int64)
         _call(steps[ITEM_SUMS], (x, a, y, geometry, strides, shift, sums, first, whole, state))
     elif kind == TRAINING:
-        state = np.zeros(2, np.int64)
         empty = x[:0]
         _call(steps[ITEM_SUMS], (x, empty, empty, geometry, strides, shift, sums, first, whole,
                                  state))  # fmt: skip
-    k = np.empty((3, channels * tile))
     count = geometry[1] * geometry[2] * tile
     _call(steps[RESULTS], (kind, sums, shift, values, count, eps, momentum, mode, k))
     if writes:
         _call(steps[COPY], (at, channel_args, writes, values, shift, -1, True))
-    data, state = (geometry, strides, k[0], k[1], k[2]), np.zeros(2, np.int64)
+    data = (geometry, strides, k[0], k[1], k[2])
+    state[0] = state[1] = 0
     if kind != BACKWARD:
         _call(steps[ITEM_FORWARD], (x, a, y, *data, (flags[0], flags[1]), whole, state))
     elif flags[2] or flags[3]:
@@ -1087,7 +1047,7 @@ def batch_pass(whole, plan, eps, momentum, like, steps, items, state, x_at, a_at
     Python. Work items (``_next_item``) are blocks of problems, ``items[i]`` their
     ``(first, end)``."""
     s = steps
-    i = _next_item(state, -1, items)
+    i = _next_item(state, NO_ITEM, items)
     while i >= 0:
         for b in range(items[i, 0], items[i, 1]):
             _call(whole, (plan, eps, momentum, like, x_at + b * s[0], a_at + b * s[1],
