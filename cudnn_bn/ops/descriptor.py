@@ -10,6 +10,7 @@ snippet that reproduces the problem.
 import dataclasses
 import enum
 import operator
+import struct
 import threading
 import weakref
 from collections.abc import Callable
@@ -38,16 +39,16 @@ def backend_class(device: Device, op_name: str) -> Any:
     return getattr(backend, op_name)
 
 
-_INT, _WORDS = {int}, 1 << 64
+_WORDS = 1 << 64
 _SIZES = ("workspace", "workspace_size", "stream")
 
 
 def word(name: str, value: Any) -> int:
     """``value`` as a compute's argument ``name`` (an address, a size or a stream: C's
     ``void *``, ``size_t``, ``cudaStream_t``): an integer from 0 to 2**64 - 1 (Python's or
-    NumPy's; None for 0, NULL); BAD_PARAM for anything else (a float, a string, a bool),
-    which a kernel taking ints would otherwise convert, or crash on."""
-    if value is None:
+    NumPy's; None and False for 0, NULL); BAD_PARAM for anything else (a float, a string,
+    True), which a kernel taking ints would otherwise convert, or crash on."""
+    if value is None or value is False:
         return 0
     if isinstance(value, bool | np.bool_) or not hasattr(type(value), "__index__"):
         kind = type(value).__name__
@@ -131,6 +132,8 @@ class OperatorDescriptor:
     zeroed_when_empty: ClassVar[tuple[str, ...]] = ()  # outputs a problem with no values zeroes
 
     def __init__(self, handle: Handle, tensors: NamedTuple, attributes: Any) -> None:
+        # packs a compute's pointers and sizes as uint64s: refuses any that is not one
+        self._words = struct.Struct(f"{len(self.pointers._fields) + len(_SIZES) + 1}Q")
         self.handle = handle
         self.tensors = tensors
         self._backend_type = backend_class(handle.device, self.op_name)
@@ -226,8 +229,12 @@ class OperatorDescriptor:
         ``reserve_size`` is the caller's reserve buffer size where the operator takes one.
         """
         sizes = (workspace, workspace_size, stream, 0 if reserve_size is None else reserve_size)
-        given = (*ptrs, *sizes)
-        if not (set(map(type, given)) <= _INT and min(given) >= 0 and max(given) < _WORDS):
+        try:  # every value an integer in [0, 2**64) at C speed (struct); True is no address
+            self._words.pack(*ptrs, *sizes)  # (False is 0 to Python, and so NULL here)
+            exact = True not in ptrs and True not in sizes
+        except struct.error:
+            exact = False
+        if not exact:
             ptrs = type(ptrs)(*map(word, ptrs._fields, ptrs))
             workspace, workspace_size, stream = map(word, _SIZES, sizes[:3])
             reserve_size = None if reserve_size is None else word("reserve_size", reserve_size)
