@@ -126,9 +126,9 @@ class Workspaces:
         place = (stream, _thread_token()) if stream == _PER_THREAD else stream
         workspace = self.made.get(place)
         if workspace is None:
-            workspace = self.kind.buffer(like, self.size)()
-            self.made[place] = (workspace, self.kind.address(workspace))
-        return self.made[place][1]
+            buffer = self.kind.buffer(like, self.size)()
+            workspace = self.made[place] = (buffer, self.kind.address(buffer))
+        return workspace[1]
 
 
 _threads = threading.local()
@@ -156,7 +156,8 @@ def _constant(
     key = (kind.name, getattr(like, "device", None), device_id, value, desc)
     with _constants_lock:
         if key not in _constants:
-            _constants[key] = kind.constant(like, value, desc, name)
+            array = kind.constant(like, value, desc, name)
+            _constants[key] = (array, kind.address(array))
         return _constants[key][1]
 
 

@@ -104,9 +104,9 @@ class NumpyKind:
         one call (on a GPU, allocated from and copied on the current stream)."""
         return np.ascontiguousarray(array)
 
-    def constant(self, like: Any, value: float, desc: TensorDesc, name: str) -> tuple[Any, int]:
+    def constant(self, like: Any, value: float, desc: TensorDesc, name: str) -> Any:
         storage = self.storage(like, desc.dtype)
-        return _with_pointer(np.full(desc.shape, _stored(value, storage, desc.dtype), storage))
+        return np.full(desc.shape, _stored(value, storage, desc.dtype), storage)
 
 
 def _stored(value: float, storage: np.dtype, dtype: DataType) -> Any:
@@ -115,10 +115,6 @@ def _stored(value: float, storage: np.dtype, dtype: DataType) -> Any:
     if dtype == DataType.BF16 and storage == np.uint16:
         return int(np.float32(value).view(np.uint32)) >> 16
     return value
-
-
-def _with_pointer(array: np.ndarray) -> tuple[np.ndarray, int]:
-    return array, ndarray_data(array)
 
 
 class TorchKind:
@@ -158,7 +154,7 @@ class TorchKind:
     def packed(self, array: Any) -> Any:
         return array.contiguous()
 
-    def constant(self, like: Any, value: float, desc: TensorDesc, name: str) -> tuple[Any, int]:
+    def constant(self, like: Any, value: float, desc: TensorDesc, name: str) -> Any:
         import torch
 
         on_gpu = like.device.type == "cuda"
@@ -167,7 +163,7 @@ class TorchKind:
         array = torch.full(desc.shape, value, dtype=torch_dtypes()[desc.dtype], device=like.device)
         if on_gpu:
             torch.cuda.current_stream(like.device).synchronize()
-        return array, array.data_ptr()
+        return array
 
 
 class CupyKind:
@@ -200,7 +196,7 @@ class CupyKind:
     def packed(self, array: Any) -> Any:
         return cuda.cupy_module().ascontiguousarray(array)
 
-    def constant(self, like: Any, value: float, desc: TensorDesc, name: str) -> tuple[Any, int]:
+    def constant(self, like: Any, value: float, desc: TensorDesc, name: str) -> Any:
         cupy = cuda.cupy_module()
         stream = cupy.cuda.get_current_stream()
         if stream.is_capturing():
@@ -208,7 +204,7 @@ class CupyKind:
         storage = NUMPY.storage(like, desc.dtype)
         array = cupy.full(desc.shape, _stored(value, storage, desc.dtype), storage)
         stream.synchronize()
-        return array, array.data.ptr
+        return array
 
 
 def _captured(name: str) -> InfiniError:
