@@ -120,7 +120,8 @@ class _HostKernel:
         self.like = _LIKE[data[0].dtype]
         itemsize = FLOAT_TYPES[data[0].dtype].itemsize
         self.nbytes = [span * itemsize for span in self.layout.spans]
-        self.parallel = self.layout.count * self.layout.channels >= PARALLEL_MIN_VALUES
+        self.numel = self.layout.count * self.layout.channels  # of each data tensor
+        self.parallel = self.numel >= PARALLEL_MIN_VALUES
         (self.whole,) = self.layout.items(1)
         self._items: dict[int, np.ndarray] = {}  # work_items
         self.absent = (0,) * (SLOTS - len(data))  # the data slots this pass has not
@@ -178,7 +179,7 @@ class _HostKernel:
         """The pass on the data slots' addresses ``at`` and the per-channel tensors'
         ``channel``: one call in this thread (``cpu_kernels.whole_pass``) for a small
         problem, else its work items on the engine's threads (``threaded``)."""
-        values = self.layout.count * self.layout.channels
+        values = self.numel
         threads = cpu_pool.thread_count() if self.parallel and values >= THREADS_MIN_VALUES else 1
         if threads > 1:
             cpu_pool.wake()
@@ -315,7 +316,7 @@ class _HostKernel:
         whole = k.entry(k.whole_pass, *fixed, *(0,) * len(fields))
         offsets = np.array([steps.get(f, 0) for f in fields], dtype=np.int64)
         fixed = (whole, *fixed, offsets)
-        parallel = count * self.layout.count * self.layout.channels >= PARALLEL_MIN_VALUES
+        parallel = count * self.numel >= PARALLEL_MIN_VALUES
         blocks: dict[int, np.ndarray] = {}  # work items (blocks of problems), by their count
 
         def call(values: tuple, workspace: int, stream: int) -> None:
