@@ -818,6 +818,34 @@ def test_python_descriptor_after_destroy_raises():
     cudnn_bn.descriptor_cache.clear()  # closing a destroyed descriptor is quiet
 
 
+class _Address:
+    """An object that is an int only through ``__index__`` (as NumPy's integers are)."""
+
+    def __init__(self, value: int) -> None:
+        self.value = value
+
+    def __index__(self) -> int:
+        return self.value
+
+
+@pytest.mark.parametrize("kind", [_Address, np.uint64, np.int64])
+def test_a_compute_takes_an_integer_of_any_kind_as_its_int(kind):
+    """An address given as any integer (``__index__``) is its int: the compute runs as with
+    Python's (an ``__index__`` object passed struct's check unconverted and escaped as a
+    TypeError from the CPU engine's range check)."""
+    args = array_args()
+    cudnn_bn.descriptor_cache.clear()
+    want = call_array(args)
+    (cached,) = cudnn_bn.descriptor_cache.descriptors()
+    grads = [np.zeros(SHAPE, np.float32), *(np.zeros(C, np.float32) for _ in range(2))]
+    inputs = [args[n] for n in ("input", "grad_output", "weight")]
+    values = [kind(a.ctypes.data) for a in grads + inputs]
+    with type(cached)(cached.handle, *cached.tensors[:8]) as op:
+        op.compute(0, 0, *values, 0, 0)
+    for got, expected in zip(grads, want, strict=True):
+        np.testing.assert_array_equal(got, expected)
+
+
 _ADDRESS_SCRIPT = """
 import numpy as np
 from cudnn_bn import DataType, Device, Handle, InfiniError

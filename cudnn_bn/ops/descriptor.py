@@ -229,10 +229,11 @@ class OperatorDescriptor:
         ``reserve_size`` is the caller's reserve buffer size where the operator takes one.
         """
         sizes = (workspace, workspace_size, stream, 0 if reserve_size is None else reserve_size)
-        try:  # every value an integer in [0, 2**64) at C speed (struct); True is no address
+        try:  # every value an integer in [0, 2**64) at C speed (struct, which takes any
+            # __index__ too: the sum's type says all are Python's ints); True is no address
             self._words.pack(*ptrs, *sizes)  # (False is 0 to Python, and so NULL here)
-            exact = True not in ptrs and True not in sizes
-        except struct.error:
+            exact = type(sum(ptrs, sum(sizes))) is int and True not in ptrs and True not in sizes
+        except (struct.error, TypeError):
             exact = False
         if not exact:
             ptrs = type(ptrs)(*map(word, ptrs._fields, ptrs))
