@@ -335,3 +335,27 @@ def test_small_workspace_leaves_outputs_untouched(mode, channel_dtype, engine):
         desc.compute(workspace.data.ptr, desc.workspace_size, *pointers, stream=0)
         cupy.cuda.Device().synchronize()
     assert_close(grads, reference(p), TOL[F16], "after a refused call")
+
+
+@pytest.mark.parametrize("position", [0, 2, 5, -1])  # workspace, grad_input, input, stream
+@pytest.mark.parametrize("bad", ["7", 1.5, True, -5, 1 << 64])
+def test_compute_refuses_what_is_not_an_int_on_the_gpu(position, bad):
+    """A device compute's address, size or stream that is not an int from 0 to 2**64 - 1 is
+    BAD_PARAM naming it, before cuDNN or CuPy is called, outputs untouched (the host check
+    of ``test_bad_inputs``, on both NVIDIA engines' descriptors)."""
+    shape = (2, 3, 4, 5)
+    p = make_gpu_problem(shape, None, F32, F32, "train")
+    inputs = [cupy.asarray(t) for t in (p.x, p.dy, p.w, *p.stats.values())]
+    grads = [cupy.full(shape, 7, cupy.float32), cupy.full(3, 7, cupy.float32)]
+    grads.append(cupy.full(3, 7, cupy.float32))
+    arrays = grads + inputs
+    descs = [TensorDesc(DATA_TYPES[a.dtype], a.shape, contiguous_strides(a.shape)) for a in arrays]
+    with BatchNormBackwardDescriptor(cudnn_bn.Handle(Device.NVIDIA, 0), *descs, eps=EPS) as desc:
+        workspace = cupy.zeros(max(desc.workspace_size, 16), cupy.uint8)
+        values = [workspace.data.ptr, desc.workspace_size, *(a.data.ptr for a in arrays), 0]
+        values[position] = bad
+        with pytest.raises(cudnn_bn.InfiniError) as caught:
+            desc.compute(*values)
+    cupy.cuda.Device().synchronize()
+    assert caught.value.status == Status.BAD_PARAM
+    assert all(bool((g == 7).all()) for g in grads), "an output was written"
