@@ -11,6 +11,7 @@ dereferenced: what is left is this package's own host work per call, and the CuP
 stand-in's own Python (``own_share`` measures that part). Everything is undone on exit.
 """
 
+import statistics
 import sys
 import tempfile
 import time
@@ -82,8 +83,10 @@ def own_share(fake: FakeCupy, call: Callable[[], object], calls: int) -> float:
     CUDA array interface, views and copies, allocation, streams, device calls), timed round
     its entry points (outermost entry only): the part of a device-array call that a real
     CuPy replaces with its own. A fraction of the same runs, so that a pause of the process
-    scales both."""
-    spent, depth = [0.0], [0]
+    scales both; the timing wrappers' own cost (``_wrapper_cost``, per outermost entry) is
+    taken out of both the time inside and the whole, which it would otherwise bias towards
+    the package (it runs outside the timed span, yet is no part of a real call)."""
+    spent, depth, entries = [0.0], [0], [0]
 
     def timed(function: Callable) -> Callable:
         def wrapper(*args: object, **kwargs: object) -> object:
@@ -95,9 +98,11 @@ def own_share(fake: FakeCupy, call: Callable[[], object], calls: int) -> float:
                 depth[0] -= 1
                 if not depth[0]:
                     spent[0] += time.perf_counter() - start
+                    entries[0] += 1
 
         return wrapper
 
+    inside, whole = _wrapper_cost(timed, spent)
     interface = FakeArray.__dict__["__cuda_array_interface__"]
     runtime = fake.cuda.runtime
     with pytest.MonkeyPatch.context() as patch:
@@ -113,13 +118,38 @@ def own_share(fake: FakeCupy, call: Callable[[], object], calls: int) -> float:
             patch.setattr(runtime, name, timed(getattr(runtime, name)))
         _forget_plans()
         call()  # plans made again, with the timed functions; not timed
-        spent[0] = 0.0
+        spent[0], entries[0] = 0.0, 0
         start = time.perf_counter()
         for _ in range(calls):
             call()
         total = time.perf_counter() - start
     _forget_plans()
-    return spent[0] / total
+    own = max(spent[0] - entries[0] * inside, 0.0)
+    return own / max(total - entries[0] * whole, own, 1e-12)
+
+
+def _wrapper_cost(timed: Callable, spent: list[float], runs: int = 20000) -> tuple[float, float]:
+    """``(inside, whole)``: seconds a ``timed`` wrapper adds per call of a function that does
+    nothing, within its timed span and in all (medians of 5 runs of ``runs`` calls)."""
+
+    def nothing() -> None:
+        return None
+
+    wrapped = timed(nothing)
+    insides, wholes = [], []
+    for _ in range(5):
+        spent[0] = 0.0
+        start = time.perf_counter()
+        for _ in range(runs):
+            wrapped()
+        middle = time.perf_counter()
+        for _ in range(runs):
+            nothing()
+        end = time.perf_counter()
+        insides.append(spent[0] / runs)
+        wholes.append(((middle - start) - (end - middle)) / runs)
+    spent[0] = 0.0
+    return statistics.median(insides), statistics.median(wholes)
 
 
 def _forget_plans() -> None:
