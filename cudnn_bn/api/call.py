@@ -29,7 +29,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from ..address_tests import compiled_test, meeting
+from ..address_tests import bad_bits, compiled_test, meeting, misplaced
 from ..arrays import Operand, check_written, common_place, operand
 from ..arrays.numpy_arrays import DATA_WORDS, ndarray_data
 from ..arrays.operand import byte_extent, overlap, refuse_overlap
@@ -288,10 +288,8 @@ class Aligned:
     2**64), as the door checks every operand's), and where the operand has elements,
     non-NULL and aligned to its item size: what the door checks of an address, for operands
     read by their attributes. ``suspect`` is the source of a test over a call's ``ptrs``
-    that is true where any may be none of these (per item size, one C-level scan for a 0
-    among them, and the bits of their OR that no address in range, aligned, has: a CuPy
-    pointer is signed, ``intptr_t``); a plan's call has it inline and calls ``check`` only
-    then."""
+    that is true where any may be none of these (``address_tests.misplaced``; a CuPy pointer
+    is signed, ``intptr_t``); a plan's call has it inline and calls ``check`` only then."""
 
     def __init__(self, descs: dict[int, TensorDesc]) -> None:
         # item size (0: no elements, any address), in the operands' order (the door's)
@@ -299,14 +297,8 @@ class Aligned:
         groups: dict[int, list[int]] = {}
         for at, size in sizes.items():
             groups.setdefault(size, []).append(at)
-        masks = {size: _OUT_OF_RANGE | max(size - 1, 0) for size in groups}
-        self.masks = {at: (size, masks[size]) for at, size in sizes.items()}
-        self.suspect = " or ".join(
-            (f"0 in {_tuple(values)} or " if size else "")
-            + f"({' | '.join(values)}) & {masks[size]}"
-            for size, ats in groups.items()
-            for values in [[f"ptrs[{at}]" for at in ats]]
-        )
+        self.masks = {at: (size, bad_bits(size)) for at, size in sizes.items()}
+        self.suspect = misplaced(groups)
         self._suspect = compiled_test(self.suspect)
 
     def check(self, ptrs: list[int], arrays: tuple, spec: Any) -> None:
@@ -320,9 +312,6 @@ class Aligned:
                 name = spec.spelling.get(spec.names[at], spec.names[at])
                 operand(name, arrays[at])  # raises
                 raise InfiniError(Status.BAD_PARAM, f"{name} is misaligned or NULL")
-
-
-_OUT_OF_RANGE = -1 << 64  # the bits of an int no address in [0, 2**64) has (all: negative)
 
 
 class Disjoint:
