@@ -46,6 +46,7 @@ import numpy as np
 from llvmlite import ir
 from numba import types
 from numba.core import cgutils
+from numba.core.imputils import impl_ret_borrowed, impl_ret_new_ref
 from numba.extending import intrinsic
 from numba.np.arrayobj import populate_array
 
@@ -98,6 +99,25 @@ def helper(function=None, **options):
 # --- memory --------------------------------------------------------------------------------
 
 
+def _view(context, builder, array_type, data, dims, meminfo):
+    """An array value of C-contiguous ``array_type`` over pointer ``data`` with ``dims``
+    (intp values), owned by ``meminfo`` (None: no owner)."""
+    view = context.make_array(array_type)(context, builder)
+    itemsize = context.get_constant(types.intp, context.get_abi_sizeof(data.type.pointee))
+    strides, step = [], itemsize
+    for dim in reversed(dims):
+        strides.insert(0, step)
+        step = builder.mul(step, dim)
+    populate_array(view, data, dims, strides, itemsize, meminfo)
+    return view._getvalue()
+
+
+def _intps(context, builder, values, value_types):
+    """Integer ``values`` of numba ``value_types`` as intp values."""
+    pairs = zip(values, value_types, strict=True)
+    return [context.cast(builder, v, t, types.intp) for v, t in pairs]
+
+
 @intrinsic
 def flat(typingctx, address, span, dtype):
     """A 1-D view of ``span`` elements of ``dtype`` (an array's dtype, a NumPy scalar type,
@@ -107,15 +127,52 @@ def flat(typingctx, address, span, dtype):
     array_type = types.Array(element, 1, "C")
 
     def codegen(context, builder, signature, args):
-        array = context.make_array(array_type)(context, builder)
-        data_type = context.get_data_type(element)
-        itemsize = context.get_constant(types.intp, context.get_abi_sizeof(data_type))
-        count = context.cast(builder, args[1], signature.args[1], types.intp)
-        data = builder.inttoptr(args[0], data_type.as_pointer())
-        populate_array(array, data, [count], [itemsize], itemsize, None)
-        return array._getvalue()
+        data = builder.inttoptr(args[0], context.get_data_type(element).as_pointer())
+        count = _intps(context, builder, args[1:2], signature.args[1:2])
+        return _view(context, builder, array_type, data, count, None)
 
     return array_type(address, span, dtype), codegen
+
+
+@intrinsic
+def carve(typingctx, array, start, shape):
+    """The C-contiguous view of ``shape`` (a tuple) of 1-D C ``array``'s elements from
+    ``start`` on, sharing its owner: slicing and ``reshape`` instead compile numba's
+    implementations (``reshape`` two functions of its own, about 0.3 s of a first call)."""
+    array_type = types.Array(array.dtype, len(shape), "C")
+
+    def codegen(context, builder, signature, args):
+        source = context.make_array(signature.args[0])(context, builder, args[0])
+        first = _intps(context, builder, args[1:2], signature.args[1:2])
+        dims = cgutils.unpack_tuple(builder, args[2], len(shape))
+        dims = _intps(context, builder, dims, signature.args[2])
+        data = builder.gep(source.data, first)
+        view = _view(context, builder, array_type, data, dims, source.meminfo)
+        return impl_ret_borrowed(context, builder, array_type, view)
+
+    return array_type(array, start, shape), codegen
+
+
+@intrinsic
+def zeros(typingctx, count, dtype):
+    """``np.zeros(count, dtype)`` (1-D, ``dtype`` a NumPy scalar type) in a few
+    instructions: ``np.zeros`` and ``np.empty`` compile numba's implementations of them
+    (two functions for each dtype and number of dimensions)."""
+    element = dtype.instance_type
+    array_type = types.Array(element, 1, "C")
+
+    def codegen(context, builder, signature, args):
+        (n,) = _intps(context, builder, args[:1], signature.args[:1])
+        data_type = context.get_data_type(element)
+        size = builder.mul(n, context.get_constant(types.intp, context.get_abi_sizeof(data_type)))
+        meminfo = context.nrt.meminfo_alloc_aligned(builder, size, 32)
+        data = context.nrt.meminfo_data(builder, meminfo)
+        cgutils.memset(builder, data, size, 0)
+        data = builder.bitcast(data, data_type.as_pointer())
+        view = _view(context, builder, array_type, data, [n], meminfo)
+        return impl_ret_new_ref(context, builder, array_type, view)
+
+    return array_type(count, dtype), codegen
 
 
 # --- calls by address ----------------------------------------------------------------------
@@ -994,48 +1051,48 @@ def whole_pass(plan, eps, momentum, like, x_at, a_at, y_at, gi_at, gz_at, c0, c1
     shift_row, mode, first = plan[PLAN_SHIFT_ROW], plan[PLAN_MODE], plan[PLAN_FIRST]
     f = PLAN_FLAGS
     flags = (plan[f] != 0, plan[f + 1] != 0, plan[f + 2] != 0, plan[f + 3] != 0)
-    whole = plan[PLAN_WHOLE:PLAN_GEOMETRY].reshape((1, 4))  # one item: the whole tensor
-    geometry = plan[PLAN_GEOMETRY:PLAN_SPANS]
-    spans = plan[PLAN_SPANS:PLAN_CHANNEL_ARGS]
-    channel_args = plan[PLAN_CHANNEL_ARGS:PLAN_STRIDES].reshape((CHANNEL_SLOTS, 2))
-    strides = plan[PLAN_STRIDES:PLAN_STEPS].reshape((DATA_SLOTS, STRIDE_COLUMNS))
-    steps = plan[PLAN_STEPS:PLAN_SIZE]
+    # Views of the plan and of the scratch by ``carve``, scratch by ``zeros``: numba's
+    # slicing, ``reshape`` and ``np.empty`` compiled functions of their own (0.4-0.5 s of a
+    # first small call). A step's work-item state is reset for the next step.
+    whole = carve(plan, PLAN_WHOLE, (1, 4))  # one item: the whole tensor
+    geometry = carve(plan, PLAN_GEOMETRY, (TILE + 1,))
+    channel_args = carve(plan, PLAN_CHANNEL_ARGS, (CHANNEL_SLOTS, 2))
+    strides = carve(plan, PLAN_STRIDES, (DATA_SLOTS, STRIDE_COLUMNS))
+    spans = carve(plan, PLAN_SPANS, (DATA_SLOTS,))
     x, a, y = flat(x_at, spans[0], like), flat(a_at, spans[1], like), flat(y_at, spans[2], like)
     gi, gz = flat(gi_at, spans[3], like), flat(gz_at, spans[4], like)
-    # Scratch in two allocations, carved into views: each np.zeros or np.empty of another
-    # dtype or number of dimensions compiled numba's implementations of it apart (11
-    # functions, 0.4-0.7 s of a first small call); a step's work-item state is reset for
-    # the next step.
-    ints = np.empty(CHANNEL_SLOTS + 2, np.int64)
-    at, state = ints[:CHANNEL_SLOTS], ints[CHANNEL_SLOTS:]
+    ints = zeros(CHANNEL_SLOTS + 2, np.int64)
+    at, state = carve(ints, 0, (CHANNEL_SLOTS,)), carve(ints, CHANNEL_SLOTS, (2,))
     at[0], at[1], at[2], at[3], at[4], at[5] = c0, c1, c2, c3, c4, c5
     at[FIRST_VALUES] = x_at
     channels, tile = geometry[0], geometry[TILE]
     n, width = channels * tile, 0 if kind == INFERENCE else channels * tile + PAD
-    floats = np.empty(CHANNEL_SLOTS * channels + n + SUMS * width + 3 * n)
-    floats[:] = 0.0
-    values = floats[: CHANNEL_SLOTS * channels].reshape((CHANNEL_SLOTS, channels))
-    o = CHANNEL_SLOTS * channels
-    shift, sums = floats[o : o + n], floats[o + n : o + n + SUMS * width].reshape((SUMS, width))
-    k = floats[o + n + SUMS * width :].reshape((3, n))
-    _call(steps[COPY], (at, channel_args, reads, values, shift, shift_row, False))
-    state[0] = state[1] = 0
+    o = CHANNEL_SLOTS * channels  # scratch: values, shift, sums, coefficients
+    floats = zeros(o + n + SUMS * width + 3 * n, np.float64)
+    values = carve(floats, 0, (CHANNEL_SLOTS, channels))
+    shift, sums = carve(floats, o, (n,)), carve(floats, o + n, (SUMS, width))
+    o += n + SUMS * width
+    k = carve(floats, o, (3, n))
+    _call(plan[PLAN_STEPS + COPY], (at, channel_args, reads, values, shift, shift_row, False))
     if kind == BACKWARD:
-        _call(steps[ITEM_SUMS], (x, a, y, geometry, strides, shift, sums, first, whole, state))
+        _call(plan[PLAN_STEPS + ITEM_SUMS], (x, a, y, geometry, strides, shift, sums, first,
+                                             whole, state))  # fmt: skip
     elif kind == TRAINING:
-        empty = x[:0]
-        _call(steps[ITEM_SUMS], (x, empty, empty, geometry, strides, shift, sums, first, whole,
-                                 state))  # fmt: skip
+        empty = carve(x, 0, (0,))
+        _call(plan[PLAN_STEPS + ITEM_SUMS], (x, empty, empty, geometry, strides, shift, sums,
+                                             first, whole, state))  # fmt: skip
     count = geometry[1] * geometry[2] * tile
-    _call(steps[RESULTS], (kind, sums, shift, values, count, eps, momentum, mode, k))
+    _call(plan[PLAN_STEPS + RESULTS], (kind, sums, shift, values, count, eps, momentum, mode, k))
     if writes:
-        _call(steps[COPY], (at, channel_args, writes, values, shift, -1, True))
-    data = (geometry, strides, k[0], k[1], k[2])
+        _call(plan[PLAN_STEPS + COPY], (at, channel_args, writes, values, shift, -1, True))
+    data = (geometry, strides, carve(floats, o, (n,)), carve(floats, o + n, (n,)),
+            carve(floats, o + 2 * n, (n,)))  # fmt: skip
     state[0] = state[1] = 0
     if kind != BACKWARD:
-        _call(steps[ITEM_FORWARD], (x, a, y, *data, (flags[0], flags[1]), whole, state))
+        _call(plan[PLAN_STEPS + ITEM_FORWARD], (x, a, y, *data, (flags[0], flags[1]), whole,
+                                                state))  # fmt: skip
     elif flags[2] or flags[3]:
-        _call(steps[ITEM_BACKWARD], (x, a, y, gi, gz, *data, flags, whole, state))
+        _call(plan[PLAN_STEPS + ITEM_BACKWARD], (x, a, y, gi, gz, *data, flags, whole, state))
 
 
 @jit
