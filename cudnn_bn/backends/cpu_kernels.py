@@ -55,6 +55,7 @@ from ..enums import DataType
 F16, F32, F64, BF16 = (int(d) for d in (DataType.F16, DataType.F32, DataType.F64, DataType.BF16))
 ROW_DIMS = 4  # cpu_layout.ROW_DIMS: geometry is (C, inner, rows, channels_inner,
 TILE = 4 + ROW_DIMS  # *row_dims, tile): tile = rows of channels walked as one run
+DATA_SLOTS, STRIDE_COLUMNS = 5, 2 + ROW_DIMS  # cpu_layout.SLOTS, .STRIDE_COLUMNS
 SUMS = 4  # sum(x - k), sum((x - k)^2), sum(dy), sum(dy * (x - k))
 DY_SUMS = 2  # the first sum a backward with given statistics uses (its shift is the mean)
 PAD = 8  # zero columns past a sums table's C * tile: rows a multiple of 4 KiB apart (C = 512)
@@ -455,29 +456,58 @@ def row_offset(row, geometry, strides):
 CHANNEL, RUN = np.int64(0), np.int64(1)
 
 
-@helper
-def _walk(bounds, geometry, strides):
+def _loads(context, builder, array_type, array, indices):
+    """The elements of ``array`` (a numba array value of ``array_type``) at each tuple of
+    intp ``indices``."""
+    view = context.make_array(array_type)(context, builder, array)
+    return [
+        builder.load(cgutils.get_item_pointer(context, builder, array_type, view, list(index)))
+        for index in indices
+    ]
+
+
+@intrinsic
+def _walk(typingctx, bounds, geometry, strides):
     """What an item's loops need: its ``bounds`` (a row of the items table: first channel,
     end channel, first row, end row; ``Layout.items``), whether a run crosses channels
     (channels innermost) or stays in one, the run length, and each slot's element stride in
-    a run."""
-    c0, c1, r0, r1 = bounds[0], bounds[1], bounds[2], bounds[3]
-    across = geometry[3] != 0
-    column = CHANNEL if across else RUN
-    return c0, c1, r0, r1, across, c1 - c0 if across else geometry[1], _column(strides, column)
+    a run (``_column``). An intrinsic, as ``_column``: a helper is compiled apart on first
+    use (0.06 s each)."""
+    columns = types.UniTuple(types.int64, DATA_SLOTS)
+    result = types.Tuple((*(types.int64,) * 4, types.boolean, types.int64, columns))
+
+    def codegen(context, builder, signature, args):
+        b, g, _ = signature.args
+        index = [(context.get_constant(types.intp, i),) for i in range(4)]
+        c0, c1, r0, r1 = _loads(context, builder, b, args[0], index)
+        inner, innermost = _loads(context, builder, g, args[1], index[1::2])
+        across = builder.icmp_signed("!=", innermost, innermost.type(0))
+        n = builder.select(across, builder.sub(c1, c0), inner)
+        channel, run = (context.get_constant(types.intp, int(c)) for c in (CHANNEL, RUN))
+        column = builder.select(across, channel, run)
+        s = _column_values(context, builder, signature.args[2], args[2], column)
+        return context.make_tuple(builder, result, [c0, c1, r0, r1, across, n, s])
+
+    return result(bounds, geometry, strides), codegen
 
 
-@helper
-def _column(strides, column):
+def _column_values(context, builder, array_type, strides, column):
+    """``_column``'s tuple from intp ``column``."""
+    slots = [(context.get_constant(types.intp, t), column) for t in range(DATA_SLOTS)]
+    values = _loads(context, builder, array_type, strides, slots)
+    return context.make_tuple(builder, types.UniTuple(types.int64, DATA_SLOTS), values)
+
+
+@intrinsic
+def _column(typingctx, strides, column):
     """A column of ``Layout.strides`` as values: loops that write memory would otherwise
     reload them from the array (it might alias their output) and not vectorize."""
-    return (
-        strides[0, column],
-        strides[1, column],
-        strides[2, column],
-        strides[3, column],
-        strides[4, column],
-    )
+
+    def codegen(context, builder, signature, args):
+        (column,) = _intps(context, builder, args[1:], signature.args[1:])
+        return _column_values(context, builder, signature.args[0], args[0], column)
+
+    return types.UniTuple(types.int64, DATA_SLOTS)(strides, column), codegen
 
 
 @intrinsic
@@ -847,12 +877,25 @@ def _row_offsets(r, geometry, strides):
     )
 
 
-@helper
-def _channel_offsets(o, c, s):
+@intrinsic
+def _channel_offsets(typingctx, o, c, s):
     """Offsets ``o`` of a row's five data slots moved to channel ``c`` (``s``: the slots'
-    channel strides, ``_column``): values only, no array, so that a call (which LLVM
-    inlines) takes and drops no reference."""
-    return o[0] + c * s[0], o[1] + c * s[1], o[2] + c * s[2], o[3] + c * s[3], o[4] + c * s[4]
+    channel strides, ``_column``): values only, no array, so that it takes and drops no
+    reference; an intrinsic, as ``_column``."""
+    result = types.UniTuple(types.int64, DATA_SLOTS)
+
+    def codegen(context, builder, signature, args):
+        offsets, strides = (
+            _intps(context, builder, cgutils.unpack_tuple(builder, v, DATA_SLOTS), t)
+            for v, t in ((args[0], signature.args[0]), (args[2], signature.args[2]))
+        )
+        (channel,) = _intps(context, builder, args[1:2], signature.args[1:2])
+        moved = [
+            builder.add(o, builder.mul(channel, t)) for o, t in zip(offsets, strides, strict=True)
+        ]
+        return context.make_tuple(builder, result, moved)
+
+    return result(o, c, s), codegen
 
 
 @helper
@@ -953,7 +996,6 @@ STEPS = 5
 # ``whole_pass``'s plan: a pass's fixed arguments in one int64 array, at these offsets (the
 # dispatcher's time grows with each argument a call from Python passes: about 2.3 us for
 # the 22 this took apart, 1.2 us for the 16 it takes).
-DATA_SLOTS, STRIDE_COLUMNS = 5, 2 + ROW_DIMS  # cpu_layout.SLOTS, .STRIDE_COLUMNS
 PLAN_KIND, PLAN_READS, PLAN_WRITES, PLAN_SHIFT_ROW, PLAN_MODE, PLAN_FIRST, PLAN_FLAGS = range(7)
 PLAN_WHOLE = PLAN_FLAGS + 4
 PLAN_GEOMETRY = PLAN_WHOLE + 4
