@@ -67,7 +67,7 @@ ITEMS_PER_THREAD = 4
 ITEM_MIN_VALUES = 1 << 17
 # A problem's first calls on one thread run the threaded path's steps from Python, one work
 # item (``threaded``), until the one-call pass of its dtype is compiled (by a small problem's
-# plan, ``direct``) or it has made this many: that pass's compile (0.4 s) saves 10-110 us a
+# plan, ``direct``) or it has made this many: that pass's compile (0.4 s) saves 10-25 us a
 # call at 65k-131k values, so a first few calls (the README's first block) do better without
 # it, and a problem called more often pays it once (the sums and results are the same).
 STEPWISE_CALLS = 8
