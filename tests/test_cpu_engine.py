@@ -21,6 +21,7 @@ from helpers import channels_last, padded_strides
 from numba.core.registry import CPUDispatcher
 
 import cudnn_bn
+import cudnn_bn.nn
 from cudnn_bn.backends import cpu, cpu_kernels, cpu_pool
 from cudnn_bn.enums import DataType
 from cudnn_bn.ops.batch_norm_forward_inference import BatchNormForwardInferenceDescriptor
@@ -190,6 +191,35 @@ def test_sums_over_an_odd_number_of_rows(shape):
     for got in (train, saved):
         for g, v in zip(got, want, strict=True):
             assert_close(g, v, 1e-10)
+
+
+@pytest.mark.parametrize("layout", ["nchw", "nhwc"])
+@pytest.mark.parametrize("dtype", [np.float32, np.float16, np.float64], ids=str)
+def test_first_calls_step_by_step_give_the_one_call_passs_results(monkeypatch, layout, dtype):
+    """A problem's first calls (``cpu.STEPWISE_CALLS``) run the steps from Python; later
+    calls run the one-call pass: the same results, bit for bit, for every pass, fused or not,
+    in either walk."""
+    shape = (16, 8, 33, 31)  # 131k values: a problem the one-call pass serves on one thread
+    rng = np.random.default_rng(7)
+    strides = contiguous_strides(shape) if layout == "nchw" else channels_last(shape)
+    x, dy, z = (laid_out(rng.standard_normal(shape) + 3, strides, dtype) for _ in range(3))
+    w = rng.uniform(0.5, 2, 8).astype(np.float32 if dtype == np.float16 else dtype)
+    b = rng.standard_normal(8).astype(w.dtype)
+
+    def passes() -> list[np.ndarray]:
+        out = [*cudnn_bn.batch_norm_backward(x, dy, w, None, None)]
+        out += cudnn_bn.batch_norm_forward_training(x, w, b, b.copy(), w.copy())
+        out.append(cudnn_bn.batch_norm_forward_inference(x, w, b, b, w))
+        fused = cudnn_bn.nn.BatchNorm(8, fusion="add_relu")
+        out += [fused(x, z=z), *fused.backward(dy)]
+        return out
+
+    monkeypatch.setattr(cpu, "_ONE_CALL_DTYPES", set())
+    monkeypatch.setattr(cpu, "STEPWISE_CALLS", 1 << 30)
+    first = passes()
+    monkeypatch.setattr(cpu, "STEPWISE_CALLS", 0)
+    later = passes()
+    assert all(np.array_equal(f, g, equal_nan=True) for f, g in zip(first, later, strict=True))
 
 
 # --- speed ---------------------------------------------------------------------------------

@@ -9,7 +9,8 @@
 - a small call does not start numba's thread pool (the training forward did, every call).
 - a large call compiles only its layout's walk (first calls compiled both), and two
   per-channel functions (a dozen, each compiled apart); a small call after it compiles only
-  the whole-pass function (it compiled a copy of every step, of both walks).
+  the whole-pass function (it compiled a copy of every step, of both walks), which compiles
+  no NumPy implementation, and an item's bounds and strides no function of their own.
 
 Results are checked against the same call made serially in the same process.
 """
@@ -259,6 +260,22 @@ def test_conversions_and_views_compile_no_function_of_their_own(tmp_path):
     assert_printed(run_child(script, NUMBA_CACHE_DIR=str(tmp_path)), "[]")
 
 
+def test_an_items_bounds_and_strides_compile_no_function_of_their_own(tmp_path):
+    """What an item's loops read from its bounds and the strides (``_walk``, ``_column``,
+    ``_channel_offsets``) are intrinsics: as helpers each was compiled apart on first use
+    (0.3 s of the README block's 3.4 s with the kernels' calls to them)."""
+    script = (
+        COMPILES
+        + PROBLEM
+        + (
+            "nhwc = np.moveaxis(np.moveaxis(x.reshape(32, 64, 8, 16), 1, -1).copy(), -1, 1)\n"
+            "cudnn_bn.batch_norm_backward(nhwc, nhwc, w, None, None)\n"
+            "print(sorted(every & {'_walk', '_column', '_channel_offsets'}))\n"
+        )
+    )
+    assert_printed(run_child(script, NUMBA_CACHE_DIR=str(tmp_path)), "[]")
+
+
 def test_only_the_kernels_have_cache_entries(tmp_path):
     """Helpers (functions only the kernels call) are linked into each kernel that calls
     them, and that is cached: entries of their own were looked up and written on first
@@ -281,20 +298,53 @@ def test_one_per_channel_copy_serves_every_dtype(tmp_path):
     assert_printed(run_child(script, NUMBA_CACHE_DIR=str(tmp_path)), "1")
 
 
-def test_a_small_call_compiles_two_numpy_implementations(tmp_path):
-    """The whole-pass function's scratch is two ``np.empty`` arrays, carved into views: each
-    ``np.zeros`` or ``np.empty`` of another dtype or number of dimensions compiled numba's
-    implementations of it apart (11 functions, 0.4-0.7 s of a first small call)."""
+def test_a_small_call_compiles_no_numpy_implementation(tmp_path):
+    """The whole-pass function's scratch and views are intrinsics (``zeros``, ``carve``):
+    its ``np.empty``, slices and ``reshape`` compiled numba's implementations of them apart
+    (``np.empty`` two functions, ``reshape`` two subroutines; 0.4-0.5 s of a first small
+    call, half of the whole-pass function's compile)."""
     script = COMPILES + (
+        "from numba.core.base import BaseContext\n"
+        "subroutines, compile_subroutine = [], BaseContext.compile_subroutine\n"
+        "def counted(self, builder, impl, sig, *args, **kws):\n"
+        "    subroutines.append(impl.__name__)\n"
+        "    return compile_subroutine(self, builder, impl, sig, *args, **kws)\n"
+        "BaseContext.compile_subroutine = counted\n"
         "import numpy as np, cudnn_bn\n"
         "x, w = np.ones((4, 8, 16), np.float32), np.ones(8, np.float32)\n"
         "cudnn_bn.batch_norm_forward_training(x, w, w, w.copy(), w.copy())\n"
         "cudnn_bn.batch_norm_backward(x, x, w, None, None)\n"
         "cudnn_bn.batch_norm_forward_inference(x, w, w, w, w)\n"
-        "print(sorted(name.split('.')[-3] for name in others))\n"
+        "print(sorted(others), sorted(set(subroutines)))\n"
     )
-    implementations = "['_ol_array_allocate', 'ol_np_empty']"
-    assert_printed(run_child(script, NUMBA_CACHE_DIR=str(tmp_path)), implementations)
+    assert_printed(run_child(script, NUMBA_CACHE_DIR=str(tmp_path)), "[] []")
+
+
+def test_a_problems_first_calls_compile_no_one_call_pass(tmp_path):
+    """The first calls of a problem of 65536 values or more on one thread (the README's first
+    block) run the steps from Python and compile no one-call pass: its 0.4 s was an eighth
+    of that block's first run, and it saves microseconds a call. After ``STEPWISE_CALLS``
+    calls the problem compiles it, and gives the same results."""
+    script = COMPILES + (
+        "import numpy as np, cudnn_bn\n"
+        "from cudnn_bn.backends import cpu\n"
+        "rng = np.random.default_rng(0)\n"
+        "x = rng.standard_normal((32, 64, 8, 8), dtype=np.float32)\n"
+        "dy = rng.standard_normal(x.shape, dtype=np.float32)\n"
+        "w, b = rng.uniform(0.5, 2, 64).astype(np.float32), np.zeros(64, np.float32)\n"
+        "def passes():\n"
+        "    out = cudnn_bn.batch_norm_backward(x, dy, w, None, None)\n"
+        "    out += cudnn_bn.batch_norm_forward_training(x, w, b, b.copy(), w.copy())\n"
+        "    out += (cudnn_bn.batch_norm_forward_inference(x, w, b, b, w),)\n"
+        "    return [np.asarray(a) for a in out]\n"
+        "first = passes()\n"
+        "print('whole_pass' in every)\n"
+        "for _ in range(getattr(cpu, 'STEPWISE_CALLS', 8)):\n"
+        "    later = passes()\n"
+        "print('whole_pass' in every)\n"
+        "print(all(np.array_equal(f, g) for f, g in zip(first, later, strict=True)))\n"
+    )
+    assert_printed(run_child(script, NUMBA_CACHE_DIR=str(tmp_path)), "False True True")
 
 
 def test_a_small_call_compiles_no_kernel_of_its_own(tmp_path):

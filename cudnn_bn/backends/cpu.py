@@ -65,6 +65,13 @@ THREADS_MIN_VALUES = 5_000_000
 # shares its CPU with another process does less of the work instead of holding the call up.
 ITEMS_PER_THREAD = 4
 ITEM_MIN_VALUES = 1 << 17
+# A problem's first calls on one thread run the threaded path's steps from Python, one work
+# item (``threaded``), until the one-call pass of its dtype is compiled (by a small problem's
+# plan, ``direct``) or it has made this many: that pass's compile (0.4 s) saves 10-25 us a
+# call at 65k-131k values, so a first few calls (the README's first block) do better without
+# it, and a problem called more often pays it once (the sums and results are the same).
+STEPWISE_CALLS = 8
+_ONE_CALL_DTYPES: set[np.dtype] = set()  # the storage dtypes whose one-call pass is compiled
 
 
 def _channel_args(descs: list[TensorDesc | None], x: TensorDesc) -> np.ndarray:
@@ -105,6 +112,7 @@ class _HostKernel:
     step_slots: tuple[int, ...]
     _plan: np.ndarray | None = None
     _whole: Callable[..., None] | None = None  # one_call()
+    _stepwise = 0  # calls made step by step (``STEPWISE_CALLS``)
     # The operator's pointer tuple, and its fields that fill the data slots, then the
     # per-channel ones (None: NULL).
     pointer_type: type[NamedTuple]
@@ -178,7 +186,8 @@ class _HostKernel:
     def launch(self, at: list[int] | tuple[int, ...], channel: tuple[int, ...]) -> None:
         """The pass on the data slots' addresses ``at`` and the per-channel tensors'
         ``channel``: one call in this thread (``cpu_kernels.whole_pass``) for a small
-        problem, else its work items on the engine's threads (``threaded``)."""
+        problem (its first calls step by step: ``STEPWISE_CALLS``), else its work items on
+        the engine's threads (``threaded``)."""
         values = self.numel
         threads = cpu_pool.thread_count() if self.parallel and values >= THREADS_MIN_VALUES else 1
         if threads > 1:
@@ -186,7 +195,13 @@ class _HostKernel:
             most = values // ITEM_MIN_VALUES
             self.threaded(at, channel, max(threads, min(threads * ITEMS_PER_THREAD, most)))
             return
-        whole = self._whole if self._whole is not None else self.one_call()
+        whole = self._whole
+        if whole is None:
+            if self._stepwise < STEPWISE_CALLS and self.like.dtype not in _ONE_CALL_DTYPES:
+                self._stepwise += 1
+                self.threaded(at, channel, 1)
+                return
+            whole = self.one_call()
         whole(*at, *self.absent, *channel, *self.channels_absent)
 
     def work_items(self, count: int) -> np.ndarray:
@@ -295,6 +310,7 @@ class _HostKernel:
             count = len(self._fields())
             entry = cpu_kernels.python_entry(cpu_kernels.whole_pass, *fixed, *(0,) * count)
             self._whole = partial(entry, *fixed)
+            _ONE_CALL_DTYPES.add(self.like.dtype)
         return self._whole
 
     def direct(self) -> tuple[tuple[str | None, ...], Callable[..., None]] | None:

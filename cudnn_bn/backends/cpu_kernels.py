@@ -46,6 +46,7 @@ import numpy as np
 from llvmlite import ir
 from numba import types
 from numba.core import cgutils
+from numba.core.imputils import impl_ret_borrowed, impl_ret_new_ref
 from numba.extending import intrinsic
 from numba.np.arrayobj import populate_array
 
@@ -54,6 +55,7 @@ from ..enums import DataType
 F16, F32, F64, BF16 = (int(d) for d in (DataType.F16, DataType.F32, DataType.F64, DataType.BF16))
 ROW_DIMS = 4  # cpu_layout.ROW_DIMS: geometry is (C, inner, rows, channels_inner,
 TILE = 4 + ROW_DIMS  # *row_dims, tile): tile = rows of channels walked as one run
+DATA_SLOTS, STRIDE_COLUMNS = 5, 2 + ROW_DIMS  # cpu_layout.SLOTS, .STRIDE_COLUMNS
 SUMS = 4  # sum(x - k), sum((x - k)^2), sum(dy), sum(dy * (x - k))
 DY_SUMS = 2  # the first sum a backward with given statistics uses (its shift is the mean)
 PAD = 8  # zero columns past a sums table's C * tile: rows a multiple of 4 KiB apart (C = 512)
@@ -98,6 +100,25 @@ def helper(function=None, **options):
 # --- memory --------------------------------------------------------------------------------
 
 
+def _view(context, builder, array_type, data, dims, meminfo):
+    """An array value of C-contiguous ``array_type`` over pointer ``data`` with ``dims``
+    (intp values), owned by ``meminfo`` (None: no owner)."""
+    view = context.make_array(array_type)(context, builder)
+    itemsize = context.get_constant(types.intp, context.get_abi_sizeof(data.type.pointee))
+    strides, step = [], itemsize
+    for dim in reversed(dims):
+        strides.insert(0, step)
+        step = builder.mul(step, dim)
+    populate_array(view, data, dims, strides, itemsize, meminfo)
+    return view._getvalue()
+
+
+def _intps(context, builder, values, value_types):
+    """Integer ``values`` of numba ``value_types`` as intp values."""
+    pairs = zip(values, value_types, strict=True)
+    return [context.cast(builder, v, t, types.intp) for v, t in pairs]
+
+
 @intrinsic
 def flat(typingctx, address, span, dtype):
     """A 1-D view of ``span`` elements of ``dtype`` (an array's dtype, a NumPy scalar type,
@@ -107,15 +128,52 @@ def flat(typingctx, address, span, dtype):
     array_type = types.Array(element, 1, "C")
 
     def codegen(context, builder, signature, args):
-        array = context.make_array(array_type)(context, builder)
-        data_type = context.get_data_type(element)
-        itemsize = context.get_constant(types.intp, context.get_abi_sizeof(data_type))
-        count = context.cast(builder, args[1], signature.args[1], types.intp)
-        data = builder.inttoptr(args[0], data_type.as_pointer())
-        populate_array(array, data, [count], [itemsize], itemsize, None)
-        return array._getvalue()
+        data = builder.inttoptr(args[0], context.get_data_type(element).as_pointer())
+        count = _intps(context, builder, args[1:2], signature.args[1:2])
+        return _view(context, builder, array_type, data, count, None)
 
     return array_type(address, span, dtype), codegen
+
+
+@intrinsic
+def carve(typingctx, array, start, shape):
+    """The C-contiguous view of ``shape`` (a tuple) of 1-D C ``array``'s elements from
+    ``start`` on, sharing its owner: slicing and ``reshape`` instead compile numba's
+    implementations (``reshape`` two functions of its own, about 0.3 s of a first call)."""
+    array_type = types.Array(array.dtype, len(shape), "C")
+
+    def codegen(context, builder, signature, args):
+        source = context.make_array(signature.args[0])(context, builder, args[0])
+        first = _intps(context, builder, args[1:2], signature.args[1:2])
+        dims = cgutils.unpack_tuple(builder, args[2], len(shape))
+        dims = _intps(context, builder, dims, signature.args[2])
+        data = builder.gep(source.data, first)
+        view = _view(context, builder, array_type, data, dims, source.meminfo)
+        return impl_ret_borrowed(context, builder, array_type, view)
+
+    return array_type(array, start, shape), codegen
+
+
+@intrinsic
+def zeros(typingctx, count, dtype):
+    """``np.zeros(count, dtype)`` (1-D, ``dtype`` a NumPy scalar type) in a few
+    instructions: ``np.zeros`` and ``np.empty`` compile numba's implementations of them
+    (two functions for each dtype and number of dimensions)."""
+    element = dtype.instance_type
+    array_type = types.Array(element, 1, "C")
+
+    def codegen(context, builder, signature, args):
+        (n,) = _intps(context, builder, args[:1], signature.args[:1])
+        data_type = context.get_data_type(element)
+        size = builder.mul(n, context.get_constant(types.intp, context.get_abi_sizeof(data_type)))
+        meminfo = context.nrt.meminfo_alloc_aligned(builder, size, 32)
+        data = context.nrt.meminfo_data(builder, meminfo)
+        cgutils.memset(builder, data, size, 0)
+        data = builder.bitcast(data, data_type.as_pointer())
+        view = _view(context, builder, array_type, data, [n], meminfo)
+        return impl_ret_new_ref(context, builder, array_type, view)
+
+    return array_type(count, dtype), codegen
 
 
 # --- calls by address ----------------------------------------------------------------------
@@ -398,29 +456,58 @@ def row_offset(row, geometry, strides):
 CHANNEL, RUN = np.int64(0), np.int64(1)
 
 
-@helper
-def _walk(bounds, geometry, strides):
+def _loads(context, builder, array_type, array, indices):
+    """The elements of ``array`` (a numba array value of ``array_type``) at each tuple of
+    intp ``indices``."""
+    view = context.make_array(array_type)(context, builder, array)
+    return [
+        builder.load(cgutils.get_item_pointer(context, builder, array_type, view, list(index)))
+        for index in indices
+    ]
+
+
+@intrinsic
+def _walk(typingctx, bounds, geometry, strides):
     """What an item's loops need: its ``bounds`` (a row of the items table: first channel,
     end channel, first row, end row; ``Layout.items``), whether a run crosses channels
     (channels innermost) or stays in one, the run length, and each slot's element stride in
-    a run."""
-    c0, c1, r0, r1 = bounds[0], bounds[1], bounds[2], bounds[3]
-    across = geometry[3] != 0
-    column = CHANNEL if across else RUN
-    return c0, c1, r0, r1, across, c1 - c0 if across else geometry[1], _column(strides, column)
+    a run (``_column``). An intrinsic, as ``_column``: a helper is compiled apart on first
+    use (0.06 s each)."""
+    columns = types.UniTuple(types.int64, DATA_SLOTS)
+    result = types.Tuple((*(types.int64,) * 4, types.boolean, types.int64, columns))
+
+    def codegen(context, builder, signature, args):
+        b, g, _ = signature.args
+        index = [(context.get_constant(types.intp, i),) for i in range(4)]
+        c0, c1, r0, r1 = _loads(context, builder, b, args[0], index)
+        inner, innermost = _loads(context, builder, g, args[1], index[1::2])
+        across = builder.icmp_signed("!=", innermost, innermost.type(0))
+        n = builder.select(across, builder.sub(c1, c0), inner)
+        channel, run = (context.get_constant(types.intp, int(c)) for c in (CHANNEL, RUN))
+        column = builder.select(across, channel, run)
+        s = _column_values(context, builder, signature.args[2], args[2], column)
+        return context.make_tuple(builder, result, [c0, c1, r0, r1, across, n, s])
+
+    return result(bounds, geometry, strides), codegen
 
 
-@helper
-def _column(strides, column):
+def _column_values(context, builder, array_type, strides, column):
+    """``_column``'s tuple from intp ``column``."""
+    slots = [(context.get_constant(types.intp, t), column) for t in range(DATA_SLOTS)]
+    values = _loads(context, builder, array_type, strides, slots)
+    return context.make_tuple(builder, types.UniTuple(types.int64, DATA_SLOTS), values)
+
+
+@intrinsic
+def _column(typingctx, strides, column):
     """A column of ``Layout.strides`` as values: loops that write memory would otherwise
     reload them from the array (it might alias their output) and not vectorize."""
-    return (
-        strides[0, column],
-        strides[1, column],
-        strides[2, column],
-        strides[3, column],
-        strides[4, column],
-    )
+
+    def codegen(context, builder, signature, args):
+        (column,) = _intps(context, builder, args[1:], signature.args[1:])
+        return _column_values(context, builder, signature.args[0], args[0], column)
+
+    return types.UniTuple(types.int64, DATA_SLOTS)(strides, column), codegen
 
 
 @intrinsic
@@ -790,12 +877,25 @@ def _row_offsets(r, geometry, strides):
     )
 
 
-@helper
-def _channel_offsets(o, c, s):
+@intrinsic
+def _channel_offsets(typingctx, o, c, s):
     """Offsets ``o`` of a row's five data slots moved to channel ``c`` (``s``: the slots'
-    channel strides, ``_column``): values only, no array, so that a call (which LLVM
-    inlines) takes and drops no reference."""
-    return o[0] + c * s[0], o[1] + c * s[1], o[2] + c * s[2], o[3] + c * s[3], o[4] + c * s[4]
+    channel strides, ``_column``): values only, no array, so that it takes and drops no
+    reference; an intrinsic, as ``_column``."""
+    result = types.UniTuple(types.int64, DATA_SLOTS)
+
+    def codegen(context, builder, signature, args):
+        offsets, strides = (
+            _intps(context, builder, cgutils.unpack_tuple(builder, v, DATA_SLOTS), t)
+            for v, t in ((args[0], signature.args[0]), (args[2], signature.args[2]))
+        )
+        (channel,) = _intps(context, builder, args[1:2], signature.args[1:2])
+        moved = [
+            builder.add(o, builder.mul(channel, t)) for o, t in zip(offsets, strides, strict=True)
+        ]
+        return context.make_tuple(builder, result, moved)
+
+    return result(o, c, s), codegen
 
 
 @helper
@@ -896,7 +996,6 @@ STEPS = 5
 # ``whole_pass``'s plan: a pass's fixed arguments in one int64 array, at these offsets (the
 # dispatcher's time grows with each argument a call from Python passes: about 2.3 us for
 # the 22 this took apart, 1.2 us for the 16 it takes).
-DATA_SLOTS, STRIDE_COLUMNS = 5, 2 + ROW_DIMS  # cpu_layout.SLOTS, .STRIDE_COLUMNS
 PLAN_KIND, PLAN_READS, PLAN_WRITES, PLAN_SHIFT_ROW, PLAN_MODE, PLAN_FIRST, PLAN_FLAGS = range(7)
 PLAN_WHOLE = PLAN_FLAGS + 4
 PLAN_GEOMETRY = PLAN_WHOLE + 4
@@ -994,48 +1093,48 @@ def whole_pass(plan, eps, momentum, like, x_at, a_at, y_at, gi_at, gz_at, c0, c1
     shift_row, mode, first = plan[PLAN_SHIFT_ROW], plan[PLAN_MODE], plan[PLAN_FIRST]
     f = PLAN_FLAGS
     flags = (plan[f] != 0, plan[f + 1] != 0, plan[f + 2] != 0, plan[f + 3] != 0)
-    whole = plan[PLAN_WHOLE:PLAN_GEOMETRY].reshape((1, 4))  # one item: the whole tensor
-    geometry = plan[PLAN_GEOMETRY:PLAN_SPANS]
-    spans = plan[PLAN_SPANS:PLAN_CHANNEL_ARGS]
-    channel_args = plan[PLAN_CHANNEL_ARGS:PLAN_STRIDES].reshape((CHANNEL_SLOTS, 2))
-    strides = plan[PLAN_STRIDES:PLAN_STEPS].reshape((DATA_SLOTS, STRIDE_COLUMNS))
-    steps = plan[PLAN_STEPS:PLAN_SIZE]
+    # Views of the plan and of the scratch by ``carve``, scratch by ``zeros``: numba's
+    # slicing, ``reshape`` and ``np.empty`` compiled functions of their own (0.4-0.5 s of a
+    # first small call). A step's work-item state is reset for the next step.
+    whole = carve(plan, PLAN_WHOLE, (1, 4))  # one item: the whole tensor
+    geometry = carve(plan, PLAN_GEOMETRY, (TILE + 1,))
+    channel_args = carve(plan, PLAN_CHANNEL_ARGS, (CHANNEL_SLOTS, 2))
+    strides = carve(plan, PLAN_STRIDES, (DATA_SLOTS, STRIDE_COLUMNS))
+    spans = carve(plan, PLAN_SPANS, (DATA_SLOTS,))
     x, a, y = flat(x_at, spans[0], like), flat(a_at, spans[1], like), flat(y_at, spans[2], like)
     gi, gz = flat(gi_at, spans[3], like), flat(gz_at, spans[4], like)
-    # Scratch in two allocations, carved into views: each np.zeros or np.empty of another
-    # dtype or number of dimensions compiled numba's implementations of it apart (11
-    # functions, 0.4-0.7 s of a first small call); a step's work-item state is reset for
-    # the next step.
-    ints = np.empty(CHANNEL_SLOTS + 2, np.int64)
-    at, state = ints[:CHANNEL_SLOTS], ints[CHANNEL_SLOTS:]
+    ints = zeros(CHANNEL_SLOTS + 2, np.int64)
+    at, state = carve(ints, 0, (CHANNEL_SLOTS,)), carve(ints, CHANNEL_SLOTS, (2,))
     at[0], at[1], at[2], at[3], at[4], at[5] = c0, c1, c2, c3, c4, c5
     at[FIRST_VALUES] = x_at
     channels, tile = geometry[0], geometry[TILE]
     n, width = channels * tile, 0 if kind == INFERENCE else channels * tile + PAD
-    floats = np.empty(CHANNEL_SLOTS * channels + n + SUMS * width + 3 * n)
-    floats[:] = 0.0
-    values = floats[: CHANNEL_SLOTS * channels].reshape((CHANNEL_SLOTS, channels))
-    o = CHANNEL_SLOTS * channels
-    shift, sums = floats[o : o + n], floats[o + n : o + n + SUMS * width].reshape((SUMS, width))
-    k = floats[o + n + SUMS * width :].reshape((3, n))
-    _call(steps[COPY], (at, channel_args, reads, values, shift, shift_row, False))
-    state[0] = state[1] = 0
+    o = CHANNEL_SLOTS * channels  # scratch: values, shift, sums, coefficients
+    floats = zeros(o + n + SUMS * width + 3 * n, np.float64)
+    values = carve(floats, 0, (CHANNEL_SLOTS, channels))
+    shift, sums = carve(floats, o, (n,)), carve(floats, o + n, (SUMS, width))
+    o += n + SUMS * width
+    k = carve(floats, o, (3, n))
+    _call(plan[PLAN_STEPS + COPY], (at, channel_args, reads, values, shift, shift_row, False))
     if kind == BACKWARD:
-        _call(steps[ITEM_SUMS], (x, a, y, geometry, strides, shift, sums, first, whole, state))
+        _call(plan[PLAN_STEPS + ITEM_SUMS], (x, a, y, geometry, strides, shift, sums, first,
+                                             whole, state))  # fmt: skip
     elif kind == TRAINING:
-        empty = x[:0]
-        _call(steps[ITEM_SUMS], (x, empty, empty, geometry, strides, shift, sums, first, whole,
-                                 state))  # fmt: skip
+        empty = carve(x, 0, (0,))
+        _call(plan[PLAN_STEPS + ITEM_SUMS], (x, empty, empty, geometry, strides, shift, sums,
+                                             first, whole, state))  # fmt: skip
     count = geometry[1] * geometry[2] * tile
-    _call(steps[RESULTS], (kind, sums, shift, values, count, eps, momentum, mode, k))
+    _call(plan[PLAN_STEPS + RESULTS], (kind, sums, shift, values, count, eps, momentum, mode, k))
     if writes:
-        _call(steps[COPY], (at, channel_args, writes, values, shift, -1, True))
-    data = (geometry, strides, k[0], k[1], k[2])
+        _call(plan[PLAN_STEPS + COPY], (at, channel_args, writes, values, shift, -1, True))
+    data = (geometry, strides, carve(floats, o, (n,)), carve(floats, o + n, (n,)),
+            carve(floats, o + 2 * n, (n,)))  # fmt: skip
     state[0] = state[1] = 0
     if kind != BACKWARD:
-        _call(steps[ITEM_FORWARD], (x, a, y, *data, (flags[0], flags[1]), whole, state))
+        _call(plan[PLAN_STEPS + ITEM_FORWARD], (x, a, y, *data, (flags[0], flags[1]), whole,
+                                                state))  # fmt: skip
     elif flags[2] or flags[3]:
-        _call(steps[ITEM_BACKWARD], (x, a, y, gi, gz, *data, flags, whole, state))
+        _call(plan[PLAN_STEPS + ITEM_BACKWARD], (x, a, y, gi, gz, *data, flags, whole, state))
 
 
 @jit
