@@ -526,6 +526,33 @@ def test_half_forward_within_one_ulp_of_float64(dtype, offset, spread):
     assert half_steps(y, rounded(mean, var)).max() <= 1
 
 
+@pytest.mark.parametrize("layout", ["NCHW", "NHWC"])
+@pytest.mark.parametrize(
+    ("name", "value", "weight", "eps"),
+    [
+        ("float16", -3.140625, -0.28746727108955383, 0.8195865750312805),
+        ("bfloat16", 1.75, 0.30751344561576843, 1.170753836631775),
+    ],
+)
+def test_half_training_constant_channel_is_exactly_the_bias(name, value, weight, eps, layout):
+    """A constant F16/BF16 channel's training output is its bias rounded once, even for a
+    bias halfway between two values of the dtype: ``(x - t)*a + c`` (``cpu_kernels.
+    _crossing``'s form) rounds ``(x - mean)*scale`` and tips it to the wrong side for these
+    values (found by simulating the form)."""
+    dtype = half_dtype(name)
+    tie = 1 + 2.0 ** (-11 if name == "float16" else -8)  # halfway between 1 and the next
+    rng = np.random.default_rng(4)
+    x = rng.standard_normal((4, 3, 8, 8)).astype(dtype)
+    x[:, 1] = dtype(value)
+    if layout == "NHWC":
+        x = laid_out(x, channels_last(x.shape), dtype)
+    w = np.array([0.7, weight, -1.3], np.float32)
+    b = np.array([0.25, tie, -2.0], np.float32)
+    y, *_ = cudnn_bn.batch_norm_forward_training(x, w, b, None, None, eps=eps)
+    want = np.float32(tie).astype(dtype)
+    np.testing.assert_array_equal(np.asarray(y)[:, 1].view(np.int16), want.view(np.int16))
+
+
 def torch_inference(x, w, b, rm, rv, dtype) -> np.ndarray:
     """torch's float64 inference forward of ``x``, rounded once to ``dtype`` (BF16 through
     float32, as torch rounds)."""
