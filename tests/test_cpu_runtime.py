@@ -1,7 +1,8 @@
 """Where the CPU engine runs (issue 18), each case in a child process with a time limit:
 
 - in a child forked after a parallel call (``os.fork``, and ``multiprocessing.Pool`` with the
-  fork start method): GNU OpenMP killed or hung such children;
+  fork start method): GNU OpenMP killed or hung such children; and in one forked while
+  another thread compiles;
 - under every numba threading layer installed, from 16 Python threads at once: numba's
   ``workqueue`` layer aborted the process ("Concurrent access has been detected");
 - where no cache location is writable: every call failed with INTERNAL_ERROR ("no locator
@@ -80,6 +81,40 @@ if pid == 0:
 print(os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]))
 """
     )
+    assert_printed(run_child(script), "0")
+
+
+def test_forked_child_while_another_thread_compiles():
+    """A fork while another thread compiles (holding numba's compiler lock, which the child
+    inherits held by a thread it does not have) waits for the compile: the child's own
+    first call hung for ever at that lock (found by an outsider's attack)."""
+    script = """
+import os, signal, threading, time
+import numpy as np, cudnn_bn
+from cudnn_bn.backends import cpu_pool  # what a first CPU call imports
+from numba.core.compiler_lock import global_compiler_lock
+
+held = threading.Event()
+
+def compiling():  # a first call in another thread, compiling for a second
+    with global_compiler_lock:
+        held.set()
+        time.sleep(1)
+
+threading.Thread(target=compiling).start()
+held.wait()
+pid = os.fork()
+if pid == 0:
+    import numba
+    signal.alarm(30)  # a child that hangs ends
+    numba.njit(lambda: 1)()  # its first compile: took the lock the thread held
+    signal.alarm(0)  # (its first call may compile for long on a cold cache)
+    x = np.ones((2, 3, 4), np.float32)
+    ones = np.ones(3, np.float32)
+    y = cudnn_bn.batch_norm_forward_inference(x, ones, 0 * ones, 0 * ones, ones)
+    os._exit(0 if np.allclose(y, x / np.sqrt(1 + 1e-5)) else 3)
+print(os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]))
+"""
     assert_printed(run_child(script), "0")
 
 

@@ -24,6 +24,7 @@ from collections.abc import Callable
 
 import numba
 import numpy as np
+from numba.core.compiler_lock import global_compiler_lock
 
 from .cpu_kernels import _atomic_read, jit
 
@@ -193,6 +194,13 @@ def _forget_pool() -> None:
 
 
 os.register_at_fork(after_in_child=_forget_pool)
+# A fork waits for a compile in another thread to end: a child forked while that thread held
+# numba's compiler lock would wait for it forever at its own first compile.
+os.register_at_fork(
+    before=global_compiler_lock.acquire,
+    after_in_parent=global_compiler_lock.release,
+    after_in_child=global_compiler_lock.release,
+)
 
 
 def wake() -> None:
