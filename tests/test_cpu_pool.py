@@ -8,9 +8,13 @@ cpu_pool.py, the item kernels of cpu_kernels.py), checked against torch in float
 """
 
 import gc
+import os
+import subprocess
+import sys
 import threading
 import time
 import weakref
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -198,3 +202,40 @@ def test_the_pool_keeps_no_task_alive_after_a_call(two_threads):
     time.sleep(0.01)  # the helper back to waiting
     gc.collect()
     assert gone() is None
+
+
+SIGNALLED_CALLS = """
+import signal, sys, time
+import numpy as np, cudnn_bn
+from cudnn_bn.backends import cpu_pool
+
+cpu_pool.set_thread_count(2)
+rng = np.random.default_rng(4)
+x = rng.standard_normal((80, 64, 32, 32), dtype=np.float32)  # 5.2M values: threaded
+w, b = rng.uniform(0.5, 1.5, 64).astype(np.float32), np.zeros(64, np.float32)
+rm, rv = np.zeros(64, np.float32), np.ones(64, np.float32)
+want = cudnn_bn.batch_norm_forward_inference(x, w, b, rm, rv)
+inner = np.empty_like(x)
+signal.signal(signal.SIGALRM, lambda *_: cudnn_bn.batch_norm_forward_inference(
+    x, w, b, rm, rv, out=inner))
+for n in range(300):  # the signal at 10-2000 us into a call, the helpers spinning or asleep
+    signal.setitimer(signal.ITIMER_REAL, 1e-5 + 5e-5 * (n % 41))
+    y = cudnn_bn.batch_norm_forward_inference(x, w, b, rm, rv)
+    assert np.array_equal(y, want)
+    time.sleep(3e-4 * (n % 7))
+signal.setitimer(signal.ITIMER_REAL, 0)
+print(np.array_equal(inner, want))
+"""
+
+
+def test_a_call_from_a_signal_handler_during_a_threaded_call():
+    """A signal handler that makes a large call, run while the interrupted call holds the
+    pool's lock (waking its helpers, posting a job, waiting for one): the handler's call
+    waited for that lock, which its own thread held, for ever (found by an outsider's
+    attack; it hung within a second). It now runs alone, and both calls are right."""
+    child = subprocess.run(
+        [sys.executable, "-c", SIGNALLED_CALLS], capture_output=True, text=True, timeout=60,
+        env=dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parent.parent)),
+    )  # fmt: skip
+    assert child.returncode == 0, child.stderr[-3000:]
+    assert child.stdout.split() == ["True"], child.stdout

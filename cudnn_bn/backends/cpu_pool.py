@@ -67,7 +67,9 @@ class _Pool:
     def __init__(self, helpers: int) -> None:
         self.helpers = helpers
         self.word = np.zeros(1, np.int64)  # the number of the latest job (or stop)
-        self.lock = threading.Lock()  # guards the job and the counts below
+        # Guards the job and the counts below; reentrant: a signal handler may make a call
+        # (and post its job) in a thread that holds it, waking the helpers for another call.
+        self.lock = threading.RLock()
         self.posted = threading.Condition(self.lock)  # sleeping helpers wait here
         self.finished = threading.Condition(self.lock)  # a caller waits here for helpers
         self.busy = threading.Lock()  # held by the caller whose job it is
@@ -176,15 +178,21 @@ def set_thread_count(count: int) -> None:
     _count = max(1, int(count))
 
 
-def _helpers(count: int) -> _Pool:
-    """The pool of ``count`` helper threads (a new one when the thread count changed)."""
+def _helpers(count: int) -> _Pool | None:
+    """The pool of ``count`` helper threads (a new one when the thread count changed); None
+    while another call makes it, or this thread does in a call a signal handler interrupted:
+    that call runs alone rather than wait (for itself)."""
     global _pool
-    with _lock:
+    if not _lock.acquire(blocking=False):
+        return None
+    try:
         if _pool is None or _pool.helpers != count:
             if _pool is not None:
                 _pool.stop()
             _pool = _Pool(count)
         return _pool
+    finally:
+        _lock.release()
 
 
 def _forget_pool() -> None:
@@ -206,8 +214,9 @@ os.register_at_fork(
 def wake() -> None:
     """Wake the helpers now, ahead of a large call's first ``team``: waking a sleeping
     thread takes tens to hundreds of microseconds, which then overlap the caller's work."""
-    if _count > 1:
-        _helpers(_count - 1).wake()
+    pool = _helpers(_count - 1) if _count > 1 else None
+    if pool is not None:
+        pool.wake()
 
 
 def team(task: Callable[[], None], items: int, state: np.ndarray) -> None:
@@ -223,7 +232,7 @@ def team(task: Callable[[], None], items: int, state: np.ndarray) -> None:
         task()
         return
     pool = _helpers(_count - 1)
-    if not pool.busy.acquire(blocking=False):
+    if pool is None or not pool.busy.acquire(blocking=False):
         task()  # another caller has the helpers
         return
     try:
