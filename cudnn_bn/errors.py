@@ -103,6 +103,12 @@ class CudnnSymbolError(NotImplementedInfiniError):
     """The loaded libcudnn does not export a function this package needs."""
 
 
+def shown(value: object) -> str:
+    """``value`` for a message: its repr cut short (a huge int's digits are no help)."""
+    text = repr(value)
+    return text if len(text) <= 80 else f"{text[:60]}... ({len(text)} characters)"
+
+
 def respelled(exc: InfiniError, spelling: Mapping[str, str]) -> InfiniError:
     """``exc`` with the words of its message renamed by ``spelling`` (whole words), keeping
     its class; ``exc`` itself where nothing changes."""

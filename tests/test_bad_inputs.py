@@ -26,6 +26,7 @@ from hypothesis import strategies as st
 import cudnn_bn
 from cudnn_bn import DataType, Device, InfiniError, Status, capi
 from cudnn_bn.backends import cpu
+from cudnn_bn.nn import BatchNorm
 from cudnn_bn.tensor import contiguous_strides
 
 N, C, L = 2, 3, 4
@@ -668,6 +669,34 @@ def test_eps_zero_and_other_finite_values_are_accepted(eps):
     outcome, buffers = run_capi(CapiProblem(eps=eps))
     assert outcome.status == Status.SUCCESS, outcome.message
     assert not buffers["grad_input"].untouched()
+
+
+def _backward_eps(x, big):
+    return cudnn_bn.batch_norm_backward(x, x, None, None, None, eps=big)
+
+
+def _training_momentum(x, big):
+    return cudnn_bn.batch_norm_forward_training(x, None, None, None, None, momentum=big)
+
+
+@pytest.mark.parametrize(
+    "entry, name",
+    [
+        (_backward_eps, "eps"),
+        (_training_momentum, "momentum"),
+        (lambda x, big: BatchNorm(3, eps=-big), "eps"),
+    ],
+)
+def test_a_number_beyond_any_double_is_a_bad_param_naming_it(entry, name):
+    """eps or momentum an int too large for a double (10**400) is BAD_PARAM naming it; it
+    was INTERNAL_ERROR "unexpected OverflowError ... int too large to convert to float"
+    (found by an outsider's attack)."""
+    message = (
+        rf"^BAD_PARAM: {name} is -?10+\.\.\. \(40[12] characters\), outside the range of double$"
+    )
+    with pytest.raises(InfiniError, match=message) as info:
+        entry(np.ones((2, 3), np.float32), 10**400)
+    assert info.value.status == Status.BAD_PARAM
 
 
 @pytest.mark.parametrize("mode", [0, 1, 2])
