@@ -13,6 +13,7 @@ import math
 import re
 import subprocess
 import sys
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -871,6 +872,25 @@ def test_a_compute_takes_an_integer_of_any_kind_as_its_int(kind):
     values = [kind(a.ctypes.data) for a in grads + inputs]
     with type(cached)(cached.handle, *cached.tensors[:8]) as op:
         op.compute(0, 0, *values, 0, 0)
+    for got, expected in zip(grads, want, strict=True):
+        np.testing.assert_array_equal(got, expected)
+
+
+@pytest.mark.parametrize("kind, size", [(np.uint64, 2**64 - 1), (np.int64, 2**63 - 1)])
+def test_a_compute_given_numpy_integers_near_their_range_warns_nothing(kind, size):
+    """NumPy integers whose sum overflows their type (a workspace size near its range) are
+    checked without NumPy's overflow warning, which under ``-W error`` escaped compute as a
+    RuntimeWarning (found by an outsider's attack)."""
+    args = array_args()
+    cudnn_bn.descriptor_cache.clear()
+    want = call_array(args)
+    (cached,) = cudnn_bn.descriptor_cache.descriptors()
+    grads = [np.zeros(SHAPE, np.float32), *(np.zeros(C, np.float32) for _ in range(2))]
+    inputs = [args[n] for n in ("input", "grad_output", "weight")]
+    values = [kind(a.ctypes.data) for a in grads + inputs]
+    with type(cached)(cached.handle, *cached.tensors[:8]) as op, warnings.catch_warnings():
+        warnings.simplefilter("error")
+        op.compute(kind(0), kind(size), *values, 0, 0)
     for got, expected in zip(grads, want, strict=True):
         np.testing.assert_array_equal(got, expected)
 
