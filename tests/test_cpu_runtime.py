@@ -20,6 +20,7 @@ import os
 import shutil
 import subprocess
 import sys
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -177,16 +178,7 @@ with ThreadPoolExecutor(16) as threads:
     assert_printed(run_child(script, NUMBA_THREADING_LAYER=layer), "True")
 
 
-def test_no_writable_cache_location_compiles_in_memory_with_one_warning(tmp_path):
-    """The package in a read-only place (its ``__pycache__`` cannot be made: a file is in
-    the way, which stops root too), no writable home, ``NUMBA_CACHE_DIR`` unset."""
-    package = tmp_path / "site" / "cudnn_bn"
-    shutil.copytree(REPO / "cudnn_bn", package, ignore=shutil.ignore_patterns("__pycache__"))
-    for folder in [package, *(p for p in package.rglob("*") if p.is_dir())]:
-        (folder / "__pycache__").write_text("not a folder")
-    for path in [*package.rglob("*"), package]:
-        path.chmod(0o555 if path.is_dir() else 0o444)
-    script = """
+NO_CACHE_SCRIPT = """
 import warnings
 import numpy as np
 with warnings.catch_warnings(record=True) as caught:
@@ -199,6 +191,18 @@ with warnings.catch_warnings(record=True) as caught:
 print(cudnn_bn.__file__, float(gb.sum()), y.shape)
 print(*[str(w.message) for w in caught], sep="\\n")
 """
+
+
+def test_no_writable_cache_location_compiles_in_memory_with_one_warning(tmp_path):
+    """The package in a read-only place (its ``__pycache__`` cannot be made: a file is in
+    the way, which stops root too), no writable home, ``NUMBA_CACHE_DIR`` unset."""
+    package = tmp_path / "site" / "cudnn_bn"
+    shutil.copytree(REPO / "cudnn_bn", package, ignore=shutil.ignore_patterns("__pycache__"))
+    for folder in [package, *(p for p in package.rglob("*") if p.is_dir())]:
+        (folder / "__pycache__").write_text("not a folder")
+    for path in [*package.rglob("*"), package]:
+        path.chmod(0o555 if path.is_dir() else 0o444)
+    script = NO_CACHE_SCRIPT
     try:
         result = run_child(
             script,
@@ -214,6 +218,29 @@ print(*[str(w.message) for w in caught], sep="\\n")
     assert result.returncode == 0, result.stderr[-3000:]
     first, *warnings = result.stdout.splitlines()
     assert first == f"{package / '__init__.py'} 276.0 (4, 3, 2)", result.stdout
+    assert len(warnings) == 1 and "NUMBA_CACHE_DIR" in warnings[0], result.stdout
+
+
+def test_no_writable_cache_location_for_a_zip_import(tmp_path):
+    """The package imported from a zip, no writable home, ``NUMBA_CACHE_DIR`` a path under
+    a file: in memory with one warning, as from a folder. numba's locator for a zip takes
+    the user's cache directory without checking it, and every call failed with
+    INTERNAL_ERROR "unexpected NotADirectoryError" (found by an outsider's attack)."""
+    packed = tmp_path / "cudnn_bn.zip"
+    with zipfile.ZipFile(packed, "w") as archive:
+        for path in (REPO / "cudnn_bn").rglob("*.py"):
+            archive.write(path, path.relative_to(REPO))
+    result = run_child(
+        NO_CACHE_SCRIPT,
+        PYTHONPATH=str(packed),
+        HOME="/dev/null",
+        XDG_CACHE_HOME="/dev/null",
+        NUMBA_CACHE_DIR="/dev/null/numba",
+        PYTHONDONTWRITEBYTECODE="1",
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    first, *warnings = result.stdout.splitlines()
+    assert first == f"{packed / 'cudnn_bn' / '__init__.py'} 276.0 (4, 3, 2)", result.stdout
     assert len(warnings) == 1 and "NUMBA_CACHE_DIR" in warnings[0], result.stdout
 
 
