@@ -133,33 +133,46 @@ class _Pool:
             report = (type(error), error, error.__traceback__, threading.current_thread())
             threading.excepthook(threading.ExceptHookArgs(report))
 
-    def post(self, task: Callable[[], None]) -> _Job:
-        """Hand ``task`` to the helpers."""
-        job = _Job(task)
+    def post(self, job: _Job) -> None:
+        """Hand ``job`` to the helpers."""
         with self.lock:
             self.job = job
             self.word[0] += 1
             if self.sleeping:
                 self.posted.notify_all()
-        return job
 
-    def close(self, job: _Job, state: np.ndarray | None, items: int) -> None:
+    def close(self, job: _Job, state: np.ndarray, items: int) -> None:
         """Take ``job`` back from the helpers once no helper can write for it any more:
-        every item done (``state[1]``, when the caller's task returned: every item was
-        claimed), or, after the caller's task failed, every helper that took it done. A
-        helper's exception is raised here."""
+        every item done (``state[1]``; the caller's task has returned, so every item was
+        claimed). A helper's exception is raised here."""
         with self.lock:
             job.closed, self.job = True, None
-        if state is None or not _await(state, 1, items, SPINS):
+        if not _await(state, 1, items, SPINS):
             with self.lock:
-                while job.error is None and (
-                    state[1] < items if state is not None else job.finished < job.taken
-                ):
+                while job.error is None and state[1] < items:
                     self.finished.wait()
         with self.lock:
             job.returned, error = True, job.error
-        if error is not None and state is not None:
+        if error is not None:
             raise error
+
+    def abandon(self, job: _Job) -> None:
+        """After the call raised (its task, a helper, or a signal handler while it posted
+        or waited): no helper takes ``job`` any more, and the caller waits for every helper
+        that took it, so that nothing writes the call's arrays once it has raised. An
+        exception raised meanwhile (another signal's) gives way to the call's own."""
+        while True:
+            try:
+                with self.lock:
+                    job.closed = True
+                    if self.job is job:
+                        self.job = None
+                    while job.finished < job.taken:
+                        self.finished.wait()
+                    job.returned = True
+                return
+            except BaseException:  # another signal: the call's own exception is raised after
+                continue
 
 
 _count = _configured_count()
@@ -235,13 +248,13 @@ def team(task: Callable[[], None], items: int, state: np.ndarray) -> None:
     if pool is None or not pool.busy.acquire(blocking=False):
         task()  # another caller has the helpers
         return
+    job = _Job(task)
     try:
-        job = pool.post(task)
-        try:
-            task()
-        except BaseException:
-            pool.close(job, None, items)
-            raise
+        pool.post(job)
+        task()
         pool.close(job, state, items)
+    except BaseException:
+        pool.abandon(job)
+        raise
     finally:
         pool.busy.release()
