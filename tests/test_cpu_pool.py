@@ -9,6 +9,7 @@ cpu_pool.py, the item kernels of cpu_kernels.py), checked against torch in float
 
 import gc
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -295,3 +296,25 @@ def test_a_call_interrupted_while_it_waits_for_a_helper_raises_after_it(two_thre
 
     raised = team_with_a_slow_helper(monkeypatch, interrupting, written)
     assert isinstance(raised, KeyboardInterrupt) and written == [0]
+
+
+def test_a_signal_while_the_caller_waits_for_a_helper_is_handled_after_the_wait(
+    two_threads, monkeypatch
+):
+    """A signal arriving while the caller waits for a helper is handled once the wait is
+    over (the helper done): inside it, a handler's exception while ``Condition.wait`` took
+    the pool's lock back left the lock unheld, and the call raised RuntimeError "cannot
+    release un-acquired lock" (as INTERNAL_ERROR) in its place (found by an outsider's
+    attack)."""
+    written, seen = [], []
+    previous = signal.signal(signal.SIGUSR1, lambda *_: seen.append(len(written)))
+
+    def signalled(wait, timeout):
+        signal.raise_signal(signal.SIGUSR1)
+        return wait(timeout)
+
+    try:
+        raised = team_with_a_slow_helper(monkeypatch, signalled, written)
+    finally:
+        signal.signal(signal.SIGUSR1, previous)
+    assert raised is None and written == [0] and seen == [1]

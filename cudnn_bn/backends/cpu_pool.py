@@ -19,8 +19,10 @@ executor's queue) cost a futex wake per step: 40-130 us here after 0.1-20 ms idl
 """
 
 import os
+import signal
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 import numba
 import numpy as np
@@ -148,7 +150,7 @@ class _Pool:
         with self.lock:
             job.closed, self.job = True, None
         if not _await(state, 1, items, SPINS):
-            with self.lock:
+            with _signals_deferred(), self.lock:
                 while job.error is None and state[1] < items:
                     self.finished.wait()
         with self.lock:
@@ -173,6 +175,29 @@ class _Pool:
                 return
             except BaseException:  # another signal: the call's own exception is raised after
                 continue
+
+
+# Signals a fault raises in the thread it hits: never held back.
+_SYNCHRONOUS = {signal.SIGSEGV, signal.SIGBUS, signal.SIGFPE, signal.SIGILL, signal.SIGABRT}
+
+
+@contextmanager
+def _signals_deferred() -> Iterator[None]:
+    """Signals held back from the main thread (where Python runs their handlers) while it
+    waits for a helper, and handled right after: a handler that raised while
+    ``Condition.wait`` took its lock back left the lock unheld (CPython's behaviour), and
+    the ``with`` block's exit then failed (RuntimeError, "cannot release un-acquired lock")
+    in place of the handler's exception."""
+    if threading.current_thread() is not threading.main_thread() or not hasattr(
+        signal, "pthread_sigmask"
+    ):
+        yield
+        return
+    held = signal.pthread_sigmask(signal.SIG_BLOCK, signal.valid_signals() - _SYNCHRONOUS)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, held)
 
 
 _count = _configured_count()
