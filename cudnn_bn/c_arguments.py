@@ -19,7 +19,7 @@ from collections.abc import Callable
 from typing import Any
 
 from .enums import Status
-from .errors import InfiniError
+from .errors import InfiniError, shown
 
 # Linux never maps the first 64 KiB (vm.mmap_min_addr) and user space ends at 2**47 on
 # x86-64, 2**48 on aarch64: a host address outside is no memory a caller owns.
@@ -33,15 +33,9 @@ Converter = Callable[[Any, str], Any]
 ArrayReader = Callable[[int], tuple[int, ...]]
 
 
-def _shown(value: Any) -> str:
-    """``value`` for a message: its repr cut short (a huge int's digits are no help)."""
-    shown = repr(value)
-    return shown if len(shown) <= 80 else f"{shown[:60]}... ({len(shown)} characters)"
-
-
 def _bad(name: str, expected: str, value: Any) -> InfiniError:
     return InfiniError(
-        Status.BAD_PARAM, f"{name} must be {expected}, got {_shown(value)} ({type(value).__name__})"
+        Status.BAD_PARAM, f"{name} must be {expected}, got {shown(value)} ({type(value).__name__})"
     )
 
 
@@ -103,7 +97,7 @@ def double(value: Any, name: str) -> float:
         return float(value)
     except OverflowError:
         raise InfiniError(
-            Status.BAD_PARAM, f"{name} is {_shown(value)}, outside the range of double"
+            Status.BAD_PARAM, f"{name} is {shown(value)}, outside the range of double"
         ) from None
 
 

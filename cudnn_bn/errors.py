@@ -103,6 +103,12 @@ class CudnnSymbolError(NotImplementedInfiniError):
     """The loaded libcudnn does not export a function this package needs."""
 
 
+def shown(value: object) -> str:
+    """``value`` for a message: its repr cut short (a huge int's digits are no help)."""
+    text = repr(value)
+    return text if len(text) <= 80 else f"{text[:60]}... ({len(text)} characters)"
+
+
 def respelled(exc: InfiniError, spelling: Mapping[str, str]) -> InfiniError:
     """``exc`` with the words of its message renamed by ``spelling`` (whole words), keeping
     its class; ``exc`` itself where nothing changes."""
@@ -124,13 +130,16 @@ _LIBRARIES = tuple(
 
 def raised_by_caller(exc: BaseException) -> bool:
     """Whether ``exc`` was raised by the caller's own code run inside a call (a signal
-    handler, a producer's own method): its innermost frame is neither this package's nor a
-    library's (the standard library, site-packages)."""
+    handler, a producer's own method): its innermost frame is the main program's (a script,
+    ``python -c``, a REPL or a notebook cell, whose file may be "<string>" or "<stdin>"), or
+    in a file neither this package's nor a library's (the standard library, site-packages)."""
     tb = exc.__traceback__
     if tb is None:
         return False
     while tb.tb_next is not None:
         tb = tb.tb_next
+    if tb.tb_frame.f_globals.get("__name__") == "__main__":
+        return True
     filename = tb.tb_frame.f_code.co_filename
     if not os.path.isabs(filename):  # "<string>", or a compiled module's source (.pyx)
         return False

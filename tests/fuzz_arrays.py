@@ -140,7 +140,7 @@ def close(got, want, tol: float, name: str, any_shape: bool = False) -> None:
 
 
 GOOD_REALS = [np.float32(1e-3), np.float64(0.01)]
-BAD_REALS = [-1.0, float("nan"), float("inf"), "0.1", None, True, [0.1]]
+BAD_REALS = [-1.0, float("nan"), float("inf"), "0.1", None, True, [0.1], 10**400]
 BAD_MODES = ["training", 7, -1, 1.5, None, True]
 MASKS = [
     (True, True, True), [True, False, True], (np.True_, np.False_, np.True_), (1, 1, 1),

@@ -13,6 +13,7 @@ import math
 import re
 import subprocess
 import sys
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -26,6 +27,7 @@ from hypothesis import strategies as st
 import cudnn_bn
 from cudnn_bn import DataType, Device, InfiniError, Status, capi
 from cudnn_bn.backends import cpu
+from cudnn_bn.nn import BatchNorm
 from cudnn_bn.tensor import contiguous_strides
 
 N, C, L = 2, 3, 4
@@ -670,6 +672,34 @@ def test_eps_zero_and_other_finite_values_are_accepted(eps):
     assert not buffers["grad_input"].untouched()
 
 
+def _backward_eps(x, big):
+    return cudnn_bn.batch_norm_backward(x, x, None, None, None, eps=big)
+
+
+def _training_momentum(x, big):
+    return cudnn_bn.batch_norm_forward_training(x, None, None, None, None, momentum=big)
+
+
+@pytest.mark.parametrize(
+    "entry, name",
+    [
+        (_backward_eps, "eps"),
+        (_training_momentum, "momentum"),
+        (lambda x, big: BatchNorm(3, eps=-big), "eps"),
+    ],
+)
+def test_a_number_beyond_any_double_is_a_bad_param_naming_it(entry, name):
+    """eps or momentum an int too large for a double (10**400) is BAD_PARAM naming it; it
+    was INTERNAL_ERROR "unexpected OverflowError ... int too large to convert to float"
+    (found by an outsider's attack)."""
+    message = (
+        rf"^BAD_PARAM: {name} is -?10+\.\.\. \(40[12] characters\), outside the range of double$"
+    )
+    with pytest.raises(InfiniError, match=message) as info:
+        entry(np.ones((2, 3), np.float32), 10**400)
+    assert info.value.status == Status.BAD_PARAM
+
+
 @pytest.mark.parametrize("mode", [0, 1, 2])
 def test_running_statistics_may_be_missing_only_in_train(mode):
     """NULL running data: fine in train (not read), NULL_POINTER in saved and eval."""
@@ -842,6 +872,25 @@ def test_a_compute_takes_an_integer_of_any_kind_as_its_int(kind):
     values = [kind(a.ctypes.data) for a in grads + inputs]
     with type(cached)(cached.handle, *cached.tensors[:8]) as op:
         op.compute(0, 0, *values, 0, 0)
+    for got, expected in zip(grads, want, strict=True):
+        np.testing.assert_array_equal(got, expected)
+
+
+@pytest.mark.parametrize("kind, size", [(np.uint64, 2**64 - 1), (np.int64, 2**63 - 1)])
+def test_a_compute_given_numpy_integers_near_their_range_warns_nothing(kind, size):
+    """NumPy integers whose sum overflows their type (a workspace size near its range) are
+    checked without NumPy's overflow warning, which under ``-W error`` escaped compute as a
+    RuntimeWarning (found by an outsider's attack)."""
+    args = array_args()
+    cudnn_bn.descriptor_cache.clear()
+    want = call_array(args)
+    (cached,) = cudnn_bn.descriptor_cache.descriptors()
+    grads = [np.zeros(SHAPE, np.float32), *(np.zeros(C, np.float32) for _ in range(2))]
+    inputs = [args[n] for n in ("input", "grad_output", "weight")]
+    values = [kind(a.ctypes.data) for a in grads + inputs]
+    with type(cached)(cached.handle, *cached.tensors[:8]) as op, warnings.catch_warnings():
+        warnings.simplefilter("error")
+        op.compute(kind(0), kind(size), *values, 0, 0)
     for got, expected in zip(grads, want, strict=True):
         np.testing.assert_array_equal(got, expected)
 

@@ -1,7 +1,8 @@
 """Where the CPU engine runs (issue 18), each case in a child process with a time limit:
 
 - in a child forked after a parallel call (``os.fork``, and ``multiprocessing.Pool`` with the
-  fork start method): GNU OpenMP killed or hung such children;
+  fork start method): GNU OpenMP killed or hung such children; and in one forked while
+  another thread compiles;
 - under every numba threading layer installed, from 16 Python threads at once: numba's
   ``workqueue`` layer aborted the process ("Concurrent access has been detected");
 - where no cache location is writable: every call failed with INTERNAL_ERROR ("no locator
@@ -20,6 +21,7 @@ import os
 import shutil
 import subprocess
 import sys
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -84,6 +86,64 @@ print(os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]))
     assert_printed(run_child(script), "0")
 
 
+def test_forked_child_while_another_thread_compiles():
+    """A fork while another thread compiles (holding numba's compiler lock, which the child
+    inherits held by a thread it does not have) waits for the compile: the child's own
+    first call hung for ever at that lock (found by an outsider's attack)."""
+    script = """
+import os, signal, threading, time
+import numpy as np, cudnn_bn
+from cudnn_bn.backends import cpu_pool  # what a first CPU call imports
+from numba.core.compiler_lock import global_compiler_lock
+
+held = threading.Event()
+
+def compiling():  # a first call in another thread, compiling for a second
+    with global_compiler_lock:
+        held.set()
+        time.sleep(1)
+
+threading.Thread(target=compiling).start()
+held.wait()
+pid = os.fork()
+if pid == 0:
+    import numba
+    signal.alarm(30)  # a child that hangs ends
+    numba.njit(lambda: 1)()  # its first compile: took the lock the thread held
+    signal.alarm(0)  # (its first call may compile for long on a cold cache)
+    x = np.ones((2, 3, 4), np.float32)
+    ones = np.ones(3, np.float32)
+    y = cudnn_bn.batch_norm_forward_inference(x, ones, 0 * ones, 0 * ones, ones)
+    os._exit(0 if np.allclose(y, x / np.sqrt(1 + 1e-5)) else 3)
+print(os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]))
+"""
+    assert_printed(run_child(script), "0")
+
+
+def test_numba_disable_jit_is_named_by_the_error():
+    """With ``NUMBA_DISABLE_JIT=1`` the CPU engine cannot run (its kernels are numba
+    intrinsics): a call, and a C-API descriptor's creation, fail with NOT_IMPLEMENTED naming
+    the variable; it was INTERNAL_ERROR "'function' object has no attribute 'compile'"
+    (found by an outsider's attack)."""
+    script = """
+import ctypes, numpy as np, cudnn_bn
+from cudnn_bn import InfiniError, capi
+x, ones = np.ones((2, 3, 4), np.float32), np.ones(3, np.float32)
+try:
+    cudnn_bn.batch_norm_forward_inference(x, ones, ones, ones, ones)
+except InfiniError as exc:
+    print(exc.status.name, "NUMBA_DISABLE_JIT=1" in str(exc))
+handle, desc, data = ctypes.c_void_p(), ctypes.c_void_p(), ctypes.c_void_p()
+capi.infiniopCreateHandle(ctypes.byref(handle))
+capi.infiniopCreateTensorDescriptor(ctypes.byref(desc), 1, (ctypes.c_size_t * 1)(3), None, 13)
+capi.infiniopCreateTensorDescriptor(ctypes.byref(data), 2, (ctypes.c_size_t * 2)(2, 3), None, 13)
+status = capi.infiniopCreateBatchNormForwardInferenceDescriptor(
+    handle, ctypes.byref(ctypes.c_void_p()), data, data, desc, desc, desc, desc)
+print(status, "NUMBA_DISABLE_JIT=1" in capi.last_error())
+"""
+    assert_printed(run_child(script, NUMBA_DISABLE_JIT="1"), "NOT_IMPLEMENTED True 2 True")
+
+
 def test_multiprocessing_pool_with_fork_after_a_parallel_call():
     script = (
         PROBLEM
@@ -119,16 +179,7 @@ with ThreadPoolExecutor(16) as threads:
     assert_printed(run_child(script, NUMBA_THREADING_LAYER=layer), "True")
 
 
-def test_no_writable_cache_location_compiles_in_memory_with_one_warning(tmp_path):
-    """The package in a read-only place (its ``__pycache__`` cannot be made: a file is in
-    the way, which stops root too), no writable home, ``NUMBA_CACHE_DIR`` unset."""
-    package = tmp_path / "site" / "cudnn_bn"
-    shutil.copytree(REPO / "cudnn_bn", package, ignore=shutil.ignore_patterns("__pycache__"))
-    for folder in [package, *(p for p in package.rglob("*") if p.is_dir())]:
-        (folder / "__pycache__").write_text("not a folder")
-    for path in [*package.rglob("*"), package]:
-        path.chmod(0o555 if path.is_dir() else 0o444)
-    script = """
+NO_CACHE_SCRIPT = """
 import warnings
 import numpy as np
 with warnings.catch_warnings(record=True) as caught:
@@ -141,6 +192,18 @@ with warnings.catch_warnings(record=True) as caught:
 print(cudnn_bn.__file__, float(gb.sum()), y.shape)
 print(*[str(w.message) for w in caught], sep="\\n")
 """
+
+
+def test_no_writable_cache_location_compiles_in_memory_with_one_warning(tmp_path):
+    """The package in a read-only place (its ``__pycache__`` cannot be made: a file is in
+    the way, which stops root too), no writable home, ``NUMBA_CACHE_DIR`` unset."""
+    package = tmp_path / "site" / "cudnn_bn"
+    shutil.copytree(REPO / "cudnn_bn", package, ignore=shutil.ignore_patterns("__pycache__"))
+    for folder in [package, *(p for p in package.rglob("*") if p.is_dir())]:
+        (folder / "__pycache__").write_text("not a folder")
+    for path in [*package.rglob("*"), package]:
+        path.chmod(0o555 if path.is_dir() else 0o444)
+    script = NO_CACHE_SCRIPT
     try:
         result = run_child(
             script,
@@ -156,6 +219,29 @@ print(*[str(w.message) for w in caught], sep="\\n")
     assert result.returncode == 0, result.stderr[-3000:]
     first, *warnings = result.stdout.splitlines()
     assert first == f"{package / '__init__.py'} 276.0 (4, 3, 2)", result.stdout
+    assert len(warnings) == 1 and "NUMBA_CACHE_DIR" in warnings[0], result.stdout
+
+
+def test_no_writable_cache_location_for_a_zip_import(tmp_path):
+    """The package imported from a zip, no writable home, ``NUMBA_CACHE_DIR`` a path under
+    a file: in memory with one warning, as from a folder. numba's locator for a zip takes
+    the user's cache directory without checking it, and every call failed with
+    INTERNAL_ERROR "unexpected NotADirectoryError" (found by an outsider's attack)."""
+    packed = tmp_path / "cudnn_bn.zip"
+    with zipfile.ZipFile(packed, "w") as archive:
+        for path in (REPO / "cudnn_bn").rglob("*.py"):
+            archive.write(path, path.relative_to(REPO))
+    result = run_child(
+        NO_CACHE_SCRIPT,
+        PYTHONPATH=str(packed),
+        HOME="/dev/null",
+        XDG_CACHE_HOME="/dev/null",
+        NUMBA_CACHE_DIR="/dev/null/numba",
+        PYTHONDONTWRITEBYTECODE="1",
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    first, *warnings = result.stdout.splitlines()
+    assert first == f"{packed / 'cudnn_bn' / '__init__.py'} 276.0 (4, 3, 2)", result.stdout
     assert len(warnings) == 1 and "NUMBA_CACHE_DIR" in warnings[0], result.stdout
 
 

@@ -4,8 +4,12 @@ caller owns is written when a call fails. References: NumPy's array interface pr
 (v3), DLPack 1.0 (``dlpack.h``), torch's own reading of its tensors (``resolve_neg``)."""
 
 import ctypes
+import os
 import signal
+import subprocess
+import sys
 import weakref
+from pathlib import Path
 
 import ml_dtypes
 import numpy as np
@@ -169,6 +173,36 @@ def test_a_callers_own_exception_passes_through_unchanged():
             cudnn_bn.batch_norm_backward(Slow(), Slow(), None, None, None)
     finally:
         signal.signal(signal.SIGALRM, previous)
+
+
+def test_a_callers_own_exception_from_python_c_passes_through_unchanged():
+    """The same from code run as ``python -c`` (or typed at a REPL or in a notebook: its
+    file is "<string>", "<stdin>", "<ipython-input-...>"): it was INTERNAL_ERROR
+    "unexpected TimeoutError" (found by an outsider's attack)."""
+    script = """
+import signal
+import cudnn_bn
+
+class Slow:
+    @property
+    def __array_interface__(self):
+        signal.raise_signal(signal.SIGALRM)
+
+def handler(signum, frame):
+    raise TimeoutError("the caller's deadline")
+
+signal.signal(signal.SIGALRM, handler)
+try:
+    cudnn_bn.batch_norm_backward(Slow(), Slow(), None, None, None)
+except TimeoutError as exc:
+    print(exc)
+"""
+    child = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=60,
+        env=dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parent.parent)),
+    )  # fmt: skip
+    assert child.returncode == 0, child.stderr[-3000:]
+    assert child.stdout == "the caller's deadline\n"
 
 
 # --- finding 4: byte order, every dtype --------------------------------------------------------

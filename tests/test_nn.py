@@ -354,6 +354,7 @@ def test_like_makes_the_state_at_once_in_that_library():
     [
         (dict(num_features=0), "num_features"),
         (dict(num_features=3.0), "num_features"),
+        (dict(num_features=2**70), "num_features"),  # INTERNAL_ERROR from NumPy before
         (dict(num_features=3, eps=-1.0), "eps"),
         (dict(num_features=3, momentum=2.0), "momentum"),
         (dict(num_features=3, fusion="gelu"), "fusion"),
@@ -364,6 +365,19 @@ def test_bad_arguments_raise_bad_param(kwargs, words):
     with pytest.raises(InfiniError) as info:
         BatchNorm(**kwargs)
     assert info.value.status == Status.BAD_PARAM and words in str(info.value)
+
+
+def test_train_takes_a_bool_and_load_state_dict_a_mapping():
+    """As torch's ``Module.train`` (which refuses a mode that is not a bool) and
+    ``load_state_dict``: ``train("yes")`` switched to training mode, and ``load_state_dict(None)``
+    was INTERNAL_ERROR "unexpected TypeError" (found by an outsider's attack)."""
+    layer = BatchNorm(3).eval()
+    for call in (lambda: layer.train("yes"), lambda: layer.load_state_dict(None)):
+        with pytest.raises(InfiniError) as info:
+            call()
+        assert info.value.status == Status.BAD_PARAM
+    assert not layer.training
+    assert layer.train(True) is layer and layer.training
 
 
 def test_bad_input_raises_infini_error_and_changes_nothing():

@@ -21,6 +21,7 @@ from operator import itemgetter
 from typing import Any, NamedTuple
 
 import numpy as np
+from numba.core import config
 
 from ..address_tests import compiled_test, meeting
 from ..dtypes import FLOAT_TYPES
@@ -120,6 +121,12 @@ class _HostKernel:
     channel_fields: tuple[str | None, ...]
 
     def __init__(self, data: list[TensorDesc | None], channel: list[TensorDesc | None]) -> None:
+        if config.DISABLE_JIT:  # the kernels are numba intrinsics: nothing runs uncompiled
+            raise InfiniError(
+                Status.NOT_IMPLEMENTED,
+                "the CPU engine compiles its kernels with numba, and NUMBA_DISABLE_JIT=1 turns "
+                "numba's compiler off: unset NUMBA_DISABLE_JIT",
+            )
         self.data = data
         self.layout = Layout.of(data)
         self.spans = np.zeros(SLOTS, dtype=np.int64)  # absent slots: empty

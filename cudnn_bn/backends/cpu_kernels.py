@@ -79,12 +79,20 @@ def jit(function=None, *, cache=True, **options):
         settings = {"nogil": True, "error_model": "numpy", **options}
         if cache and _cache[0]:
             try:
-                return numba.njit(cache=True, **settings)(f)
+                cached = numba.njit(cache=True, **settings)(f)
             except RuntimeError as error:  # numba's "cannot cache ...: no locator available"
                 if "no locator" not in str(error):
                     raise
-                _cache[0] = False
-                warnings.warn(NO_CACHE_WARNING, RuntimeWarning, stacklevel=3)
+            else:
+                try:  # numba's locator for a zip import takes the user's cache unchecked (its
+                    # first call then failed to read its index); NUMBA_DISABLE_JIT: no cache
+                    if hasattr(cached, "_cache"):
+                        cached._cache._impl.locator.ensure_cache_path()
+                    return cached
+                except OSError:
+                    pass
+            _cache[0] = False
+            warnings.warn(NO_CACHE_WARNING, RuntimeWarning, stacklevel=3)
         return numba.njit(**settings)(f)
 
     return compile_lazily if function is None else compile_lazily(function)

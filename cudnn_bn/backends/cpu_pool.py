@@ -19,11 +19,14 @@ executor's queue) cost a futex wake per step: 40-130 us here after 0.1-20 ms idl
 """
 
 import os
+import signal
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 import numba
 import numpy as np
+from numba.core.compiler_lock import global_compiler_lock
 
 from .cpu_kernels import _atomic_read, jit
 
@@ -66,7 +69,9 @@ class _Pool:
     def __init__(self, helpers: int) -> None:
         self.helpers = helpers
         self.word = np.zeros(1, np.int64)  # the number of the latest job (or stop)
-        self.lock = threading.Lock()  # guards the job and the counts below
+        # Guards the job and the counts below; reentrant: a signal handler may make a call
+        # (and post its job) in a thread that holds it, waking the helpers for another call.
+        self.lock = threading.RLock()
         self.posted = threading.Condition(self.lock)  # sleeping helpers wait here
         self.finished = threading.Condition(self.lock)  # a caller waits here for helpers
         self.busy = threading.Lock()  # held by the caller whose job it is
@@ -130,33 +135,69 @@ class _Pool:
             report = (type(error), error, error.__traceback__, threading.current_thread())
             threading.excepthook(threading.ExceptHookArgs(report))
 
-    def post(self, task: Callable[[], None]) -> _Job:
-        """Hand ``task`` to the helpers."""
-        job = _Job(task)
+    def post(self, job: _Job) -> None:
+        """Hand ``job`` to the helpers."""
         with self.lock:
             self.job = job
             self.word[0] += 1
             if self.sleeping:
                 self.posted.notify_all()
-        return job
 
-    def close(self, job: _Job, state: np.ndarray | None, items: int) -> None:
+    def close(self, job: _Job, state: np.ndarray, items: int) -> None:
         """Take ``job`` back from the helpers once no helper can write for it any more:
-        every item done (``state[1]``, when the caller's task returned: every item was
-        claimed), or, after the caller's task failed, every helper that took it done. A
-        helper's exception is raised here."""
+        every item done (``state[1]``; the caller's task has returned, so every item was
+        claimed). A helper's exception is raised here."""
         with self.lock:
             job.closed, self.job = True, None
-        if state is None or not _await(state, 1, items, SPINS):
-            with self.lock:
-                while job.error is None and (
-                    state[1] < items if state is not None else job.finished < job.taken
-                ):
+        if not _await(state, 1, items, SPINS):
+            with _signals_deferred(), self.lock:
+                while job.error is None and state[1] < items:
                     self.finished.wait()
         with self.lock:
             job.returned, error = True, job.error
-        if error is not None and state is not None:
+        if error is not None:
             raise error
+
+    def abandon(self, job: _Job) -> None:
+        """After the call raised (its task, a helper, or a signal handler while it posted
+        or waited): no helper takes ``job`` any more, and the caller waits for every helper
+        that took it, so that nothing writes the call's arrays once it has raised. An
+        exception raised meanwhile (another signal's) gives way to the call's own."""
+        while True:
+            try:
+                with self.lock:
+                    job.closed = True
+                    if self.job is job:
+                        self.job = None
+                    while job.finished < job.taken:
+                        self.finished.wait()
+                    job.returned = True
+                return
+            except BaseException:  # another signal: the call's own exception is raised after
+                continue
+
+
+# Signals a fault raises in the thread it hits: never held back.
+_SYNCHRONOUS = {signal.SIGSEGV, signal.SIGBUS, signal.SIGFPE, signal.SIGILL, signal.SIGABRT}
+
+
+@contextmanager
+def _signals_deferred() -> Iterator[None]:
+    """Signals held back from the main thread (where Python runs their handlers) while it
+    waits for a helper, and handled right after: a handler that raised while
+    ``Condition.wait`` took its lock back left the lock unheld (CPython's behaviour), and
+    the ``with`` block's exit then failed (RuntimeError, "cannot release un-acquired lock")
+    in place of the handler's exception."""
+    if threading.current_thread() is not threading.main_thread() or not hasattr(
+        signal, "pthread_sigmask"
+    ):
+        yield
+        return
+    held = signal.pthread_sigmask(signal.SIG_BLOCK, signal.valid_signals() - _SYNCHRONOUS)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, held)
 
 
 _count = _configured_count()
@@ -175,15 +216,21 @@ def set_thread_count(count: int) -> None:
     _count = max(1, int(count))
 
 
-def _helpers(count: int) -> _Pool:
-    """The pool of ``count`` helper threads (a new one when the thread count changed)."""
+def _helpers(count: int) -> _Pool | None:
+    """The pool of ``count`` helper threads (a new one when the thread count changed); None
+    while another call makes it, or this thread does in a call a signal handler interrupted:
+    that call runs alone rather than wait (for itself)."""
     global _pool
-    with _lock:
+    if not _lock.acquire(blocking=False):
+        return None
+    try:
         if _pool is None or _pool.helpers != count:
             if _pool is not None:
                 _pool.stop()
             _pool = _Pool(count)
         return _pool
+    finally:
+        _lock.release()
 
 
 def _forget_pool() -> None:
@@ -193,13 +240,21 @@ def _forget_pool() -> None:
 
 
 os.register_at_fork(after_in_child=_forget_pool)
+# A fork waits for a compile in another thread to end: a child forked while that thread held
+# numba's compiler lock would wait for it forever at its own first compile.
+os.register_at_fork(
+    before=global_compiler_lock.acquire,
+    after_in_parent=global_compiler_lock.release,
+    after_in_child=global_compiler_lock.release,
+)
 
 
 def wake() -> None:
     """Wake the helpers now, ahead of a large call's first ``team``: waking a sleeping
     thread takes tens to hundreds of microseconds, which then overlap the caller's work."""
-    if _count > 1:
-        _helpers(_count - 1).wake()
+    pool = _helpers(_count - 1) if _count > 1 else None
+    if pool is not None:
+        pool.wake()
 
 
 def team(task: Callable[[], None], items: int, state: np.ndarray) -> None:
@@ -215,16 +270,16 @@ def team(task: Callable[[], None], items: int, state: np.ndarray) -> None:
         task()
         return
     pool = _helpers(_count - 1)
-    if not pool.busy.acquire(blocking=False):
+    if pool is None or not pool.busy.acquire(blocking=False):
         task()  # another caller has the helpers
         return
+    job = _Job(task)
     try:
-        job = pool.post(task)
-        try:
-            task()
-        except BaseException:
-            pool.close(job, None, items)
-            raise
+        pool.post(job)
+        task()
         pool.close(job, state, items)
+    except BaseException:
+        pool.abandon(job)
+        raise
     finally:
         pool.busy.release()

@@ -6,7 +6,8 @@ Each pass is one call of the array API; the running statistics are updated in pl
 training forward itself.
 """
 
-from collections.abc import Callable
+import sys
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
@@ -20,6 +21,7 @@ from . import libraries
 
 _public = raises_only_infini_errors({})
 FUSIONS = (None, "relu", "add_relu")
+_MOST_FEATURES = sys.maxsize // 8  # channels whose float64 arrays NumPy can make
 Backward = Callable[[Any], tuple[Any, ...]]
 
 
@@ -85,8 +87,12 @@ class BatchNorm:
             raise InfiniError(
                 Status.BAD_PARAM, f"num_features must be an int, got {num_features!r}"
             )
-        if num_features <= 0:
-            raise InfiniError(Status.BAD_PARAM, f"num_features must be > 0, got {num_features}")
+        if not 0 < num_features <= _MOST_FEATURES:
+            raise InfiniError(
+                Status.BAD_PARAM,
+                f"num_features must be from 1 to {_MOST_FEATURES} (its float64 arrays must fit the "
+                f"address space), got {num_features}",
+            )
         if fusion not in FUSIONS:
             raise InfiniError(
                 Status.BAD_PARAM, f"fusion must be None, 'relu' or 'add_relu', got {fusion!r}"
@@ -128,9 +134,13 @@ class BatchNorm:
 
     # --- modes and gradients ----------------------------------------------------------------
 
+    @_public
     def train(self, mode: bool = True) -> "BatchNorm":
-        """Training mode (batch statistics) or, with ``mode=False``, eval mode."""
-        self.training = bool(mode)
+        """Training mode (batch statistics) or, with ``mode=False``, eval mode; ``mode`` a
+        bool, as torch's ``Module.train`` takes it."""
+        if not isinstance(mode, bool):
+            raise InfiniError(Status.BAD_PARAM, f"mode must be True or False, got {mode!r}")
+        self.training = mode
         return self
 
     def eval(self) -> "BatchNorm":
@@ -276,6 +286,10 @@ class BatchNorm:
         """Copy a state (``state_dict()``'s names; arrays of any of the three libraries or
         anything NumPy reads, e.g. a torch module's state) into the layer's arrays, in place.
         ``strict``: missing or unexpected names raise. Everything is checked first."""
+        if not isinstance(state, Mapping):
+            raise InfiniError(
+                Status.BAD_PARAM, f"state must be a mapping of names to arrays, got {state!r}"
+            )
         expected = list(self.defaults())
         if self.track_running_stats:
             expected.append("num_batches_tracked")

@@ -230,9 +230,11 @@ class OperatorDescriptor:
         """
         sizes = (workspace, workspace_size, stream, 0 if reserve_size is None else reserve_size)
         try:  # every value an integer in [0, 2**64) at C speed (struct, which takes any
-            # __index__ too: the sum's type says all are Python's ints); True is no address
+            # __index__ too: a float sum's type says all are Python's ints, and NumPy's
+            # integers, added as floats, overflow with no warning); True is no address
             self._words.pack(*ptrs, *sizes)  # (False is 0 to Python, and so NULL here)
-            exact = type(sum(ptrs, sum(sizes))) is int and True not in ptrs and True not in sizes
+            total = sum(ptrs, sum(sizes, 0.0))
+            exact = type(total) is float and True not in ptrs and True not in sizes
         except (struct.error, TypeError):
             exact = False
         if not exact:

@@ -10,7 +10,7 @@ from typing import Any, NamedTuple, TypeVar
 import numpy as np
 
 from ..enums import DataType, Status
-from ..errors import InfiniError
+from ..errors import InfiniError, shown
 from ..tensor import TensorDesc
 
 FLOAT_DTYPES = (DataType.F16, DataType.BF16, DataType.F32, DataType.F64)
@@ -93,7 +93,12 @@ def _number(name: str, value: object) -> float:
     """``value`` as a float if it is a real number (not a string or a bool), else BAD_PARAM."""
     if isinstance(value, str | bytes | bool) or not isinstance(value, numbers.Real):
         raise InfiniError(Status.BAD_PARAM, f"{name} must be a number, got {value!r}")
-    return float(value)
+    try:
+        return float(value)
+    except OverflowError:  # an int (or Fraction) beyond any double
+        raise InfiniError(
+            Status.BAD_PARAM, f"{name} is {shown(value)}, outside the range of double"
+        ) from None
 
 
 def check_eps(eps: object) -> float:
