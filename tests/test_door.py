@@ -133,6 +133,17 @@ def test_malformed_array_interfaces_are_refused_naming_the_argument(case):
     assert "grad_output" in str(caught.value) and words in str(caught.value)
 
 
+def test_an_array_with_elements_at_address_0_is_refused_in_words_its_api_uses():
+    """The door says where the elements are; the array API's renaming of the C API's words
+    (``NULL`` -> ``None``) turned its message into "... elements at None"."""
+    _, dy, w, _ = problem()
+    null = Interface(shape=dy.shape, typestr=dy.dtype.str, data=(0, False))
+    with pytest.raises(InfiniError) as caught:
+        cudnn_bn.batch_norm_backward(dy, null, w, None, None)
+    assert caught.value.status == Status.NULL_POINTER, str(caught.value)
+    assert f"grad_output has {dy.size} elements at address 0" in str(caught.value)
+
+
 def test_a_typestr_that_is_not_a_string_is_refused():
     """``np.dtype(None)`` is float64: a typestr of None was read as "<f8" whatever the
     data held (found by the array fuzzer). The protocol's typestr is a string."""

@@ -127,7 +127,7 @@ def described(
         raise InfiniError(Status.BAD_PARAM, f"{name} has data address {ptr}, not a pointer")
     if desc.numel:
         if not ptr:
-            raise InfiniError(Status.NULL_POINTER, f"{name} has {desc.numel} elements at NULL")
+            raise InfiniError(Status.NULL_POINTER, f"{name} has {desc.numel} elements at address 0")
         if ptr % ITEMSIZE[desc.dtype]:
             raise InfiniError(
                 Status.BAD_TENSOR_STRIDES,
