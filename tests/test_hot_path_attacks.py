@@ -126,3 +126,55 @@ def test_an_address_off_by_part_of_an_element_is_refused_on_a_hit(dtype, offset)
     assert shifted.strides == x.strides and not shifted.flags.aligned
     with pytest.raises(InfiniError, match=r"grad_output's data .* not aligned"):
         cudnn_bn.batch_norm_backward(x, shifted, np.ones(C, dtype), None, None)
+
+
+class _Stream:
+    """A stream object as CuPy's and torch's are read: its address as ``ptr``."""
+
+    ptr = 7
+
+
+@pytest.mark.parametrize(
+    "stream",
+    ["a", True, -1, 1 << 64, 1.5, object()],
+    ids=["str", "bool", "-1", "2**64", "float", "object"],
+)
+def test_what_is_no_stream_is_refused_with_host_arrays_on_a_miss_and_a_hit(stream):
+    """Host arrays run on no stream, and code written for both may pass one; what is no
+    stream at all is BAD_PARAM naming ``stream`` (as on a device), and nothing is written.
+    It was taken and ignored, on a miss and a hit."""
+    rng = np.random.default_rng(5)
+    x = rng.standard_normal((4, C, 5))
+    w, b, mean, var = np.ones(C), np.zeros(C), np.zeros(C), np.ones(C)
+    calls = {
+        "training": lambda s: cudnn_bn.batch_norm_forward_training(x, w, b, mean, var, stream=s),
+        "inference": lambda s: cudnn_bn.batch_norm_forward_inference(x, w, b, mean, var, stream=s),
+        "backward": lambda s: cudnn_bn.batch_norm_backward(x, x, w, None, None, stream=s),
+        "batched": lambda s: cudnn_bn.batch_norm_backward_batched(
+            x[None], x[None], w, None, None, stream=s
+        ),
+    }
+    for name, call in calls.items():
+        for hit in (False, True):
+            cudnn_bn.descriptor_cache.clear()
+            if hit:
+                call(None)
+            before = mean.copy(), var.copy()
+            with pytest.raises(InfiniError, match="stream") as caught:
+                call(stream)
+            assert caught.value.status == cudnn_bn.Status.BAD_PARAM, (name, hit)
+            assert np.array_equal(mean, before[0]) and np.array_equal(var, before[1]), name
+
+
+def test_a_stream_given_with_host_arrays_is_taken_and_changes_nothing():
+    """An int in [0, 2**64) or a stream object is a stream: a host call given one runs as
+    given none."""
+    rng = np.random.default_rng(6)
+    x = rng.standard_normal((4, C, 5))
+    w = np.ones(C)
+    want = cudnn_bn.batch_norm_backward(x, x, w, None, None)
+    for stream in (0, 7, (1 << 64) - 1, _Stream()):
+        for got, expected in zip(
+            cudnn_bn.batch_norm_backward(x, x, w, None, None, stream=stream), want, strict=True
+        ):
+            np.testing.assert_array_equal(got, expected)

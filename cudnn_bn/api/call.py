@@ -40,7 +40,7 @@ from ..runtime import Handle
 from ..tensor import ITEMSIZE, TensorDesc
 from .outputs import out_arrays
 from .spelling import SPELLING
-from .streams import call_place, call_stream
+from .streams import call_place, call_stream, host_stream
 
 descriptor_cache = DescriptorCache()
 _PER_THREAD = 2  # cudaStreamPerThread: the calling host thread's default stream
@@ -438,6 +438,7 @@ def _build(
         "result": spec.result,
         "launch": launch.call,
         "call_place": call_place,
+        "host_stream": host_stream,
         "place": (kind, device, device_id),
         "address": kind.address,
         "workspaces": Workspaces(kind, descriptor.workspace_size),
@@ -463,7 +464,8 @@ def _plan_call(
     """The source of a plan's ``call`` (``Plan``), in the names ``_build`` gives it
     (``aligned``, ``launch``...): its checks (the tests ``aligned`` and ``disjoint``, each
     empty where there is nothing to test, and the closer looks they call for), the stream
-    and allocation scope on a device, one line per allocated array, the launch on the values
+    and allocation scope on a device (on the host, a check of a stream given), one line per
+    allocated array, the launch on the values
     ``picked`` (expressions), and the objects ``returned``, through the pass's ``result``
     if it has one."""
     body = [f"if {aligned}:", "    aligned(ptrs, arrays, spec)"] if aligned else []
@@ -472,8 +474,9 @@ def _plan_call(
     if on_device:
         body += ["stream, scope = call_place(stream, like, *place)", "with scope:"]
         indent = "    "
-    elif not direct:
-        body += ["stream = 0"]
+    else:  # host memory runs on no stream; one given must still be a stream
+        body += ["if stream is not None:", "    host_stream(stream)"]
+        body += [] if direct else ["stream = 0"]
     launch = [
         line for k in range(outputs) for line in (f"o{k} = allocate{k}()", f"p{k} = address(o{k})")
     ]

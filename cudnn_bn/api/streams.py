@@ -22,8 +22,10 @@ def resolve_stream(stream: Any, like: Any) -> int:
 def call_stream(stream: Any, like: Any, device: Device, device_id: int) -> int:
     """A ``cudaStream_t`` address from an int, a CuPy or torch stream, a ``__cuda_stream__``
     object, or the current stream of the arrays' device (torch's for torch tensors, else
-    CuPy's)."""
+    CuPy's); 0 on the CPU, where a ``stream=`` given must still be one of those."""
     if device == Device.CPU:
+        if stream is not None:
+            host_stream(stream)
         return 0
     if stream is None:
         return (TORCH if is_torch(like) else CUPY).current(like, device_id)[0]
@@ -44,9 +46,15 @@ def call_place(
     return ptr, kind.scope(like, ptr, device_id)
 
 
-def given_stream(stream: Any, device_id: int) -> int:
+def host_stream(stream: Any) -> None:
+    """Check a ``stream=`` given with host arrays, which run on none (code written for both
+    may pass one): what ``given_stream`` takes, on any device."""
+    given_stream(stream, None)
+
+
+def given_stream(stream: Any, device_id: int | None) -> int:
     """The ``cudaStream_t`` address of a ``stream=`` the caller gave, which must not belong
-    to a device other than ``device_id``."""
+    to a device other than ``device_id`` (None: any)."""
     if isinstance(stream, int) and not isinstance(stream, bool):
         if not 0 <= stream < 1 << 64:
             raise InfiniError(Status.BAD_PARAM, f"stream {stream} is not a cudaStream_t")
@@ -62,7 +70,7 @@ def given_stream(stream: Any, device_id: int) -> int:
         )
     # CuPy streams know their device as .device_id (-1: unknown), torch's as .device.
     owner = getattr(stream, "device_id", getattr(getattr(stream, "device", None), "index", None))
-    if isinstance(owner, int) and owner >= 0 and owner != device_id:
+    if device_id is not None and isinstance(owner, int) and owner >= 0 and owner != device_id:
         raise InfiniError(
             Status.BAD_PARAM,
             f"stream is on device {owner} but the arrays are on NVIDIA:{device_id}",
