@@ -63,7 +63,7 @@ OUTPUTS = {"backward": 3, "training": 3, "inference": 1}  # entry points taking 
 OUT_FORMS = ["good", "good", "partial", "readonly", "alias_input", "alias_each_other",
              "wrong_shape", "wrong_dtype", "big_endian", "wrong_kind"]  # fmt: skip
 IN_PLACE_MIN_VALUES = batched_host.MIN_VALUES
-TWINS = ["misaligned", "readonly_written", "overlap", "bool_option"]
+TWINS = ["misaligned", "readonly_written", "overlap", "bool_option", "bad_stream"]
 
 
 def arrange(values: np.ndarray, form: str, dtype) -> object:
@@ -142,6 +142,18 @@ def close(got, want, tol: float, name: str, any_shape: bool = False) -> None:
 GOOD_REALS = [np.float32(1e-3), np.float64(0.01)]
 BAD_REALS = [-1.0, float("nan"), float("inf"), "0.1", None, True, [0.1], 10**400]
 BAD_MODES = ["training", 7, -1, 1.5, None, True]
+
+
+class _Stream:
+    """A stream object as the array API reads CuPy's and torch's: its address as ``ptr``."""
+
+    ptr = 7
+
+
+# ``stream=`` of the array API's entry points (AFFINE_OPTIONAL): host arrays run on no
+# stream, but one given must be one (an int in [0, 2**64) or a stream object).
+GOOD_STREAMS = [None, None, None, 0, 7, (1 << 64) - 1, _Stream()]
+BAD_STREAMS = ["a", True, -1, 1 << 64, 1.5, object()]
 MASKS = [
     (True, True, True), [True, False, True], (np.True_, np.False_, np.True_), (1, 1, 1),
     (True, True), "all", None, (False, False, False),
@@ -222,6 +234,7 @@ def draw_problem(draw) -> Problem:
             )
         ),
         "output_mask": draw(st.sampled_from(MASKS[:3] if good else MASKS)),
+        "stream": draw(st.sampled_from(GOOD_STREAMS + ([] if good else BAD_STREAMS))),
         "batch": batch,
         "in_place": draw(st.booleans()),  # batched: at any size (else only large problems)
     }
@@ -286,18 +299,36 @@ def call(entry: str, args: dict, s: dict, out: tuple | None) -> list:
     rm, rv, sm, si = (
         args[n] for n in ("running_mean", "running_var", "saved_mean", "saved_invstd")
     )
-    eps, spatial = s["eps"], cupyx.CUDNN_BATCHNORM_SPATIAL
+    eps, spatial, stream = s["eps"], cupyx.CUDNN_BATCHNORM_SPATIAL, s["stream"]
     outs = {} if out is None else {"out": out}
     if entry == "backward":
         return list(
             cudnn_bn.batch_norm_backward(
-                x, dy, w, rm, rv, eps=eps, mode=s["mode"], output_mask=s["output_mask"], **outs
+                x,
+                dy,
+                w,
+                rm,
+                rv,
+                eps=eps,
+                mode=s["mode"],
+                output_mask=s["output_mask"],
+                stream=stream,
+                **outs,
             )
         )
     if entry == "backward_saved":
         return list(
             cudnn_bn.batch_norm_backward(
-                x, dy, w, None, None, eps=eps, mode="saved", saved_mean=sm, saved_invstd=si
+                x,
+                dy,
+                w,
+                None,
+                None,
+                eps=eps,
+                mode="saved",
+                saved_mean=sm,
+                saved_invstd=si,
+                stream=stream,
             )
         )
     if entry == "batched":  # folded with copies, or in place, as drawn
@@ -305,15 +336,19 @@ def call(entry: str, args: dict, s: dict, out: tuple | None) -> list:
         if minimum != batched_host.MIN_VALUES:  # a problem is folded or not once
             batched_host.MIN_VALUES = minimum
             cudnn_bn.descriptor_cache.clear()
-        return list(cudnn_bn.batch_norm_backward_batched(x, dy, w, None, None, eps=eps))
+        return list(
+            cudnn_bn.batch_norm_backward_batched(x, dy, w, None, None, eps=eps, stream=stream)
+        )
     if entry == "training":
         outputs = cudnn_bn.batch_norm_forward_training(
-            x, w, b, rm, rv, momentum=s["momentum"], eps=eps, **outs
+            x, w, b, rm, rv, momentum=s["momentum"], eps=eps, stream=stream, **outs
         )
         return [*outputs, rm, rv]
     if entry == "inference":
         outs = {"out": out[0]} if out is not None else {}  # one array, not a tuple
-        return [cudnn_bn.batch_norm_forward_inference(x, w, b, rm, rv, eps=eps, **outs)]
+        return [
+            cudnn_bn.batch_norm_forward_inference(x, w, b, rm, rv, eps=eps, stream=stream, **outs)
+        ]
     if entry == "cupyx_training":
         out = cupyx.batch_normalization_forward_training(
             x, w, b, rm, rv, sm, si, eps, _decay(s["momentum"]), True, spatial, False
@@ -484,6 +519,7 @@ def attempt(p: Problem, must_refuse: str = "") -> None:
     COUNTS["b_in_place"] += entry == "batched" and p.scalars["in_place"]
     COUNTS["affine_false"] += args["weight"] is None or args["bias"] is None
     COUNTS["clean"] += p.clean
+    COUNTS["bad_stream"] += any(p.scalars["stream"] is bad for bad in BAD_STREAMS)
     if p.out_form is not None:
         COUNTS[f"out_{p.out_form}"] += 1
     before = {n: snapshot(a, marks.get(n)) for n, a in every.items()}
@@ -509,6 +545,8 @@ def attempt(p: Problem, must_refuse: str = "") -> None:
         _refused(p, exc, every, before, touched, host)
         return
     COUNTS["accepted"] += 1
+    if entry in AFFINE_OPTIONAL and any(p.scalars["stream"] is bad for bad in BAD_STREAMS):
+        raise violation("wrong", f"{entry} accepted stream={p.scalars['stream']!r}")
     producers = {id(a): marks[n] for n, a in args.items() if n in marks}
     got = [producers[id(g)].now() if id(g) in producers else g for g in got]  # written ones
     if Tripwire.touched != touched and host:
@@ -630,6 +668,9 @@ def twin(p: Problem, draw) -> str:
     if p.twin == "overlap" and p.entry in ("training", "cupyx_training"):
         _written_pair(p, overlapping=True)
         return "overlapping running statistics"
+    if p.twin == "bad_stream" and p.entry in AFFINE_OPTIONAL:
+        p.scalars["stream"] = BAD_STREAMS[0]
+        return f"stream={BAD_STREAMS[0]!r}"
     if p.twin == "bool_option":
         key = {"training": "momentum", "backward": "mode"}.get(p.entry, "eps")
         p.scalars[key] = True
