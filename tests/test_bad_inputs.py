@@ -858,11 +858,9 @@ class _Address:
         return self.value
 
 
-@pytest.mark.parametrize("kind", [_Address, np.uint64, np.int64])
-def test_a_compute_takes_an_integer_of_any_kind_as_its_int(kind):
-    """An address given as any integer (``__index__``) is its int: the compute runs as with
-    Python's (an ``__index__`` object passed struct's check unconverted and escaped as a
-    TypeError from the CPU engine's range check)."""
+def _compute_with(kind, workspace=0, size=0) -> None:
+    """The cached backward's compute on gradients and inputs whose addresses are given as
+    ``kind`` integers (with ``workspace`` and its ``size``): the array API's results."""
     args = array_args()
     cudnn_bn.descriptor_cache.clear()
     want = call_array(args)
@@ -871,9 +869,17 @@ def test_a_compute_takes_an_integer_of_any_kind_as_its_int(kind):
     inputs = [args[n] for n in ("input", "grad_output", "weight")]
     values = [kind(a.ctypes.data) for a in grads + inputs]
     with type(cached)(cached.handle, *cached.tensors[:8]) as op:
-        op.compute(0, 0, *values, 0, 0)
+        op.compute(workspace, size, *values, 0, 0)
     for got, expected in zip(grads, want, strict=True):
         np.testing.assert_array_equal(got, expected)
+
+
+@pytest.mark.parametrize("kind", [_Address, np.uint64, np.int64])
+def test_a_compute_takes_an_integer_of_any_kind_as_its_int(kind):
+    """An address given as any integer (``__index__``) is its int: the compute runs as with
+    Python's (an ``__index__`` object passed struct's check unconverted and escaped as a
+    TypeError from the CPU engine's range check)."""
+    _compute_with(kind)
 
 
 @pytest.mark.parametrize("kind, size", [(np.uint64, 2**64 - 1), (np.int64, 2**63 - 1)])
@@ -881,18 +887,9 @@ def test_a_compute_given_numpy_integers_near_their_range_warns_nothing(kind, siz
     """NumPy integers whose sum overflows their type (a workspace size near its range) are
     checked without NumPy's overflow warning, which under ``-W error`` escaped compute as a
     RuntimeWarning (found by an outsider's attack)."""
-    args = array_args()
-    cudnn_bn.descriptor_cache.clear()
-    want = call_array(args)
-    (cached,) = cudnn_bn.descriptor_cache.descriptors()
-    grads = [np.zeros(SHAPE, np.float32), *(np.zeros(C, np.float32) for _ in range(2))]
-    inputs = [args[n] for n in ("input", "grad_output", "weight")]
-    values = [kind(a.ctypes.data) for a in grads + inputs]
-    with type(cached)(cached.handle, *cached.tensors[:8]) as op, warnings.catch_warnings():
+    with warnings.catch_warnings():
         warnings.simplefilter("error")
-        op.compute(kind(0), kind(size), *values, 0, 0)
-    for got, expected in zip(grads, want, strict=True):
-        np.testing.assert_array_equal(got, expected)
+        _compute_with(kind, kind(0), kind(size))
 
 
 _ADDRESS_SCRIPT = """
