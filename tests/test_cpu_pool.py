@@ -318,3 +318,26 @@ def test_a_signal_while_the_caller_waits_for_a_helper_is_handled_after_the_wait(
     finally:
         signal.signal(signal.SIGUSR1, previous)
     assert raised is None and written == [0] and seen == [1]
+
+
+def test_a_handlers_exception_as_signals_are_held_back_leaves_none_held(two_threads, monkeypatch):
+    """A signal that arrived just before the caller's wait held signals back has its handler
+    run as the blocking ``pthread_sigmask`` returns (CPython runs handlers after a call): its
+    exception left every signal blocked in the main thread for good (and in the threads and
+    programs it starts later), since the mask to restore was not yet kept. Simulated by
+    raising as that call returns."""
+    real = signal.pthread_sigmask
+    before = real(signal.SIG_BLOCK, ())
+
+    def handled_on_return(how, mask):
+        previous = real(how, mask)
+        if how == signal.SIG_BLOCK and mask:
+            raise KeyboardInterrupt  # the handler of a signal pending before the block
+        return previous
+
+    monkeypatch.setattr(signal, "pthread_sigmask", handled_on_return)
+    try:
+        raised = team_with_a_slow_helper(monkeypatch, lambda wait, timeout: wait(timeout), [])
+    finally:
+        left = real(signal.SIG_SETMASK, before)  # this process's mask back, whatever happened
+    assert isinstance(raised, KeyboardInterrupt) and left == before
