@@ -169,9 +169,12 @@ def test_calls_under_five_million_values_run_on_the_calling_thread(monkeypatch):
     """At 1-4 million values a threaded pass's own set-up and a late helper cost more than
     a second thread saves (2 threads: 1.2-2.9x the 1-thread time after 5 ms idle): below
     ``cpu.THREADS_MIN_VALUES`` a call hands nothing to the helpers; from there it does."""
-    teams = []
+    teams = []  # the items of each team that may reach a helper (a problem's first calls,
+    # ``cpu.STEPWISE_CALLS``, make teams of one item, which run on the calling thread)
     team = cpu_pool.team
-    monkeypatch.setattr(cpu_pool, "team", lambda *args: teams.append(args[1]) or team(*args))
+    monkeypatch.setattr(
+        cpu_pool, "team", lambda *args: (args[1] > 1 and teams.append(args[1])) or team(*args)
+    )
     monkeypatch.setattr(cpu_pool, "_count", 2)
     rng = np.random.default_rng(3)
     for n, want_teams in ((64, []), (128, [8, 8])):  # 4M values, 8M values
