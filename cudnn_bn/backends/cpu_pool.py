@@ -193,8 +193,11 @@ def _signals_deferred() -> Iterator[None]:
     ):
         yield
         return
-    held = signal.pthread_sigmask(signal.SIG_BLOCK, signal.valid_signals() - _SYNCHRONOUS)
+    # The mask to restore is kept before any signal is blocked: a signal pending until then
+    # has its handler run as the blocking call returns, and its exception must unblock too.
+    held = signal.pthread_sigmask(signal.SIG_BLOCK, ())
     try:
+        signal.pthread_sigmask(signal.SIG_BLOCK, signal.valid_signals() - _SYNCHRONOUS)
         yield
     finally:
         signal.pthread_sigmask(signal.SIG_SETMASK, held)
