@@ -62,6 +62,8 @@ AFFINE_OPTIONAL = ("backward", "backward_saved", "batched", "training", "inferen
 OUTPUTS = {"backward": 3, "training": 3, "inference": 1}  # entry points taking out=
 OUT_FORMS = ["good", "good", "partial", "readonly", "alias_input", "alias_each_other",
              "wrong_shape", "wrong_dtype", "big_endian", "wrong_kind"]  # fmt: skip
+# The training forward's out[3], its reserve (the CPU engine needs no bytes of it)
+RESERVE_FORMS = ["good", "good", "empty", "strided", "readonly", "alias_output"]
 IN_PLACE_MIN_VALUES = batched_host.MIN_VALUES
 TWINS = ["misaligned", "readonly_written", "overlap", "bool_option", "bad_stream"]
 
@@ -176,6 +178,7 @@ class Problem:
     out_form: str | None = None
     clean: bool = False
     twin: str | None = None
+    reserve_form: str | None = None
 
 
 def draw_problem(draw) -> Problem:
@@ -241,8 +244,13 @@ def draw_problem(draw) -> Problem:
     out_form = None
     if entry in OUTPUTS and draw(st.integers(0, 3)) == 0:
         out_form = draw(st.sampled_from(OUT_FORMS[:2] if clean else OUT_FORMS))
+    reserve_form = None
+    if entry == "training" and out_form is not None and draw(st.booleans()):
+        reserve_form = draw(st.sampled_from(RESERVE_FORMS[:3] if clean else RESERVE_FORMS))
     twin = draw(st.sampled_from(TWINS)) if draw(st.integers(0, 4)) == 0 else None
-    problem = Problem(entry, shape, args, scalars, dtype, marks, out_form, clean, twin)
+    problem = Problem(
+        entry, shape, args, scalars, dtype, marks, out_form, clean, twin, reserve_form
+    )
     if twin == "overlap":  # first disjoint written operands, then overlapping ones (``twin``)
         _written_pair(problem, overlapping=False)
     return problem
@@ -290,7 +298,25 @@ def make_outs(p: Problem) -> tuple | None:
         outs[0] = x
     if p.out_form == "alias_each_other" and len(outs) == 3:
         outs[2] = outs[1]
+    if p.reserve_form is not None:
+        outs.append(_reserve(p.reserve_form, outs[0], on_torch))
     return tuple(outs)
+
+
+def _reserve(form: str, output: object, on_torch: bool) -> object:
+    """A reserve of ``form`` (``RESERVE_FORMS``) for the training forward's ``out[3]``,
+    beside its ``output`` (``out[0]``): packed bytes, none, strided, read-only, or the
+    output's own bytes; in the input's kind where that kind has the form."""
+    size = {"empty": 0}.get(form, 64)
+    if on_torch and form in ("good", "empty"):
+        return torch.full((size,), 7, dtype=torch.uint8)
+    if form == "alias_output" and isinstance(output, np.ndarray):
+        return output.view(np.uint8).reshape(-1)
+    reserve = np.full(2 * size if form == "strided" else size, 7, np.uint8)
+    if form == "strided":
+        return reserve[::2]
+    reserve.flags.writeable = form != "readonly"
+    return reserve
 
 
 def call(entry: str, args: dict, s: dict, out: tuple | None) -> list:
@@ -522,6 +548,8 @@ def attempt(p: Problem, must_refuse: str = "") -> None:
     COUNTS["bad_stream"] += any(p.scalars["stream"] is bad for bad in BAD_STREAMS)
     if p.out_form is not None:
         COUNTS[f"out_{p.out_form}"] += 1
+    if p.reserve_form is not None:
+        COUNTS[f"reserve_{p.reserve_form}"] += 1
     before = {n: snapshot(a, marks.get(n)) for n, a in every.items()}
     values = {n: f64(a) if n not in marks else _reads(marks[n], entry) for n, a in args.items()}
     touched = Tripwire.touched
@@ -594,7 +622,7 @@ def attempt(p: Problem, must_refuse: str = "") -> None:
         + [precision(o) for o in out_named.values()]
     )
     for i, (g, w) in enumerate(zip(got, want, strict=True)):
-        given = outs[i] if outs is not None and i < len(outs) else None
+        given = outs[i] if outs is not None and i < OUTPUTS[entry] else None
         if w is None or (g is None and i >= 3):  # masked off, or no running statistic kept
             if g is not None:
                 raise violation("wrong", f"{entry} result {i} was masked off but returned")
@@ -635,7 +663,8 @@ def _refused(
             raise violation("half_writes", f"{p.entry} failed ({exc}) but changed {name}") from exc
     if Tripwire.touched != touched and host:
         raise violation("cuda_calls", f"{p.entry} touched CUDA with host arrays {host}: {exc}")
-    if p.clean and p.out_form in (None, "good") and not p.twin and not _needs_weight(p):
+    good_out = p.out_form in (None, "good") and p.reserve_form in (None, "good", "empty")
+    if p.clean and good_out and not p.twin and not _needs_weight(p):
         raise violation("wrong", f"{p.entry} refused a clean problem: {exc!r}") from exc
 
 
@@ -657,6 +686,9 @@ def twin(p: Problem, draw) -> str:
         moved[...] = a
         p.args[name] = moved
         return f"a misaligned {name}" if p.entry != "fold" else ""  # NumPy's arithmetic
+    if p.twin == "readonly_written" and p.reserve_form in ("good", "empty"):
+        p.reserve_form = "readonly"  # out=, made anew for each call
+        return "a read-only out[3]"
     if p.twin == "readonly_written" and p.entry in WRITTEN:
         name = WRITTEN[p.entry][0]
         a = p.args[name]

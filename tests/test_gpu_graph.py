@@ -444,3 +444,37 @@ def test_array_api_backward_with_out_is_captured_allocating_nothing():
     stream.synchronize()
     for got, want in zip(out, eager, strict=True):
         np.testing.assert_array_equal(cupy.asnumpy(got), want)
+
+
+def test_array_api_training_forward_with_out_and_its_reserve_is_captured_allocating_nothing():
+    """A training forward given ``out=(output, saved_mean, saved_invstd, reserve)``, its
+    reserve the first call's ``.reserve``, allocates nothing when captured, and each replay
+    gives the eager output and saved statistics (the running ones move on per replay)."""
+    host = problem(DataType.F32, DataType.F32)
+    stream = cupy.cuda.Stream(non_blocking=True)
+    with stream:
+        x, w, b, mean, var = (
+            cupy.asarray(host[n].astype(np.float32))
+            for n in ("input", "weight", "bias", "running_mean", "running_var")
+        )
+        first = batch_norm_forward_training(x, w, b, mean, var, stream=stream.ptr)
+        out = (*(cupy.full_like(o, cupy.nan) for o in first), first.reserve)
+
+    def compute():
+        got = batch_norm_forward_training(x, w, b, mean, var, stream=stream.ptr, out=out)
+        assert got.reserve is first.reserve
+
+    compute()
+    stream.synchronize()
+    eager = [cupy.asnumpy(o) for o in out[:3]]
+    mallocs = _Mallocs()
+    with mallocs:
+        graph = capture(stream, compute)
+    assert mallocs.count == 0
+    with stream:
+        for o in out[:3]:
+            o.fill(0)
+    graph.launch(stream)
+    stream.synchronize()
+    for got, want in zip(out[:3], eager, strict=True):
+        np.testing.assert_array_equal(cupy.asnumpy(got), want)

@@ -196,6 +196,29 @@ def test_out_arrays_of_every_pass_are_written_and_returned():
     close(got, ref.numpy())
 
 
+def test_a_training_forward_takes_its_reserve_as_out_3_and_returns_it():
+    """``out[3]`` is the reserve the call fills (none on the CPU engine, which needs no
+    bytes) and returns as ``.reserve``; it is checked as every written operand is, and must
+    be one packed buffer. Before, ``out=`` took three arrays."""
+    x, dy, w, b = problem()
+    y_ref = torch_training(x, dy, w, b)[0]
+    out = (np.empty_like(x), np.empty(C), np.empty(C), np.empty(8, np.uint8))
+    got = cudnn_bn.batch_norm_forward_training(x, w, b, None, None, out=out)
+    assert (*got, got.reserve) == out
+    close(got[0], y_ref)
+    y = np.full_like(x, 7.0)
+    read_only = np.empty(8, np.uint8)
+    read_only.flags.writeable = False
+    for reserve, words in [
+        (np.empty(16, np.uint8)[::2], r"BAD_TENSOR_STRIDES: out\[3\] must be one packed buffer"),
+        (read_only, r"BAD_PARAM: out\[3\] is read-only"),
+        (y.view(np.uint8), r"BAD_PARAM: out\[0\] and out\[3\] share memory"),
+    ]:
+        with pytest.raises(InfiniError, match=words):
+            cudnn_bn.batch_norm_forward_training(x, w, b, None, None, out=(y, None, None, reserve))
+        assert (y == 7.0).all()
+
+
 def test_a_partial_out_allocates_the_rest():
     x, dy, w, _ = problem()
     grad_input = np.empty_like(x)

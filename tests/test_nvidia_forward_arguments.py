@@ -54,7 +54,12 @@ from cudnn_bn import (
     TensorDesc,
     capi,
 )
-from cudnn_bn.errors import BadTensorDtypeError, InsufficientWorkspaceError, NullPointerError
+from cudnn_bn.errors import (
+    BadParamError,
+    BadTensorDtypeError,
+    InsufficientWorkspaceError,
+    NullPointerError,
+)
 from cudnn_bn.tensor import contiguous_strides
 
 # --- problems on fake device pointers ------------------------------------------------------
@@ -206,7 +211,8 @@ def test_one_running_statistic_gets_a_scratch_partner(stub, kept):
         assert in_workspace(given[missing], 4 * channels, desc.workspace_size)
 
 
-def test_small_or_null_reserve_is_refused_before_cudnn(stub):
+def test_small_null_or_misaligned_reserve_is_refused_before_cudnn(stub):
+    """A misaligned reserve reached cuDNN before (the stub refused it, rule reserve-aligned)."""
     with training((2, 3, 4, 5)) as desc:
         with pytest.raises(InsufficientWorkspaceError, match="reserve_size") as caught:
             train(desc, reserve_size=STUB_RESERVE - 1)
@@ -214,6 +220,9 @@ def test_small_or_null_reserve_is_refused_before_cudnn(stub):
         with pytest.raises(NullPointerError, match="reserve") as caught:
             train(desc, reserve=0)
         assert caught.value.status == Status.NULL_POINTER
+        for offset in (1, 8):
+            with pytest.raises(BadParamError, match=r"reserve 0x[0-9a-f]+ is not 16-byte aligned"):
+                train(desc, reserve=RESERVE + offset)
         with pytest.raises(NullPointerError, match="saved_mean"):
             train(desc, saved_mean=0)
     assert stub.calls() == only("forward_query", "reserve_query")  # at creation, no more

@@ -13,6 +13,7 @@ compute, and never destroyed. ``test_gpu_streams.py`` runs the same on a GPU.
 
 import ctypes
 import gc
+import re
 import sys
 import threading
 import time
@@ -21,7 +22,7 @@ import warnings
 import ml_dtypes
 import numpy as np
 import pytest
-from cudnn_stub import POINTERS
+from cudnn_stub import POINTERS, STUB_RESERVE
 from fake_devices import (
     FakeArray,
     FakeCupy,
@@ -50,7 +51,12 @@ from cudnn_bn.api import batched, call
 from cudnn_bn.arrays import operand
 from cudnn_bn.arrays.dlpack import _DLDataType, _DLDevice, _DLTensor
 from cudnn_bn.backends import cuda
-from cudnn_bn.errors import InfiniError
+from cudnn_bn.errors import (
+    BadParamError,
+    BadTensorStridesError,
+    InfiniError,
+    InsufficientWorkspaceError,
+)
 
 SHAPE, C = (2, 3, 4, 5), 3
 CURRENT = {0: 0xA00, 1: 0xA10}  # each fake device's current stream
@@ -395,6 +401,60 @@ def test_a_problem_keeps_a_workspace_per_stream_and_allocates_none_with_out(fake
     assert first[1] == [(0, CALL_STREAM)] and first[0]
     assert again == [(first[0], [])] * 2, "the same workspace, nothing allocated"
     assert other[1] == [(0, 0xC00)] and other[0] != first[0]
+
+
+def test_a_training_forward_given_its_reserve_in_out_allocates_nothing(fake, stub):
+    """``out=(output, saved_mean, saved_invstd, reserve)``: a repeated training forward
+    fills the caller's reserve (cuDNN is handed it, and the size it asked for) and returns
+    it, allocating nothing once its stream has a workspace, so it can be captured in a CUDA
+    graph. Before, ``out=`` took three arrays and every call allocated a reserve."""
+    p = problem(fake.array, 0)
+    reserve = fake.array((STUB_RESERVE + 64,), 0, np.uint8)
+    out = (fake.array(SHAPE, 0), fake.array((C,), 0), fake.array((C,), 0), reserve)
+    args = (p["input"], p["weight"], p["bias"], p["mean"], p["var"])
+    allocated = []
+    for _ in range(3):
+        fake.log.clear()
+        got = batch_norm_forward_training(*args, stream=CALL_STREAM, out=out)
+        allocated.append(fake.allocations())
+        assert (*got, got.reserve) == out
+        call = stub.forward_training
+        assert (call.reserve, call.reserve_size) == (reserve.data.ptr, STUB_RESERVE)
+    assert allocated == [[(0, CALL_STREAM)], [], []], "the workspace once, then nothing"
+
+
+def test_a_reserve_in_out_is_refused_by_name_unless_packed_large_and_aligned(fake, stub):
+    """``out[3]`` too small (INSUFFICIENT_WORKSPACE), strided (BAD_TENSOR_STRIDES) or not
+    16-byte aligned (BAD_PARAM), on a plan's miss and on its hit: refused naming it before
+    cuDNN is called. ``reserve=`` of a backward from saved statistics likewise (before, a
+    misaligned one reached cuDNN, which the stub refused: rule reserve-aligned)."""
+    p = problem(fake.array, 0)
+    args = (p["input"], p["weight"], p["bias"], p["mean"], p["var"])
+    outputs = (fake.array(SHAPE, 0), fake.array((C,), 0), fake.array((C,), 0))
+    base = fake.array((STUB_RESERVE + 64,), 0, np.uint8).data.ptr
+
+    def buffer(size: int, offset: int = 0, step: int = 1) -> FakeArray:
+        return FakeArray(fake, (size,), np.uint8, base + offset, 0, (step,))
+
+    bad = [
+        (buffer(STUB_RESERVE - 1), InsufficientWorkspaceError, "out[3] holds 511 bytes"),
+        (buffer(STUB_RESERVE, step=2), BadTensorStridesError, "out[3] must be one packed"),
+        (buffer(STUB_RESERVE, offset=8), BadParamError, "out[3] at 0x"),
+    ]
+    for reserve, error, words in bad:
+        for _ in range(2):  # a miss, then a hit of the plan it made (if any)
+            with pytest.raises(error, match=re.escape(words)):
+                batch_norm_forward_training(*args, out=(*outputs, reserve))
+    good = batch_norm_forward_training(*args, out=(*outputs, buffer(STUB_RESERVE)))
+    saved = {"mode": "saved", "saved_mean": good[1], "saved_invstd": good[2]}
+    grads = (p["input"], p["grad_output"], p["weight"], None, None)
+    calls = stub.backward.calls
+    with pytest.raises(BadParamError, match=r"reserve at 0x[0-9a-f]+ is not 16-byte aligned"):
+        batch_norm_backward(*grads, **saved, reserve=buffer(STUB_RESERVE, offset=8))
+    with pytest.raises(InsufficientWorkspaceError, match="reserve holds 511 bytes"):
+        batch_norm_backward(*grads, **saved, reserve=buffer(STUB_RESERVE - 1))
+    assert stub.backward.calls == calls
+    assert stub.forward_training.calls == 1  # the good call alone
 
 
 def record_workspaces(monkeypatch) -> list[tuple[int, int, int]]:

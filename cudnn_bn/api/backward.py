@@ -8,9 +8,9 @@ from ..ops.batch_norm_backward import BatchNormBackwardDescriptor, parse_fusion,
 from ..ops.validation import check_eps, check_flag, check_output_mask
 from ..problems import BackwardTensors, Fusion, Mode
 from ..runtime import Handle
-from ..tensor import ITEMSIZE, TensorDesc
+from ..tensor import TensorDesc
 from .call import Built, run
-from .outputs import absent_parameter, packed_like
+from .outputs import absent_parameter, packed_like, reserve_bytes
 
 GRADIENTS = ("grad_input", "grad_weight", "grad_bias", "grad_z")
 _STATISTICS = ("running_mean", "running_var", "saved_mean", "saved_invstd")
@@ -107,9 +107,6 @@ class Backward:
             for g, needed in zip(GRADIENTS, wanted, strict=True)
             if needed and given[g] is None
         }
-        reserve = descs["reserve"]
-        if reserve is not None and not reserve.is_contiguous():
-            raise InfiniError(Status.BAD_TENSOR_STRIDES, "reserve must be one packed buffer")
         pointers = {g: g if m else None for g, m in zip(GRADIENTS, wanted, strict=True)}
         if saved:
             pointers |= {"running_mean": "saved_mean", "running_var": "saved_invstd"}
@@ -123,14 +120,10 @@ class Backward:
             outputs,
             returns[:4] if wants_z else returns[:3],
             constants,
-            reserve_size=_nbytes(reserve),
+            reserve_size=reserve_bytes(descs["reserve"], descriptor.reserve_size) or 0,
         )
 
     result = None  # the tuple of the gradients
-
-
-def _nbytes(desc: TensorDesc | None) -> int:
-    return 0 if desc is None else desc.numel * ITEMSIZE[desc.dtype]
 
 
 BACKWARD = Backward()

@@ -36,6 +36,7 @@ from ..arrays.operand import byte_extent, overlap, refuse_overlap
 from ..descriptor_cache import DescriptorCache
 from ..enums import Device, Status
 from ..errors import InfiniError, raise_public
+from ..ops.descriptor import WORKSPACE_ALIGNMENT
 from ..runtime import Handle
 from ..tensor import ITEMSIZE, TensorDesc
 from .outputs import out_arrays
@@ -52,7 +53,8 @@ class Built:
     field of the operator's pointer tuple where it is not the field's namesake (None: NULL);
     the layouts of the outputs the call allocates; what it returns (operand names, None for
     a None); the constants standing in for absent operands (``name -> (value, layout)``);
-    whether it fills a reserve; the size of a reserve the caller gives."""
+    whether it fills a reserve (the call allocates one where the caller gives none); the
+    size of a reserve the caller gives."""
 
     descriptor: Any
     pointers: dict[str, str | None]
@@ -287,13 +289,18 @@ class Aligned:
     """The pointers of a call (operands at these indices) that must be addresses (in [0,
     2**64), as the door checks every operand's), and where the operand has elements,
     non-NULL and aligned to its item size: what the door checks of an address, for operands
-    read by their attributes. ``suspect`` is the source of a test over a call's ``ptrs``
-    that is true where any may be none of these (``address_tests.misplaced``; a CuPy pointer
-    is signed, ``intptr_t``); a plan's call has it inline and calls ``check`` only then."""
+    read by their attributes; a reserve the problem uses (at an index in ``buffers``) to
+    ``WORKSPACE_ALIGNMENT``, as cuDNN's buffers, whoever read it. ``suspect`` is the source
+    of a test over a call's ``ptrs`` that is true where any may be none of these
+    (``address_tests.misplaced``; a CuPy pointer is signed, ``intptr_t``); a plan's call has
+    it inline and calls ``check`` only then."""
 
-    def __init__(self, descs: dict[int, TensorDesc]) -> None:
-        # item size (0: no elements, any address), in the operands' order (the door's)
-        sizes = {at: ITEMSIZE[d.dtype] if d.numel else 0 for at, d in sorted(descs.items())}
+    def __init__(self, descs: dict[int, TensorDesc], buffers: frozenset[int] = frozenset()) -> None:
+        # alignment (0: no elements, any address), in the operands' order (the door's)
+        sizes = {
+            at: (WORKSPACE_ALIGNMENT if at in buffers else ITEMSIZE[d.dtype]) if d.numel else 0
+            for at, d in sorted(descs.items())
+        }
         groups: dict[int, list[int]] = {}
         for at, size in sizes.items():
             groups.setdefault(size, []).append(at)
@@ -310,8 +317,10 @@ class Aligned:
         for at, (size, mask) in self.masks.items():
             if (size and not ptrs[at]) or ptrs[at] & mask:
                 name = spec.spelling.get(spec.names[at], spec.names[at])
-                operand(name, arrays[at])  # raises
-                raise InfiniError(Status.BAD_PARAM, f"{name} is misaligned or NULL")
+                operand(name, arrays[at])  # raises, but for a buffer's own alignment
+                raise InfiniError(
+                    Status.BAD_PARAM, f"{name} at {ptrs[at]:#x} is not {size}-byte aligned"
+                )
 
 
 class Disjoint:
@@ -369,7 +378,8 @@ def _build(
     handle = Handle(device, device_id)
     built = spec.build(handle, {n: ops[n].desc if n in ops else None for n in names}, options)
     descriptor = built.descriptor
-    reserve_size = descriptor.reserve_size if built.reserve else 0
+    # the reserve the call allocates, where it fills one and the caller gives none
+    reserve_size = descriptor.reserve_size if built.reserve and "reserve" not in ops else 0
     constants = {}
     if built.constants:
         with kind.scope(like, call_on, device_id):
@@ -404,7 +414,10 @@ def _build(
             for o in [n for n in present[i + 1 :] if n in spec.written] + read_only
         ]
     )
-    aligned = Aligned({index[n]: op.desc for n, op in ops.items() if index[n] not in described})
+    # the reserve the problem uses is checked for its alignment, however it was read
+    buffers = frozenset([index["reserve"]] if "reserve" in ops and descriptor.reserve_size else [])
+    checked = [index[n] for n in ops if index[n] not in described or index[n] in buffers]
+    aligned = Aligned({at: ops[names[at]].desc for at in checked}, buffers)
     # Each value's expression in a call: its operands' pointers and objects, those of the
     # arrays it allocates, the constants' pointers; a name with none is NULL (0) and None.
     values = {n: f"ptrs[{index[n]}]" for n in ops} | {n: str(p) for n, p in constants.items()}

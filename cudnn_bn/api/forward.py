@@ -12,7 +12,7 @@ from ..problems import ForwardInferenceTensors, ForwardTrainingTensors
 from ..runtime import Handle
 from ..tensor import TensorDesc
 from .call import Built, run
-from .outputs import absent_parameter, packed_like, statistics_dtype
+from .outputs import absent_parameter, packed_like, reserve_bytes, statistics_dtype
 
 TRAINING_OUTPUTS = ("output", "saved_mean", "saved_invstd")
 _PER_CHANNEL = ("weight", "bias", "running_mean", "running_var")
@@ -58,11 +58,11 @@ class ForwardTraining:
     """The training forward: writes the running statistics and the ``out=`` arrays."""
 
     name = "forward_training"
-    names = ("input", *_PER_CHANNEL, "z", *TRAINING_OUTPUTS)
-    out_names, out_optional = TRAINING_OUTPUTS, 0
-    written = frozenset(("running_mean", "running_var", *TRAINING_OUTPUTS))
+    names = ("input", *_PER_CHANNEL, "z", *TRAINING_OUTPUTS, "reserve")
+    out_names, out_optional = (*TRAINING_OUTPUTS, "reserve"), 1
+    written = frozenset(("running_mean", "running_var", *out_names))
     writes = tuple(map(written.__contains__, names))
-    spelling: ClassVar[dict[str, str]] = {o: f"out[{i}]" for i, o in enumerate(TRAINING_OUTPUTS)}
+    spelling: ClassVar[dict[str, str]] = {o: f"out[{i}]" for i, o in enumerate(out_names)}
 
     def options(self, raw: tuple, arrays: dict[str, Any]) -> tuple:
         eps, momentum, fusion, persistent, check_overflow = raw
@@ -99,7 +99,10 @@ class ForwardTraining:
         )
         outputs = {o: made[o] for o in TRAINING_OUTPUTS if descs[o] is None}
         returns = (*TRAINING_OUTPUTS, "reserve")
-        return Built(descriptor, {}, outputs, returns, constants, reserve=True)
+        reserve_size = reserve_bytes(descs["reserve"], descriptor.reserve_size)
+        return Built(
+            descriptor, {}, outputs, returns, constants, reserve=True, reserve_size=reserve_size
+        )
 
     result = TrainingOutputs
 
@@ -149,7 +152,7 @@ def batch_norm_forward_training(
     z: Any = None,
     persistent: bool | None = None,
     check_overflow: bool = False,
-    out: tuple[Any, Any, Any] | None = None,
+    out: tuple[Any, ...] | None = None,
 ) -> TrainingOutputs:
     """Training-mode batch norm: ``(output, saved_mean, saved_invstd)`` with ``.reserve``.
 
@@ -160,9 +163,11 @@ def batch_norm_forward_training(
     ``1/sqrt(biased var + eps)``; both saved statistics are F32 for F16/BF16 input and go
     straight into ``batch_norm_backward(..., mode="saved", saved_mean=..., saved_invstd=...,
     reserve=outputs.reserve)``. ``fusion`` ``"relu"`` or ``"add_relu"`` (with the residual
-    ``z``) gives ``relu(bn(x) [+ z])``. ``out=(output, saved_mean, saved_invstd)`` gives
-    preallocated outputs (None entries are allocated). ``check_overflow=True`` is
-    ``batch_norm_backward``'s synchronizing debug aid.
+    ``z``) gives ``relu(bn(x) [+ z])``. ``out=(output, saved_mean, saved_invstd[,
+    reserve])`` gives preallocated outputs (None entries are allocated): ``reserve``, one
+    packed buffer of at least the problem's reserve size (16-byte aligned), is the reserve
+    the call fills and returns, so that a loop (or a CUDA graph) allocates nothing.
+    ``check_overflow=True`` is ``batch_norm_backward``'s synchronizing debug aid.
     """
     arrays = (input, weight, bias, running_mean, running_var, z)
     raw = (eps, momentum, fusion, persistent, check_overflow)

@@ -5,7 +5,7 @@ from typing import Any
 from ..enums import DataType, Status
 from ..errors import InfiniError
 from ..ops.validation import HALF_DTYPES
-from ..tensor import TensorDesc
+from ..tensor import ITEMSIZE, TensorDesc
 
 
 def packed_like(desc: TensorDesc, dtype: DataType | None = None) -> TensorDesc:
@@ -31,6 +31,23 @@ def absent_parameter(
         )
     given = [descs[n] for n in others if descs.get(n) is not None]
     return TensorDesc.contiguous(given[0].dtype if given else statistics_dtype(x), (x.shape[1],))
+
+
+def reserve_bytes(desc: TensorDesc | None, needed: int) -> int | None:
+    """The size of a reserve the caller gives (``desc``; None: none given): one packed
+    buffer of at least the ``needed`` bytes its descriptor fills or reads, else refused
+    naming ``reserve`` (as the caller spells it: the training forward's ``out[3]``)."""
+    if desc is None:
+        return None
+    if not desc.is_contiguous():
+        raise InfiniError(Status.BAD_TENSOR_STRIDES, "reserve must be one packed buffer")
+    nbytes = desc.numel * ITEMSIZE[desc.dtype]
+    if nbytes < needed:
+        raise InfiniError(
+            Status.INSUFFICIENT_WORKSPACE,
+            f"reserve holds {nbytes} bytes; this problem's reserve needs {needed}",
+        )
+    return nbytes
 
 
 def out_arrays(out: Any, names: tuple[str, ...], optional: int = 0) -> tuple[Any, ...]:

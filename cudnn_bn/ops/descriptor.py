@@ -24,7 +24,8 @@ from ..runtime import Handle
 from .empty import EmptyProblem
 
 # The workspace holds F64 scratch, cuDNN's own and staged per-channel slices at 256-byte
-# offsets: refused unless 16-byte aligned (every CUDA and host allocator gives at least that).
+# offsets, the reserve cuDNN's own: each refused unless 16-byte aligned where it is used
+# (every CUDA and host allocator gives at least that).
 WORKSPACE_ALIGNMENT = 16
 
 
@@ -249,6 +250,11 @@ class OperatorDescriptor:
             for name in needed:
                 if not getattr(ptrs, name):
                     raise InfiniError(Status.NULL_POINTER, f"{name} is NULL")
+            if "reserve" in needed and ptrs.reserve % WORKSPACE_ALIGNMENT:
+                raise InfiniError(
+                    Status.BAD_PARAM,
+                    f"reserve {ptrs.reserve:#x} is not {WORKSPACE_ALIGNMENT}-byte aligned",
+                )
             try:
                 build.kernel.run(ptrs, workspace, stream)
             except InfiniError as exc:
