@@ -9,17 +9,19 @@ forward, backward in train mode (statistics recomputed) and in saved mode (the f
 saved mean and invstd). Sections, each at every thread count of ``--threads`` (torch's
 ``set_num_threads`` and the CPU engine's ``cpu_pool.set_thread_count``):
 
-- CPU: ``cudnn_bn.batch_norm_*`` on NumPy arrays, the cached descriptor's ``compute`` and
+- CPU: ``cudnn_bn.batch_norm_*`` on NumPy arrays (``array``: outputs allocated per call;
+  ``array_out``: every output given as ``out=``, the training forward's reserve included, as
+  a loop reusing its buffers gives them), the cached descriptor's ``compute`` and
   ``cudnn_bn.capi`` (descriptors made once, ``infiniopBatchNorm*`` called with ints, as
   ``examples/infiniop_batch_norm_backward.py`` does) against torch on the same memory:
   ``F.batch_norm`` for the forwards, and for both backwards
   ``torch.ops.aten.native_batch_norm_backward`` with the forward's saved statistics (what
   autograd calls for ``F.batch_norm``, without the autograd engine's own cost).
 - NVIDIA path on the host stand-ins (``stand_ins.py``: the stub libcudnn, CuPy stand-in
-  arrays; skipped without gcc): the array API and ``compute``, torch's CPU call as the
-  dispatch reference. (8, 4) runs as (8, 4, 1): 2-D input goes to the CuPy kernels, which
+  arrays; skipped without gcc): the array API (both ways) and ``compute``, torch's CPU call
+  as the dispatch reference. (8, 4) runs as (8, 4, 1): 2-D input goes to the CuPy kernels, which
   the stand-ins cannot run, not to cuDNN. The CuPy stand-in's own Python (``own_share``) is
-  reported beside each device-array figure, and each judged ratio again without it.
+  reported beside each device-array figure, and each ratio of one again without it.
 - Batched backward (train mode): ``batch_norm_backward_batched`` on ``B = 64`` problems
   ``(64, *shape)`` against one ``batch_norm_backward`` on the folded problem of the same size
   (``(N, 64 C, ...)``), on the CPU and on the stand-ins.
@@ -79,8 +81,15 @@ TOL = 2e-5  # F32: atol = rtol
 SETTLE_S = 0.005  # idle before each sample (untimed): spinning OpenMP threads go idle
 # Issue 17's targets: (numerator, denominator) -> the most their median ratio may be.
 CPU_TARGETS = {("array", "torch"): 1.5}
-CPU_RATIOS = (("array", "torch"), ("compute", "torch"), ("capi", "torch"), ("array", "compute"))
+CPU_RATIOS = (
+    ("array", "torch"),
+    ("array_out", "torch"),
+    ("compute", "torch"),
+    ("capi", "torch"),
+    ("array", "compute"),
+)
 NVIDIA_TARGETS = {("array", "compute"): 1.5, ("array", "torch"): 2.0}
+NVIDIA_RATIOS = (*NVIDIA_TARGETS, ("array_out", "compute"))
 BATCHED_TARGETS = {("batched", "unbatched"): 2.0}
 
 Calls = dict[str, Callable[[], Any]]  # pass name -> one call, returning its results
@@ -147,6 +156,34 @@ def array_calls(ops: dict[str, Any]) -> Calls:
         "backward_train": lambda: cudnn_bn.batch_norm_backward(x, dy, w, None, None, eps=EPS),
         "backward_saved": lambda: cudnn_bn.batch_norm_backward(
             x, dy, w, None, None, eps=EPS, **saved
+        ),
+    }
+
+
+def array_out_calls(ops: dict[str, Any]) -> Calls:
+    """The array API given every output (``out=``), as a loop reusing its buffers does: the
+    training forward's reserve is its first call's ``.reserve``. Nothing is allocated per
+    call, as for ``compute``: what is left is the array layer's own cost."""
+    x, dy, w, b = ops["x"], ops["dy"], ops["w"], ops["b"]
+    running = (ops["train_rm"], ops["train_rv"])
+    reserve = cudnn_bn.batch_norm_forward_training(x, w, b, *running, eps=EPS).reserve
+    training = (ops["y"], ops["saved_mean"], ops["saved_invstd"], reserve)
+    grads = (ops["dx"], ops["dw"], ops["db"])
+    saved = {"mode": "saved", "saved_mean": ops["mean"], "saved_invstd": ops["invstd"]}
+    return {
+        "forward_training": lambda: cudnn_bn.batch_norm_forward_training(
+            x, w, b, *running, momentum=MOMENTUM, eps=EPS, out=training
+        ),
+        "forward_inference": lambda: (
+            cudnn_bn.batch_norm_forward_inference(
+                x, w, b, ops["rm"], ops["rv"], eps=EPS, out=ops["y"]
+            ),
+        ),
+        "backward_train": lambda: cudnn_bn.batch_norm_backward(
+            x, dy, w, None, None, eps=EPS, out=grads
+        ),
+        "backward_saved": lambda: cudnn_bn.batch_norm_backward(
+            x, dy, w, None, None, eps=EPS, out=grads, **saved
         ),
     }
 
@@ -426,6 +463,7 @@ def cpu_rows(shapes, timing: Timing) -> list[dict]:
         want = references(ops)
         ways = {
             "array": array_calls(ops),
+            "array_out": array_out_calls(ops),
             "compute": compute_calls(ops, Device.CPU, _host_scratch()),
             "capi": capi_calls(ops),
             "torch": torch_calls(ops),
@@ -457,19 +495,21 @@ def on_cudnn(shape: tuple[int, ...]) -> tuple[int, ...]:
 
 def with_stand_ins_share(fake: Any, result: dict, ways: dict) -> dict:
     """``result`` with the CuPy stand-in's own time per call of each device-array way (its
-    median share of 5 runs of a sample's calls, times the median), and each judged ratio
-    again with that time taken out (an estimate)."""
+    median share of 5 runs of a sample's calls, times the median), and each ratio of such a
+    way again with that time taken out (an estimate)."""
     from stand_ins import own_share
 
     shares = {}
-    for name in ("array", "batched", "unbatched"):
+    for name in ("array", "array_out", "batched", "unbatched"):
         if name in ways:
             figure = result["ways"][name]
             runs = [own_share(fake, ways[name], figure["calls_per_sample"]) for _ in range(5)]
             shares[name] = round(statistics.median(runs) * figure["median_us"], 3)
     result["stand_ins_us"] = shares
-    for ratio in [r for r in result["ratios"] if r["target"] is not None]:
+    for ratio in list(result["ratios"]):
         num, den = ratio["name"].split(" / ")
+        if num not in shares:
+            continue
         net = [result["ways"][n]["median_us"] - shares.get(n, 0.0) for n in (num, den)]
         value = round(net[0] / net[1], 3)
         name = f"{num} / {den} less stand-in"
@@ -487,14 +527,14 @@ def nvidia_rows(fake: Any, shapes, timing: Timing) -> list[dict]:
         ops = {name: fake.array(a.shape) for name, a in host.items()}
         ways = {
             "array": array_calls(ops),
+            "array_out": array_out_calls(ops),
             "compute": compute_calls(ops, Device.NVIDIA, lambda _: cudnn_stub.WORKSPACE),
             "torch": torch_calls(host),
         }
-        ratios = tuple(NVIDIA_TARGETS)
         for name in PASSES:
             calls = {way: by_pass[name] for way, by_pass in ways.items()}
             label = {"shape": list(shape), "pass": name}
-            result = row(label, calls, timing, {}, ratios, NVIDIA_TARGETS)
+            result = row(label, calls, timing, {}, NVIDIA_RATIOS, NVIDIA_TARGETS)
             rows.append(with_stand_ins_share(fake, result, calls))
     return rows
 
