@@ -437,7 +437,11 @@ def test_a_reserve_in_out_is_refused_by_name_unless_packed_large_and_aligned(fak
         return FakeArray(fake, (size,), np.uint8, base + offset, 0, (step,))
 
     bad = [
-        (buffer(STUB_RESERVE - 1), InsufficientWorkspaceError, "out[3] holds 511 bytes"),
+        (
+            buffer(STUB_RESERVE - 1),
+            InsufficientWorkspaceError,
+            "out[3] holds 511 bytes; this problem needs 512",
+        ),
         (buffer(STUB_RESERVE, step=2), BadTensorStridesError, "out[3] must be one packed"),
         (buffer(STUB_RESERVE, offset=8), BadParamError, "out[3] at 0x"),
     ]
@@ -451,7 +455,7 @@ def test_a_reserve_in_out_is_refused_by_name_unless_packed_large_and_aligned(fak
     calls = stub.backward.calls
     with pytest.raises(BadParamError, match=r"reserve at 0x[0-9a-f]+ is not 16-byte aligned"):
         batch_norm_backward(*grads, **saved, reserve=buffer(STUB_RESERVE, offset=8))
-    with pytest.raises(InsufficientWorkspaceError, match="reserve holds 511 bytes"):
+    with pytest.raises(InsufficientWorkspaceError, match="reserve holds 511 bytes; this problem"):
         batch_norm_backward(*grads, **saved, reserve=buffer(STUB_RESERVE - 1))
     assert stub.backward.calls == calls
     assert stub.forward_training.calls == 1  # the good call alone
