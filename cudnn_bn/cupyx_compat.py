@@ -229,7 +229,7 @@ _inference_api = raises_only_infini_errors(
 _backward_api = raises_only_infini_errors(
     {"input": "x", "grad_output": "gy", "weight": "gamma"}
     | {"saved_mean": "mean", "saved_invstd": "inv_std", "running_mean": "mean"}
-    | {"running_var": "inv_std"}
+    | {"running_var": "inv_std", "reserve": "reserve_space"}
 )
 
 

@@ -319,8 +319,18 @@ def _reserve(form: str, output: object, on_torch: bool) -> object:
     return reserve
 
 
+class Results(list):
+    """A training forward's results, then what it wrote in place; ``reserve``, its
+    ``.reserve``."""
+
+    def __init__(self, values: list, reserve: object) -> None:
+        super().__init__(values)
+        self.reserve = reserve
+
+
 def call(entry: str, args: dict, s: dict, out: tuple | None) -> list:
-    """Call ``entry`` on ``args``: its results, then what it wrote in place."""
+    """Call ``entry`` on ``args``: its results, then what it wrote in place (a training
+    forward's as ``Results``)."""
     x, dy, w, b = (args[n] for n in ("input", "grad_output", "weight", "bias"))
     rm, rv, sm, si = (
         args[n] for n in ("running_mean", "running_var", "saved_mean", "saved_invstd")
@@ -369,7 +379,7 @@ def call(entry: str, args: dict, s: dict, out: tuple | None) -> list:
         outputs = cudnn_bn.batch_norm_forward_training(
             x, w, b, rm, rv, momentum=s["momentum"], eps=eps, stream=stream, **outs
         )
-        return [*outputs, rm, rv]
+        return Results([*outputs, rm, rv], outputs.reserve)
     if entry == "inference":
         outs = {"out": out[0]} if out is not None else {}  # one array, not a tuple
         return [
@@ -573,6 +583,8 @@ def attempt(p: Problem, must_refuse: str = "") -> None:
         _refused(p, exc, every, before, touched, host)
         return
     COUNTS["accepted"] += 1
+    if p.reserve_form is not None and got.reserve is not outs[3]:
+        raise violation("wrong", f"{entry} returned a .reserve that is not the out[3] given")
     if entry in AFFINE_OPTIONAL and any(p.scalars["stream"] is bad for bad in BAD_STREAMS):
         raise violation("wrong", f"{entry} accepted stream={p.scalars['stream']!r}")
     producers = {id(a): marks[n] for n, a in args.items() if n in marks}

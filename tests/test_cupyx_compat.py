@@ -445,3 +445,22 @@ def test_gy_of_another_dtype_is_named_with_numpys_dtype_names():
     gamma = np.ones(3, np.float32)
     with pytest.raises(TypeError, match=r"gy has dtype float16; expected x's float32"):
         cudnn.batch_normalization_backward(x, gamma, gy, gamma, gamma, EPS, False, 1, False)
+
+
+@pytest.mark.parametrize(
+    ("reserve", "words"),
+    [
+        (np.empty(16, np.uint8)[::2], r"^BAD_TENSOR_STRIDES: reserve_space must be one packed"),
+        (np.empty(8, bool), r"^BAD_TENSOR_DTYPE: reserve_space has dtype bool"),
+        ([0] * 8, r"^BAD_PARAM: reserve_space must be a NumPy"),
+    ],
+)
+def test_a_bad_reserve_space_is_refused_naming_reserve_space(reserve, words):
+    """The backward's ``reserve_space=`` is named as here, as every argument is (the
+    module's docstring); the size and alignment refusals on a GPU are respelled alike.
+    Before, the message named ``reserve``, the array API's spelling."""
+    x, gy, gamma, *_ = make(CASES["nchw-spatial"])
+    with pytest.raises(InfiniError, match=words):
+        cudnn.batch_normalization_backward(
+            x, gamma, gy, gamma, gamma, EPS, True, SPATIAL, False, reserve_space=reserve
+        )

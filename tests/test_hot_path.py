@@ -11,6 +11,7 @@ import weakref
 import numpy as np
 import pytest
 import torch
+from producers import NumpyDLPack
 
 import cudnn_bn
 from cudnn_bn import InfiniError, Status
@@ -217,6 +218,22 @@ def test_a_training_forward_takes_its_reserve_as_out_3_and_returns_it():
         with pytest.raises(InfiniError, match=words):
             cudnn_bn.batch_norm_forward_training(x, w, b, None, None, out=(y, None, None, reserve))
         assert (y == 7.0).all()
+
+
+def test_a_reserve_in_out_is_bytes_or_floats_and_a_refusal_says_which():
+    """``out[3]`` may be uint8, int8 or a float dtype, as NumPy, torch or DLPack (the README
+    says so), and a reserve of another dtype is refused saying that bytes would do. Before,
+    the README said any dtype, and the refusal offered only the float dtypes."""
+    x, _, w, b = problem()
+    outputs = (np.empty_like(x), np.empty(C), np.empty(C))
+    dlpack = NumpyDLPack(np.empty(8, np.uint8))
+    for reserve in [np.empty(8, np.uint8), np.empty(8, np.int8), np.empty(2, np.float32),
+                    torch.empty(8, dtype=torch.int8), dlpack]:  # fmt: skip
+        got = cudnn_bn.batch_norm_forward_training(x, w, b, None, None, out=(*outputs, reserve))
+        assert got.reserve is reserve
+    for reserve in [np.empty(2, np.int32), torch.empty(8, dtype=torch.bool)]:
+        with pytest.raises(InfiniError, match=r"^BAD_TENSOR_DTYPE: out\[3\] has .*uint8 or int8"):
+            cudnn_bn.batch_norm_forward_training(x, w, b, None, None, out=(*outputs, reserve))
 
 
 def test_a_partial_out_allocates_the_rest():

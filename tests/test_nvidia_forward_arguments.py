@@ -228,6 +228,20 @@ def test_small_null_or_misaligned_reserve_is_refused_before_cudnn(stub):
     assert stub.calls() == only("forward_query", "reserve_query")  # at creation, no more
 
 
+def test_a_reserve_of_a_problem_with_none_is_not_handed_to_cudnn(stub):
+    """Where the reserve query answers 0 bytes, compute's reserve is unused: any address
+    will do, and cuDNN is handed none (NULL, 0 bytes). Before, it was handed the pointer,
+    and the stub refused a misaligned one (rule reserve-aligned)."""
+    stub.reserve_bytes.value = 0
+    with training((2, 3, 4, 5)) as desc:
+        assert desc.reserve_size == 0
+        for offset in (0, 1, 8):
+            train(desc, reserve=RESERVE + offset, reserve_size=16)
+            call = stub.forward_training
+            assert (call.reserve, call.reserve_size) == (0, 0)
+        assert call.calls == 3
+
+
 def test_training_failure_raises_with_its_strings_and_a_repro(stub):
     stub.forward_training.status = 3003
     with training((2, 3, 4, 5), F16, F32) as desc, pytest.raises(BadTensorDtypeError) as caught:

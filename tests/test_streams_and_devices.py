@@ -437,7 +437,11 @@ def test_a_reserve_in_out_is_refused_by_name_unless_packed_large_and_aligned(fak
         return FakeArray(fake, (size,), np.uint8, base + offset, 0, (step,))
 
     bad = [
-        (buffer(STUB_RESERVE - 1), InsufficientWorkspaceError, "out[3] holds 511 bytes"),
+        (
+            buffer(STUB_RESERVE - 1),
+            InsufficientWorkspaceError,
+            "out[3] holds 511 bytes; this problem needs 512",
+        ),
         (buffer(STUB_RESERVE, step=2), BadTensorStridesError, "out[3] must be one packed"),
         (buffer(STUB_RESERVE, offset=8), BadParamError, "out[3] at 0x"),
     ]
@@ -451,10 +455,35 @@ def test_a_reserve_in_out_is_refused_by_name_unless_packed_large_and_aligned(fak
     calls = stub.backward.calls
     with pytest.raises(BadParamError, match=r"reserve at 0x[0-9a-f]+ is not 16-byte aligned"):
         batch_norm_backward(*grads, **saved, reserve=buffer(STUB_RESERVE, offset=8))
-    with pytest.raises(InsufficientWorkspaceError, match="reserve holds 511 bytes"):
+    with pytest.raises(InsufficientWorkspaceError, match="reserve holds 511 bytes; this problem"):
         batch_norm_backward(*grads, **saved, reserve=buffer(STUB_RESERVE - 1))
     assert stub.backward.calls == calls
     assert stub.forward_training.calls == 1  # the good call alone
+
+
+def test_a_reserve_the_problem_does_not_use_is_not_handed_to_cudnn(fake, stub):
+    """Where cuDNN's query answers 0 reserve bytes (on a GPU: SPATIAL, plain BN), a reserve
+    given (``out[3]``, ``reserve=``) is unused, so any address will do, as the README says
+    ("16-byte aligned where it is used"), and cuDNN is handed none (NULL, 0 bytes) on a
+    plan's miss and its hit. Before, it was handed the caller's pointer with 0 bytes, and
+    the stub refused a misaligned one (rule reserve-aligned)."""
+    stub.reserve_bytes.value = 0
+    p = problem(fake.array, 0)
+    args = (p["input"], p["weight"], p["bias"], p["mean"], p["var"])
+    outputs = (fake.array(SHAPE, 0), fake.array((C,), 0), fake.array((C,), 0))
+    base = fake.array((64,), 0, np.uint8).data.ptr
+    for offset in (0, 1, 8):  # a miss, then hits
+        reserve = FakeArray(fake, (16,), np.uint8, base + offset, 0)
+        got = batch_norm_forward_training(*args, out=(*outputs, reserve))
+        assert got.reserve is reserve
+        assert (stub.forward_training.reserve, stub.forward_training.reserve_size) == (0, 0)
+    saved = {"mode": "saved", "saved_mean": got[1], "saved_invstd": got[2]}
+    grads = (p["input"], p["grad_output"], p["weight"], None, None)
+    for offset in (0, 1, 8):
+        reserve = FakeArray(fake, (16,), np.uint8, base + offset, 0)
+        batch_norm_backward(*grads, **saved, reserve=reserve)
+        assert (stub.backward.reserve, stub.backward.reserve_size) == (0, 0)
+    assert (stub.forward_training.calls, stub.backward.calls) == (3, 3)
 
 
 def record_workspaces(monkeypatch) -> list[tuple[int, int, int]]:

@@ -20,7 +20,8 @@ _PER_CHANNEL = ("weight", "bias", "running_mean", "running_var")
 
 class TrainingOutputs(tuple):
     """``(output, saved_mean, saved_invstd)`` of a training forward; ``.reserve`` is the
-    reserve space (a byte array, or None when empty) its backward takes as ``reserve=``."""
+    reserve space its backward takes as ``reserve=``: the caller's ``out[3]`` where given,
+    else a byte array, or None when the problem needs none."""
 
     reserve: Any = None  # a result without one (the CPU engine's) needs no instance dict
 

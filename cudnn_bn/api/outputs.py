@@ -45,7 +45,7 @@ def reserve_bytes(desc: TensorDesc | None, needed: int) -> int | None:
     if nbytes < needed:
         raise InfiniError(
             Status.INSUFFICIENT_WORKSPACE,
-            f"reserve holds {nbytes} bytes; this problem's reserve needs {needed}",
+            f"reserve holds {nbytes} bytes; this problem needs {needed}",
         )
     return nbytes
 

@@ -267,7 +267,9 @@ class CudnnBatchNormBackward(_CudnnKernel):
         if add:
             slots[14] = "grad_z"
         if a.mode != Mode.TRAIN:
-            slots |= {23: "running_mean", 24: "running_var", 28: "reserve"}
+            slots |= {23: "running_mean", 24: "running_var"}
+        if self.reserve_size:  # else cuDNN gets none (NULL), whatever the caller gives
+            slots[28] = "reserve"
         self.bind(
             [
                 None,
@@ -393,8 +395,9 @@ class CudnnBatchNormForwardTraining(_CudnnKernel):
             18: "saved_mean",
             19: "saved_invstd",
             21: "workspace",
-            23: "reserve",
         }
+        if self.reserve_size:  # else cuDNN gets none (NULL), whatever the caller gives
+            slots[23] = "reserve"
         if add:
             slots[8] = "z"
         if running:
