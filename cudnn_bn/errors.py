@@ -137,7 +137,11 @@ def raised_by_caller(exc: BaseException) -> bool:
     the caller's, a library's (the standard library, site-packages, or code whose file is
     not a path: compiled modules, generated code) is passed over, and the first other frame
     decides: the main program's (a script, ``python -c``, a REPL or a notebook cell, whose
-    file may be "<string>" or "<stdin>") or any file but this package's is the caller's."""
+    file may be "<string>" or "<stdin>") or any file but this package's is the caller's.
+    A warning raised as an exception is the caller's too: only their warnings filter
+    (``python -W error``) makes one of it."""
+    if isinstance(exc, Warning):
+        return True
     frames = []
     tb = exc.__traceback__
     while tb is not None:

@@ -69,6 +69,7 @@ NO_CACHE_WARNING = (
     "writable directory to cache them"
 )
 _cache = [True]  # whether numba found a cache location; one warning where it did not
+_unwarned = [True]  # that warning is still to come (``warn_once``)
 
 
 def jit(function=None, *, cache=True, **options):
@@ -92,11 +93,19 @@ def jit(function=None, *, cache=True, **options):
                     return cached
                 except OSError:
                     pass
-            _cache[0] = False
-            warnings.warn(NO_CACHE_WARNING, RuntimeWarning, stacklevel=3)
+            _cache[0] = False  # ``warn_once`` says so
         return numba.njit(**settings)(f)
 
     return compile_lazily if function is None else compile_lazily(function)
+
+
+def warn_once() -> None:
+    """The one warning that no cache location was found, from the first kernel a call
+    makes, not from this module's import: a warnings filter of "error" (``python -W error``)
+    then fails that call, not every import of the engine."""
+    if not _cache[0] and _unwarned[0]:
+        _unwarned[0] = False
+        warnings.warn(NO_CACHE_WARNING, RuntimeWarning, stacklevel=2)
 
 
 def helper(function=None, **options):
