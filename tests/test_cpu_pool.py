@@ -356,13 +356,15 @@ def test_a_thread_count_that_is_none_is_bad_param_naming_it(count):
     taken, after which a large call made Thread objects until memory ran out (found by an
     outsider's attack). Numbers below 1 are still 1."""
     previous = cpu_pool.thread_count()
-    with pytest.raises(cudnn_bn.InfiniError, match="count") as caught:
-        cpu_pool.set_thread_count(count)
-    assert caught.value.status == cudnn_bn.Status.BAD_PARAM
-    assert cpu_pool.thread_count() == previous
-    cpu_pool.set_thread_count(np.int64(-3))
-    assert cpu_pool.thread_count() == 1
-    cpu_pool.set_thread_count(previous)
+    try:
+        with pytest.raises(cudnn_bn.InfiniError, match="count") as caught:
+            cpu_pool.set_thread_count(count)
+        assert caught.value.status == cudnn_bn.Status.BAD_PARAM
+        assert cpu_pool.thread_count() == previous
+        cpu_pool.set_thread_count(np.int64(-3))
+        assert cpu_pool.thread_count() == 1
+    finally:
+        cpu_pool.set_thread_count(previous)
 
 
 _NO_THREADS_SCRIPT = """

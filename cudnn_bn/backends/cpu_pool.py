@@ -214,7 +214,8 @@ def _signals_deferred() -> Iterator[None]:
 
 
 _count = _configured_count()
-MOST_THREADS = max(1024, _count)  # the most set_thread_count takes (each is a Python thread)
+# The most set_thread_count takes (each is a Python thread).
+MOST_THREADS = max(1024, numba.config.NUMBA_NUM_THREADS)
 _lock = threading.Lock()
 _pool: _Pool | None = None  # on first use
 
