@@ -9,12 +9,16 @@ for scalars; ``byref``, ``pointer``, ctypes arrays, ``c_void_p``, objects with
 arrays). Anything else is an ``InfiniError`` naming the parameter. Out-parameters
 are resolved to an address only after checking that a write of their type fits in the
 object they point to, so no conversion here ever leads to a write ctypes would not make;
-``str`` and ``bytes`` are never written through.
+``str`` and ``bytes`` are never written through. An integer address (of an out-parameter,
+or a size array) is used only where the kernel can copy through it, so that memory the
+process cannot write or read is a BAD_PARAM, not a SIGSEGV.
 """
 
 import ctypes
+import errno
 import numbers
 import operator
+import os
 from collections.abc import Callable
 from typing import Any
 
@@ -162,6 +166,31 @@ def host_address(value: int, name: str) -> int:
     return value
 
 
+def _passed_through_kernel(address: int, size: int, name: str, write: bool) -> bytes:
+    """The ``size`` bytes at a raw ``address`` (an out-parameter, ``write``: left as they
+    were), copied by the kernel through a pipe, which reports EFAULT where this process
+    cannot read (or write) them: a load or store of ours would die of SIGSEGV there. Only
+    for integer addresses, whose memory ctypes never vouched for."""
+    view = (ctypes.c_char * size).from_address(host_address(address, name))
+    read_end, write_end = os.pipe()
+    try:
+        os.write(write_end, view)
+        if write:
+            os.readv(read_end, [view])  # the same bytes back, through the kernel
+            return b""
+        return os.read(read_end, size)
+    except OSError as exc:
+        if exc.errno != errno.EFAULT:
+            raise
+        access = "write" if write else "read"
+        raise InfiniError(
+            Status.BAD_PARAM, f"{name} ({address:#x}) is no memory this process can {access}"
+        ) from None
+    finally:
+        os.close(read_end)
+        os.close(write_end)
+
+
 def _target(value: Any) -> tuple[type, int, int | None] | None:
     """``(pointed-to type, address, end of the object or None)`` of a ctypes pointer-like
     value, or None when it is not one."""
@@ -193,7 +222,9 @@ def out(accepts: Callable[[type], bool], what: str, size: int) -> Converter:
         found = _target(value)
         if found is None:
             address = _raw_address(value, name)
-            return address and host_address(address, name)
+            if address:
+                _passed_through_kernel(address, size, name, write=True)
+            return address
         pointee, address, end = found
         if not accepts(pointee):
             raise InfiniError(
@@ -232,7 +263,7 @@ def in_array(element: type, c_type: str) -> Converter:
             address = _raw_address(value, name)
             if not address:
                 return None
-            items = _Memory(element, host_address(address, name), None)
+            items = _Memory(element, address, None)
 
         def read(n: int) -> tuple[int, ...]:
             return _as_c(name, c_type, _entries, n)
@@ -262,7 +293,10 @@ class _Memory:
 
     def read(self, n: int, name: str) -> list[int]:
         size = ctypes.sizeof(self.element) * n
-        if self.end is not None and self.address + size > self.end:
+        if self.end is None:  # a raw address: read through the kernel
+            copied = _passed_through_kernel(self.address, size, name, write=False)
+            return list((self.element * n).from_buffer_copy(copied))
+        if self.address + size > self.end:
             room = (self.end - self.address) // ctypes.sizeof(self.element)
             raise InfiniError(Status.BAD_PARAM, f"{name} has {room} entries, not {n}")
         return list((self.element * n).from_address(self.address))

@@ -13,8 +13,10 @@ their one call path (``api.call.run``), other entry points through the decorator
 import functools
 import os
 import re
+import signal
 import site
 import sysconfig
+import threading
 from collections.abc import Callable, Mapping
 from typing import ClassVar, NoReturn, ParamSpec, TypeVar
 
@@ -130,20 +132,46 @@ _LIBRARIES = tuple(
 
 def raised_by_caller(exc: BaseException) -> bool:
     """Whether ``exc`` was raised by the caller's own code run inside a call (a signal
-    handler, a producer's own method): its innermost frame is the main program's (a script,
-    ``python -c``, a REPL or a notebook cell, whose file may be "<string>" or "<stdin>"), or
-    in a file neither this package's nor a library's (the standard library, site-packages)."""
-    tb = exc.__traceback__
-    if tb is None:
-        return False
-    while tb.tb_next is not None:
-        tb = tb.tb_next
-    if tb.tb_frame.f_globals.get("__name__") == "__main__":
+    handler, a producer's own method), or by a library that code called: from the innermost
+    frame out, a signal handler's frame (the caller installed it, wherever it is defined) is
+    the caller's, a library's (the standard library, site-packages, or code whose file is
+    not a path: compiled modules, generated code) is passed over, and the first other frame
+    decides: the main program's (a script, ``python -c``, a REPL or a notebook cell, whose
+    file may be "<string>" or "<stdin>") or any file but this package's is the caller's.
+    A warning raised as an exception is the caller's too: only their warnings filter
+    (``python -W error``) makes one of it."""
+    if isinstance(exc, Warning):
         return True
-    filename = tb.tb_frame.f_code.co_filename
-    if not os.path.isabs(filename):  # "<string>", or a compiled module's source (.pyx)
-        return False
-    return not os.path.abspath(filename).startswith((_PACKAGE, *_LIBRARIES))
+    frames = []
+    tb = exc.__traceback__
+    while tb is not None:
+        frames.append(tb.tb_frame)
+        tb = tb.tb_next
+    handlers = _signal_handlers()
+    for frame in reversed(frames):
+        if frame.f_code in handlers or frame.f_globals.get("__name__") == "__main__":
+            return True
+        filename = frame.f_code.co_filename
+        if os.path.isabs(filename) and not os.path.abspath(filename).startswith(_LIBRARIES):
+            return not os.path.abspath(filename).startswith(_PACKAGE)
+    return False
+
+
+def _signal_handlers() -> set[object]:
+    """The code objects of the Python signal handlers installed now (bound methods'
+    included), in the main thread, where Python runs them."""
+    if threading.current_thread() is not threading.main_thread():
+        return set()
+    handlers = set()
+    for signum in signal.valid_signals():
+        try:
+            handler = signal.getsignal(signum)
+        except ValueError:  # a signal number this platform lists but will not look up
+            continue
+        code = getattr(getattr(handler, "__func__", handler), "__code__", None)
+        if code is not None:
+            handlers.add(code)
+    return handlers
 
 
 def public_error(exc: Exception, spelling: Mapping[str, str], where: str) -> Exception:

@@ -92,11 +92,15 @@ def fold_conv_bn(
         raise InfiniError(
             Status.BAD_PARAM, "running_var has negative entries; a variance is never negative"
         )
-    scale = per_channel("bn_weight", bn_weight, 1.0) / xp.sqrt(var + eps)
+    gamma = per_channel("bn_weight", bn_weight, 1.0)
     shift = per_channel("bn_bias", bn_bias, 0.0)
     bias = per_channel("conv_bias", conv_bias, 0.0)
     shape = [1] * conv_weight.ndim
     shape[axis] = channels
-    weight = xp.asarray(conv_weight, dtype=compute) * scale.reshape(shape)  # no np.matrix
     out_dtype = conv_weight.dtype
-    return weight.astype(out_dtype), (shift + (bias - mean) * scale).astype(out_dtype)
+    # IEEE results as torch's fold gives them (a zero variance with eps 0: inf; an overflow:
+    # inf), without NumPy's warnings, which ``python -W error`` would make INTERNAL_ERRORs.
+    with np.errstate(all="ignore"):
+        scale = gamma / xp.sqrt(var + eps)
+        weight = xp.asarray(conv_weight, dtype=compute) * scale.reshape(shape)  # no np.matrix
+        return weight.astype(out_dtype), (shift + (bias - mean) * scale).astype(out_dtype)

@@ -152,10 +152,30 @@ class _Stream:
     ptr = 7
 
 
+class _BadStream:
+    """A stream object whose address (``ptr``) is no cudaStream_t."""
+
+    def __init__(self, ptr: object) -> None:
+        self.ptr = ptr
+
+
+class _BadProtocol:
+    """A stream object whose CUDA stream protocol method returns ``result``, no (version,
+    address) pair with an address."""
+
+    def __init__(self, result: object) -> None:
+        self.result = result
+
+    def __cuda_stream__(self) -> object:
+        return self.result
+
+
 # ``stream=`` of the array API's entry points (AFFINE_OPTIONAL): host arrays run on no
 # stream, but one given must be one (an int in [0, 2**64) or a stream object).
 GOOD_STREAMS = [None, None, None, 0, 7, (1 << 64) - 1, _Stream()]
 BAD_STREAMS = ["a", True, -1, 1 << 64, 1.5, object()]
+BAD_STREAMS += [_BadStream(ptr) for ptr in ("a", None, -1, 1 << 64, 1.5, True)]
+BAD_STREAMS += [_BadProtocol(result) for result in (5, (), (0, -1), (0, "a"))]
 MASKS = [
     (True, True, True), [True, False, True], (np.True_, np.False_, np.True_), (1, 1, 1),
     (True, True), "all", None, (False, False, False),

@@ -19,6 +19,7 @@ written; after the example, no object is left registered.
 
 import ctypes
 import math
+import mmap
 import sys
 import threading
 
@@ -96,6 +97,14 @@ def call(function, *args, **kwargs) -> int:
 
 # --- out-parameters -------------------------------------------------------------------------
 
+# Pages this process may only read, and may not touch: an address in them is in the host's
+# range, so only the kernel can tell that a write (or a read) there would fault.
+_PAGES = {
+    "read_only_page": mmap.mmap(-1, mmap.PAGESIZE, prot=mmap.PROT_READ),
+    "no_access_page": mmap.mmap(-1, mmap.PAGESIZE, prot=0),
+}
+PAGE_ADDRESSES = {name: np.frombuffer(m, np.uint8).ctypes.data for name, m in _PAGES.items()}
+
 
 class Out:
     """An out-parameter form: ``arg`` is passed; ``storage`` (a ctypes object or a Python
@@ -135,6 +144,7 @@ class Out:
                 "negative": -8,
                 "huge": 1 << 70,
                 "c_int": ctypes.c_int(5),
+                **PAGE_ADDRESSES,
             }[form]
             if isinstance(self.arg, bytes | bytearray):
                 self.storage = self.arg
@@ -152,7 +162,7 @@ class Out:
 GOOD_OUT = ["byref", "pointer", "array", "address", "byref_offset", "as_parameter"]
 BAD_OUT = [
     "null", "zero", "str", "bytes", "bytearray", "float", "wrong_type", "too_small",
-    "past_end", "handle_value", "low_address", "negative", "huge", "c_int",
+    "past_end", "handle_value", "low_address", "negative", "huge", "c_int", *PAGE_ADDRESSES,
 ]  # fmt: skip
 out_forms = st.sampled_from(GOOD_OUT + BAD_OUT)
 good_out_forms = st.sampled_from(GOOD_OUT)
@@ -279,7 +289,9 @@ def tensor_creation(draw):
     shape = draw(st.lists(shape_entries, min_size=ndim, max_size=ndim))
     strides = draw(st.none() | st.lists(stride_entries, min_size=ndim, max_size=ndim))
     dtype = draw(st.integers(-2, 22) | st.sampled_from(BAD_SCALARS))
-    shape_form = draw(st.sampled_from(["list", "size_t", "int64", "int", "address", "str"]))
+    shape_form = draw(
+        st.sampled_from(["list", "size_t", "int64", "int", "address", "str", "no_access_page"])
+    )
     # A raw address carries no length: more entries than it has would be the caller's bug.
     counts = [ndim, max(ndim - 1, 0)] + ([] if shape_form == "address" else [ndim + 1])
     ndim_arg = draw(integer(draw(st.sampled_from(counts))))
@@ -298,6 +310,8 @@ def _array_form(values, form: str, element):
         return list(values), None
     if form == "str":
         return "1,2,3", None
+    if form == "no_access_page":  # entries no one may read
+        return PAGE_ADDRESSES[form], None
     ctype = {"size_t": element, "int64": ctypes.c_int64, "int": ctypes.c_int}[
         form if form != "address" else "size_t"
     ]

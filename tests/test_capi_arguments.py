@@ -9,6 +9,10 @@ count) is a status naming the argument, with nothing written and nothing registe
 
 import ctypes
 import fractions
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -343,3 +347,50 @@ def test_the_callers_timeout_passes_through():
     """A signal handler's ``TimeoutError`` raised inside a call is the caller's own."""
     with pytest.raises(TimeoutError):
         capi.infiniopCreateTensorDescriptor(None, _Raises(TimeoutError()), [2], None, F32)
+
+
+_UNUSABLE_MEMORY_SCRIPT = """
+import ctypes, mmap, sys
+import numpy as np
+from cudnn_bn import DataType, Device, capi
+
+page = mmap.mmap(-1, 4096, prot=mmap.PROT_READ if sys.argv[1] == "read-only" else 0)
+address = np.frombuffer(page, np.uint8).ctypes.data
+F32 = int(DataType.F32)
+assert capi.infinirtSetDevice(Device.CPU, 0) == 0
+handle, desc, data, op = ctypes.c_void_p(), ctypes.c_void_p(), ctypes.c_void_p(), ctypes.c_void_p()
+assert capi.infiniopCreateHandle(ctypes.byref(handle)) == 0
+assert capi.infiniopCreateTensorDescriptor(ctypes.byref(desc), 1, [3], None, F32) == 0
+assert capi.infiniopCreateTensorDescriptor(ctypes.byref(data), 3, [2, 3, 4], None, F32) == 0
+descs = [data, desc, desc, data, data, desc, desc, desc]
+assert capi.infiniopCreateBatchNormBackwardDescriptor(handle, ctypes.byref(op), *descs) == 0
+calls = {
+    "handle_ptr": lambda: capi.infiniopCreateHandle(address),
+    "desc_ptr": lambda: capi.infiniopCreateTensorDescriptor(address, 1, [3], None, F32),
+    "size": lambda: capi.infiniopGetBatchNormBackwardWorkspaceSize(op, address),
+}
+create = capi.infiniopCreateTensorDescriptor
+if sys.argv[1] == "no-access":  # read: the shape and strides arrays
+    calls["shape"] = lambda: create(ctypes.byref(desc), 2, address, None, F32)
+    calls["strides"] = lambda: create(ctypes.byref(desc), 2, [2, 3], address, F32)
+for name, call in calls.items():
+    print(name, call(), capi.last_error(), flush=True)
+"""
+
+
+@pytest.mark.parametrize("page", ["read-only", "no-access"])
+def test_an_address_of_memory_the_process_cannot_use_is_bad_param(page):
+    """An out-parameter given as the address of memory this process cannot write (a
+    read-only or inaccessible page), or a shape or strides array at one it cannot read, is
+    BAD_PARAM naming it, never a crash: the address is in the host's range, so it was
+    written or read, and the process died of SIGSEGV (found by an outsider's attack)."""
+    child = subprocess.run(
+        [sys.executable, "-c", _UNUSABLE_MEMORY_SCRIPT, page], capture_output=True, text=True,
+        timeout=120, env=dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parent.parent)),
+    )  # fmt: skip
+    assert child.returncode == 0, (child.returncode, child.stdout, child.stderr[-2000:])
+    lines = child.stdout.splitlines()
+    assert len(lines) == (5 if page == "no-access" else 3), child.stdout
+    for line in lines:
+        name, status, message = line.split(" ", 2)
+        assert int(status) == Status.BAD_PARAM and name in message, line

@@ -532,13 +532,15 @@ def test_half_forward_within_one_ulp_of_float64(dtype, offset, spread):
     [
         ("float16", -3.140625, -0.28746727108955383, 0.8195865750312805),
         ("bfloat16", 1.75, 0.30751344561576843, 1.170753836631775),
+        ("bfloat16", 3e38, -3e38, 1e-30),  # scale -3e53, beyond float32
     ],
 )
 def test_half_training_constant_channel_is_exactly_the_bias(name, value, weight, eps, layout):
     """A constant F16/BF16 channel's training output is its bias rounded once, even for a
     bias halfway between two values of the dtype: ``(x - t)*a + c`` (``cpu_kernels.
     _crossing``'s form) rounds ``(x - mean)*scale`` and tips it to the wrong side for these
-    values (found by simulating the form)."""
+    values (found by simulating the form); and where the scale is beyond float32 (its
+    float32 pass made ``0 * inf``, NaN)."""
     dtype = half_dtype(name)
     tie = 1 + 2.0 ** (-11 if name == "float16" else -8)  # halfway between 1 and the next
     rng = np.random.default_rng(4)
@@ -634,3 +636,47 @@ def test_half_inference_keeps_infinite_inputs_infinite(name, layout):
     y = cudnn_bn.batch_norm_forward_inference(x, w, b, rm, rv, eps=EPS)
     want = torch_inference(x, w, b, rm, rv, dtype)
     np.testing.assert_array_equal(np.asarray(y).astype(np.float32), want.astype(np.float32))
+
+
+# Channels whose float32 working values leave float32's normal range: (dtype, x values,
+# weight, bias, running mean, running var, eps). The float64 result of each is finite or
+# infinite, never NaN.
+_BEYOND_FLOAT32 = {
+    # x - mean times scale overflows float32 while the low part of scale adds the other
+    # infinity: inf - inf was NaN where the result is -inf.
+    "low-part-overflows": ("bfloat16", [-1e20, 5.0, -3e20], -2.5e8, 1e30, -1.2e38, 1.7e-31, 1e-30),
+    # scale beyond float32 (4.7e38): float32 made it inf, the outputs -inf for -2.8e34.
+    "scale-beyond-float32": ("bfloat16", [1e-6, 2e-6, -3e-6], -3e38, 6e-8, -5.8e-5, 0.4, 0.0),
+    # scale a float32 subnormal (1.7e-44, 4 bits): results 1% off.
+    "subnormal-scale": ("bfloat16", [1e10, 2e10, -3e10], -9.8e-45, -4.27e-36, 1.0, 1 / 3, EPS),
+    # scale below any float32 (3.4e-46): float32 made it 0, the outputs the bias.
+    "scale-below-float32": ("float16", [-6e4, 6e4, 3e4], -1.07e-34, 1.08e-8, -3e38, 9.7e22, EPS),
+    # x - mean beyond float32 (4e38): inf where the result is 2e38.
+    "difference-beyond-float32": ("bfloat16", [3e38, 2.9e38, 1e38], 0.5, 0.0, -1e38, 1.0, 0.0),
+}
+
+
+@pytest.mark.parametrize("layout", ["NCHW", "NHWC"])
+@pytest.mark.parametrize("case", sorted(_BEYOND_FLOAT32))
+def test_half_inference_beyond_float32s_range_is_within_one_ulp(case, layout):
+    """An F16/BF16 channel whose scale, mean or ``x - mean`` a float32 cannot hold (or holds
+    in fewer bits, subnormal) gives the float64 result rounded once, within one ulp, as a
+    tame channel beside it does: the float32 elementwise pass (the one-fma crossing and the
+    compensated pass alike) made NaN, infinities, zeros and 1% errors of these (found by an
+    outsider's differential fuzzing of extreme values)."""
+    name, values, weight, bias, mean, var, eps = _BEYOND_FLOAT32[case]
+    dtype = half_dtype(name)
+    rng = np.random.default_rng(8)
+    x = rng.standard_normal((4, 2, 3, 3)).astype(dtype)
+    x[:, 1] = np.resize(np.array(values), (4, 3, 3)).astype(dtype)
+    if layout == "NHWC":
+        x = laid_out(x, channels_last(x.shape), dtype)
+    w, b = np.array([0.5, weight], np.float32), np.array([0.25, bias], np.float32)
+    rm, rv = np.array([0.1, mean], np.float32), np.array([2.0, var], np.float32)
+    y = cudnn_bn.batch_norm_forward_inference(x, w, b, rm, rv, eps=eps)
+    t = [torch.from_numpy(np.asarray(a, np.float64)) for a in (x, rm, rv, w, b)]
+    with np.errstate(over="ignore"):
+        want = F.batch_norm(t[0], t[1], t[2], t[3], t[4], False, 0.0, eps).numpy()
+        want = (want if dtype is np.float16 else want.astype(np.float32)).astype(dtype)
+    assert not np.isnan(want.astype(np.float32)).any()
+    assert half_steps(y, want).max() <= 1, (np.asarray(y)[:, 1].ravel(), want[:, 1].ravel())

@@ -344,3 +344,70 @@ def test_a_handlers_exception_as_signals_are_held_back_leaves_none_held(two_thre
     finally:
         left = real(signal.SIG_SETMASK, before)  # this process's mask back, whatever happened
     assert isinstance(raised, KeyboardInterrupt) and left == before
+
+
+@pytest.mark.parametrize(
+    "count", ["a", None, 2.5, True, float("nan"), float("inf"), 10**30, 1 << 20]
+)
+def test_a_thread_count_that_is_none_is_bad_param_naming_it(count):
+    """``set_thread_count`` (a public name of the README) takes an integer (torch's and
+    numba's take no float either) of at most ``MOST_THREADS``: 'a', None, nan or inf raised
+    ValueError/TypeError/OverflowError, 2.5 and True were taken as 2 and 1, and 10**30 was
+    taken, after which a large call made Thread objects until memory ran out (found by an
+    outsider's attack). Numbers below 1 are still 1."""
+    previous = cpu_pool.thread_count()
+    try:
+        with pytest.raises(cudnn_bn.InfiniError, match="count") as caught:
+            cpu_pool.set_thread_count(count)
+        assert caught.value.status == cudnn_bn.Status.BAD_PARAM
+        assert cpu_pool.thread_count() == previous
+        cpu_pool.set_thread_count(np.int64(-3))
+        assert cpu_pool.thread_count() == 1
+    finally:
+        cpu_pool.set_thread_count(previous)
+
+
+_NO_THREADS_SCRIPT = """
+import threading
+import numpy as np
+import cudnn_bn
+from cudnn_bn.backends import cpu_pool
+
+started = []
+
+
+class Refused(threading.Thread):  # the system starts 2 of the helpers, then refuses
+    def start(self):
+        if len(started) == 2:
+            raise RuntimeError("can't start new thread")
+        started.append(self)
+        super().start()
+
+
+cpu_pool.threading.Thread = Refused
+cpu_pool.set_thread_count(8)
+x = np.ones((20, 16, 128, 128), np.float32)  # threaded: 5.2 million values
+try:
+    cudnn_bn.batch_norm_backward(x, x, np.ones(16, np.float32), None, None)
+except cudnn_bn.InfiniError as exc:
+    print(exc.status.name, exc)
+for thread in started:
+    thread.join(timeout=10)
+print("running", sum(t.is_alive() for t in started))
+"""
+
+
+def test_helpers_that_cannot_all_start_leave_none_running():
+    """A pool whose helpers the system will not all start (a container's thread limit, a
+    large thread count): the call raises an InfiniError saying so, and the helpers that did
+    start end. They were left spinning and sleeping for good, and the error was 'unexpected
+    RuntimeError' (found by an outsider's attack)."""
+    child = subprocess.run(
+        [sys.executable, "-c", _NO_THREADS_SCRIPT], capture_output=True, text=True, timeout=120,
+        env=dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parent.parent)),
+    )  # fmt: skip
+    assert child.returncode == 0, child.stderr[-3000:]
+    lines = child.stdout.splitlines()
+    first, last = lines[0], lines[-1]
+    assert first.startswith("INTERNAL_ERROR") and "set_thread_count" in first, first
+    assert last == "running 0", child.stdout

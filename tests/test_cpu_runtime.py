@@ -245,6 +245,43 @@ def test_no_writable_cache_location_for_a_zip_import(tmp_path):
     assert len(warnings) == 1 and "NUMBA_CACHE_DIR" in warnings[0], result.stdout
 
 
+_WARNINGS_AS_ERRORS_SCRIPT = """
+import numpy as np
+import cudnn_bn
+x = np.arange(24, dtype=np.float32).reshape(4, 3, 2)
+w = np.ones(3, np.float32)
+try:
+    cudnn_bn.batch_norm_backward(x, x, w, None, None)
+except RuntimeWarning as warning:  # the one warning, as the caller's filter makes it
+    print("raised", "NUMBA_CACHE_DIR" in str(warning))
+gi, gw, gb = cudnn_bn.batch_norm_backward(x, x, w, None, None)
+print(float(gb.sum()), cudnn_bn.batch_norm_forward_inference(x, w, w, w, w).shape)
+"""
+
+
+def test_no_writable_cache_location_under_python_w_error(tmp_path):
+    """The same zip import under ``python -W error``: the one warning is raised by the
+    first call as the RuntimeWarning the caller's filter makes it, and later calls run.
+    The warning was issued as the kernels module was imported, so the import failed, every
+    call imported it again, and every call failed with INTERNAL_ERROR "unexpected
+    RuntimeWarning" (found by an outsider's attack)."""
+    packed = tmp_path / "cudnn_bn.zip"
+    with zipfile.ZipFile(packed, "w") as archive:
+        for path in (REPO / "cudnn_bn").rglob("*.py"):
+            archive.write(path, path.relative_to(REPO))
+    result = run_child(
+        _WARNINGS_AS_ERRORS_SCRIPT,
+        PYTHONPATH=str(packed),
+        HOME="/dev/null",
+        XDG_CACHE_HOME="/dev/null",
+        NUMBA_CACHE_DIR="/dev/null/numba",
+        PYTHONDONTWRITEBYTECODE="1",
+        PYTHONWARNINGS="error",
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.splitlines() == ["raised True", "276.0 (4, 3, 2)"], result.stdout
+
+
 def test_calls_never_start_numbas_thread_pool():
     """Neither a small call (one item, in the calling thread) nor a large one (the engine's
     own threads) starts numba's parallel layer, whose threads would compete with the

@@ -4,6 +4,7 @@ caller owns is written when a call fails. References: NumPy's array interface pr
 (v3), DLPack 1.0 (``dlpack.h``), torch's own reading of its tensors (``resolve_neg``)."""
 
 import ctypes
+import json
 import os
 import signal
 import subprocess
@@ -214,6 +215,71 @@ except TimeoutError as exc:
     )  # fmt: skip
     assert child.returncode == 0, child.stderr[-3000:]
     assert child.stdout == "the caller's deadline\n"
+
+
+def test_a_callers_own_exception_raised_in_a_library_it_calls_passes_through_unchanged():
+    """A producer's own method that calls the standard library (or any library), which
+    raises: the caller's code raised it, though the innermost frame is the library's. It
+    was INTERNAL_ERROR "unexpected JSONDecodeError" (found by an outsider's attack)."""
+
+    class Garbled:
+        @property
+        def __array_interface__(self):
+            return json.loads("{not json")
+
+    with pytest.raises(json.JSONDecodeError):
+        cudnn_bn.batch_norm_backward(Garbled(), Garbled(), None, None, None)
+
+
+_LIBRARY_HANDLER_SCRIPT = """
+import fnmatch, os, random, signal
+import numpy as np
+import cudnn_bn
+
+package = os.path.dirname(cudnn_bn.__file__)
+x, w = np.ones((2, 3, 4)), np.ones(3)
+signal.signal(signal.SIGALRM, fnmatch.fnmatch)  # fnmatch(signum, frame): TypeError, raised
+inside = wrapped = 0                             # in the standard library (posixpath)
+
+
+def settle():  # a Python call: a signal pending since the timer was cleared is handled here
+    pass
+
+
+for _ in range(20000):
+    try:
+        signal.setitimer(signal.ITIMER_REAL, random.uniform(1e-6, 1e-4))
+        cudnn_bn.batch_norm_backward(x, x, w, None, None)
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        settle()
+    except TypeError as exc:
+        tb, files = exc.__traceback__, []
+        while tb is not None:
+            files.append(tb.tb_frame.f_code.co_filename)
+            tb = tb.tb_next
+        inside += any(f.startswith(package) for f in files)
+    except cudnn_bn.InfiniError as exc:
+        wrapped += 1
+        print(exc)
+    if inside >= 50:
+        break
+print(inside, wrapped)
+"""
+
+
+def test_a_signal_handler_from_a_library_raises_through_unchanged():
+    """A signal handler defined in a library (a timeout decorator's in site-packages; here
+    a standard-library function installed as one, which raises TypeError) raising while
+    the package's code runs: the caller installed it, so its exception passes through. The
+    innermost frames being a library's, called from the package's, made it INTERNAL_ERROR
+    "unexpected TypeError" (found by an outsider's attack)."""
+    child = subprocess.run(
+        [sys.executable, "-c", _LIBRARY_HANDLER_SCRIPT], capture_output=True, text=True,
+        timeout=120, env=dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parent.parent)),
+    )  # fmt: skip
+    assert child.returncode == 0, child.stderr[-3000:]
+    inside, wrapped = map(int, child.stdout.split()[-2:])
+    assert (inside, wrapped) == (50, 0), child.stdout[-3000:]
 
 
 # --- finding 4: byte order, every dtype --------------------------------------------------------

@@ -8,6 +8,7 @@ tolerances (``helpers.TOL``; an F16 ulp is 1e-3 relative, summed over a small ke
 
 import gc
 import math
+import warnings
 import weakref
 
 import numpy as np
@@ -160,3 +161,38 @@ def test_a_refused_fold_lets_its_arrays_go_without_the_garbage_collector():
         assert kept() is None
     finally:
         gc.enable()
+
+
+@pytest.mark.parametrize(
+    "case", ["zero-variance-eps-0", "overflow-to-f32", "huge-scale", "f16-overflow"]
+)
+def test_values_torch_folds_to_inf_or_nan_fold_without_a_warning(case):
+    """A variance of 0 with eps 0, a weight that overflows its dtype once scaled: torch's
+    fold gives inf (or NaN) silently, and so does this one. NumPy warned (divide by zero,
+    overflow), and under ``python -W error`` the warning escaped as INTERNAL_ERROR
+    "unexpected RuntimeWarning" (found by an outsider's attack)."""
+    dtype = np.float16 if case == "f16-overflow" else np.float32
+    p = parameters((4, 3, 3, 3), 4, dtype)
+    eps = EPS
+    if case == "zero-variance-eps-0":
+        p["running_var"][:], eps = 0, 0.0
+    elif case == "overflow-to-f32":
+        p["conv_weight"] *= np.float32(1e30)
+        p["bn_weight"] *= np.float32(1e30)
+    elif case == "huge-scale":
+        p = {n: v.astype(np.float64) for n, v in p.items()}
+        p["running_var"][:], p["bn_weight"][:], eps = 1e-300, 1e300, 0.0
+    else:
+        p["running_var"][:] = np.float16(6e-8)
+        p["conv_weight"][:] = np.float16(60000)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        weight, bias = fold_conv_bn(*p.values(), eps)
+    t = {n: torch.from_numpy(v) for n, v in p.items()}
+    want_w, want_b = torch.nn.utils.fuse_conv_bn_weights(
+        t["conv_weight"], t["conv_bias"], t["running_mean"], t["running_var"], eps,
+        t["bn_weight"], t["bn_bias"],
+    )  # fmt: skip
+    np.testing.assert_array_equal(np.isfinite(weight), np.isfinite(want_w.detach().numpy()))
+    np.testing.assert_array_equal(np.isnan(bias), np.isnan(want_b.detach().numpy()))
+    assert not np.isfinite(weight).all()

@@ -134,15 +134,52 @@ class _Stream:
     ptr = 7
 
 
+class _At:
+    """A stream object whose address is ``ptr`` (CuPy's attribute)."""
+
+    def __init__(self, ptr: object) -> None:
+        self.ptr = ptr
+
+
+class _Protocol:
+    """A stream object whose ``__cuda_stream__()`` (the CUDA stream protocol) returns
+    ``result``."""
+
+    def __init__(self, result: object) -> None:
+        self.result = result
+
+    def __cuda_stream__(self) -> object:
+        return self.result
+
+
+class _TorchLike:
+    """A stream object whose address is ``cuda_stream`` (torch's attribute)."""
+
+    cuda_stream = -3
+
+
+# Stream objects whose address is no cudaStream_t (an int from 0 to 2**64 - 1), or whose
+# protocol method returns no (version, address) pair: each was INTERNAL_ERROR (int() of a
+# string or None, a non-tuple indexed) or taken (an address of -1, 2**64, 1.5, True).
+_BAD_STREAM_OBJECTS = {
+    "ptr-str": _At("a"), "ptr-None": _At(None), "ptr--1": _At(-1), "ptr-2**64": _At(1 << 64),
+    "ptr-float": _At(1.5), "ptr-bool": _At(True), "cuda_stream--3": _TorchLike(),
+    "protocol-int": _Protocol(5), "protocol-()": _Protocol(()), "protocol-str": _Protocol((0, "a")),
+    "protocol--1": _Protocol((0, -1)), "protocol-2**70": _Protocol((0, 1 << 70)),
+}  # fmt: skip
+
+
 @pytest.mark.parametrize(
     "stream",
-    ["a", True, -1, 1 << 64, 1.5, object()],
-    ids=["str", "bool", "-1", "2**64", "float", "object"],
+    ["a", True, -1, 1 << 64, 1.5, object(), *_BAD_STREAM_OBJECTS.values()],
+    ids=["str", "bool", "-1", "2**64", "float", "object", *_BAD_STREAM_OBJECTS],
 )
 def test_what_is_no_stream_is_refused_with_host_arrays_on_a_miss_and_a_hit(stream):
     """Host arrays run on no stream, and code written for both may pass one; what is no
     stream at all is BAD_PARAM naming ``stream`` (as on a device), and nothing is written.
-    It was taken and ignored, on a miss and a hit."""
+    It was taken and ignored, on a miss and a hit; a stream object's address is checked as
+    an int stream is (found by an outsider's attack: session 9's check took any object's
+    ``ptr``)."""
     rng = np.random.default_rng(5)
     x = rng.standard_normal((4, C, 5))
     w, b, mean, var = np.ones(C), np.zeros(C), np.zeros(C), np.ones(C)
@@ -178,3 +215,23 @@ def test_a_stream_given_with_host_arrays_is_taken_and_changes_nothing():
             cudnn_bn.batch_norm_backward(x, x, w, None, None, stream=stream), want, strict=True
         ):
             np.testing.assert_array_equal(got, expected)
+
+
+def test_a_type_error_raised_while_a_plan_is_looked_up_is_not_an_unhashable_option(
+    monkeypatch,
+):
+    """A TypeError raised while the plan's key is looked up (a signal handler's, landing
+    there) passes through: it was taken for an unhashable option and became BAD_PARAM
+    'unhashable option among ...' (found by an outsider's timer-driven attack, 1 to 4 calls
+    in 50). Only a key that does not hash is an unhashable option."""
+    x = np.ones((4, C, 5))
+    cache = cudnn_bn.api.call.descriptor_cache
+    raised = TypeError("the caller's signal handler")
+
+    def interrupted(key):
+        raise raised
+
+    monkeypatch.setattr(cache, "get", interrupted)
+    with pytest.raises(TypeError) as caught:
+        cudnn_bn.batch_norm_backward(x, x, np.ones(C), None, None)
+    assert caught.value is raised

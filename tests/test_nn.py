@@ -11,6 +11,7 @@ InfiniCore's 2e-5 for float32 and 1e-2 for F16/BF16 (whose outputs alone are rou
 
 import itertools
 import socket
+import warnings
 
 import ml_dtypes
 import numpy as np
@@ -256,6 +257,15 @@ def test_state_dict_before_any_forward_is_torch_initial_state():
         (lambda s: s.update(extra=np.zeros(3)), Status.BAD_PARAM),
         (lambda s: s.update(bias=np.zeros(4)), Status.BAD_TENSOR_SHAPE),
         (lambda s: s.update(num_batches_tracked=np.array(-1)), Status.BAD_PARAM),
+        # A count torch's int64 cannot hold: INTERNAL_ERROR (OverflowError) for inf, and 2**63
+        # was taken, after which state_dict() failed so (found by an outsider's attack).
+        (lambda s: s.update(num_batches_tracked=np.array(np.inf)), Status.BAD_PARAM),
+        (lambda s: s.update(num_batches_tracked=torch.tensor(float("inf"))), Status.BAD_PARAM),
+        (lambda s: s.update(num_batches_tracked=np.array(2.0**63)), Status.BAD_PARAM),
+        # Complex values: their imaginary parts were dropped with a ComplexWarning (under
+        # -W error: INTERNAL_ERROR "unexpected ComplexWarning").
+        (lambda s: s.update(weight=np.ones(3, complex)), Status.BAD_PARAM),
+        (lambda s: s.update(running_mean=torch.ones(3, dtype=torch.complex64)), Status.BAD_PARAM),
     ],
 )
 def test_bad_state_raises_and_changes_nothing(change, status):
@@ -269,6 +279,22 @@ def test_bad_state_raises_and_changes_nothing(change, status):
     assert info.value.status == status
     for name, value in layer.state_dict().items():
         np.testing.assert_array_equal(np.asarray(value), before[name])
+
+
+@pytest.mark.parametrize("lib", ["numpy", "torch"])
+def test_a_state_beyond_float32_loads_as_infinities_without_a_warning(lib):
+    """float64 values beyond float32 load into a float32 layer as inf, as torch's
+    ``load_state_dict`` copies them, without NumPy's overflow warning (which ``python -W
+    error`` made INTERNAL_ERROR "unexpected RuntimeWarning"; found by an outsider's attack)."""
+    x = np.ones((4, 3), np.float32)
+    layer = BatchNorm(3)
+    layer(x if lib == "numpy" else torch.from_numpy(x))
+    state = numpy_state(trained_module())
+    state["running_var"][:] = 1e300
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        layer.load_state_dict(state)
+    assert np.isinf(np.asarray(layer.running_var)).all()
 
 
 def test_non_strict_load_takes_what_is_there():

@@ -244,10 +244,12 @@ def run(spec: Pass, arrays: tuple, raw: tuple, stream: Any, out: Any = None) -> 
             raise InfiniError(Status.NULL_POINTER, "input is None")
         signatures, ptrs, others = read(arrays, spec.writes, [spec, options_key(raw)])
         described = _described(spec, arrays, stream, others, signatures, ptrs) if others else {}
+        key = tuple(signatures)
         try:
-            key = tuple(signatures)
             plan = descriptor_cache.get(key)
         except TypeError:  # an unhashable option: its validation says which
+            if _hashable(key):
+                raise  # not the key's: a signal handler's, raised meanwhile
             spec.options(raw, dict(zip(spec.names, arrays, strict=True)))
             raise InfiniError(Status.BAD_PARAM, f"unhashable option among {raw!r}") from None
         if plan is None:
@@ -255,6 +257,14 @@ def run(spec: Pass, arrays: tuple, raw: tuple, stream: Any, out: Any = None) -> 
         return plan.call(arrays, ptrs, like, stream)
     except Exception as exc:
         raise_public(exc, _error_spelling(spec), f"batch_norm_{spec.name}")
+
+
+def _hashable(key: tuple) -> bool:
+    try:
+        hash(key)
+    except TypeError:
+        return False
+    return True
 
 
 def _described(

@@ -1,5 +1,6 @@
 """The CUDA stream an array-API call runs on, and the scope its allocations need."""
 
+import operator
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
@@ -7,7 +8,7 @@ from ..arrays import common_place
 from ..arrays.kinds import CUPY, TORCH
 from ..arrays.torch_tensors import is_torch
 from ..enums import Device, Status
-from ..errors import InfiniError
+from ..errors import InfiniError, shown
 
 _ON_HOST = nullcontext()
 
@@ -56,11 +57,15 @@ def given_stream(stream: Any, device_id: int | None) -> int:
     """The ``cudaStream_t`` address of a ``stream=`` the caller gave, which must not belong
     to a device other than ``device_id`` (None: any)."""
     if isinstance(stream, int) and not isinstance(stream, bool):
-        if not 0 <= stream < 1 << 64:
-            raise InfiniError(Status.BAD_PARAM, f"stream {stream} is not a cudaStream_t")
-        return stream
+        return _address(stream, stream)
     if hasattr(stream, "__cuda_stream__"):  # the CUDA stream protocol: (version 0, address)
-        ptr = stream.__cuda_stream__()[1]
+        pair = stream.__cuda_stream__()
+        if not (isinstance(pair, tuple) and len(pair) == 2):
+            raise InfiniError(
+                Status.BAD_PARAM,
+                f"stream.__cuda_stream__() returned {shown(pair)}, not (version, address)",
+            )
+        ptr = pair[1]
     elif hasattr(stream, "ptr") or hasattr(stream, "cuda_stream"):
         ptr = stream.ptr if hasattr(stream, "ptr") else stream.cuda_stream
     else:
@@ -68,6 +73,7 @@ def given_stream(stream: Any, device_id: int | None) -> int:
             Status.BAD_PARAM,
             f"stream must be an int, a CuPy or torch stream, or None; got {stream!r}",
         )
+    ptr = _address(stream, ptr)
     # CuPy streams know their device as .device_id (-1: unknown), torch's as .device.
     owner = getattr(stream, "device_id", getattr(getattr(stream, "device", None), "index", None))
     if device_id is not None and isinstance(owner, int) and owner >= 0 and owner != device_id:
@@ -75,4 +81,18 @@ def given_stream(stream: Any, device_id: int | None) -> int:
             Status.BAD_PARAM,
             f"stream is on device {owner} but the arrays are on NVIDIA:{device_id}",
         )
-    return int(ptr)
+    return ptr
+
+
+def _address(stream: Any, ptr: Any) -> int:
+    """``ptr``, the address of ``stream`` (the stream itself, or a stream object's), as a
+    ``cudaStream_t``: an integer from 0 to 2**64 - 1 (a bool, a float or None is none)."""
+    if isinstance(ptr, bool) or not hasattr(type(ptr), "__index__"):
+        raise InfiniError(
+            Status.BAD_PARAM, f"stream {shown(stream)} has address {shown(ptr)}, not an int"
+        )
+    number = operator.index(ptr)
+    if not 0 <= number < 1 << 64:
+        what = f"stream {number}" if ptr is stream else f"stream {shown(stream)}'s address {number}"
+        raise InfiniError(Status.BAD_PARAM, f"{what} is not a cudaStream_t (0 to 2**64 - 1)")
+    return number

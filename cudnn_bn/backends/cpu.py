@@ -127,6 +127,7 @@ class _HostKernel:
                 "the CPU engine compiles its kernels with numba, and NUMBA_DISABLE_JIT=1 turns "
                 "numba's compiler off: unset NUMBA_DISABLE_JIT",
             )
+        cpu_kernels.warn_once()
         self.data = data
         self.layout = Layout.of(data)
         self.spans = np.zeros(SLOTS, dtype=np.int64)  # absent slots: empty

@@ -28,7 +28,8 @@ instructions written into the kernel that uses them), not functions: each functi
 kernel calls is compiled apart on first use, which cost more than its few instructions.
 The forward's elementwise pass on half data works in float32, within one ulp of the
 float64 result: one fma per element from the value where the output crosses zero
-(``_crossing``), else compensated (``normalize``).
+(``_crossing``), else compensated (``normalize``), or in float64 where a channel's scale or
+mean is beyond what float32 holds well (``_needs_float64``).
 Per-channel operands may have another dtype than the data (F32 for half data); they are
 read and written through a runtime dtype code, since they are small.
 
@@ -68,6 +69,7 @@ NO_CACHE_WARNING = (
     "writable directory to cache them"
 )
 _cache = [True]  # whether numba found a cache location; one warning where it did not
+_unwarned = [True]  # that warning is still to come (``warn_once``)
 
 
 def jit(function=None, *, cache=True, **options):
@@ -91,11 +93,19 @@ def jit(function=None, *, cache=True, **options):
                     return cached
                 except OSError:
                     pass
-            _cache[0] = False
-            warnings.warn(NO_CACHE_WARNING, RuntimeWarning, stacklevel=3)
+            _cache[0] = False  # ``warn_once`` says so
         return numba.njit(**settings)(f)
 
     return compile_lazily if function is None else compile_lazily(function)
+
+
+def warn_once() -> None:
+    """The one warning that no cache location was found, from the first kernel a call
+    makes, not from this module's import: a warnings filter of "error" (``python -W error``)
+    then fails that call, not every import of the engine."""
+    if not _cache[0] and _unwarned[0]:
+        _unwarned[0] = False
+        warnings.warn(NO_CACHE_WARNING, RuntimeWarning, stacklevel=2)
 
 
 def helper(function=None, **options):
@@ -366,7 +376,7 @@ def _compensated(stored, k):
     e = (xv - (d - back)) + (-m - back)
     hi = _fma(d, a, b)
     lo = _fma(d, a_lo, _fma(e, a, b_lo))
-    return hi + lo if lo == lo else hi  # x infinite (lo NaN): hi says it all
+    return hi + lo if lo - lo == 0.0 else hi  # lo NaN (x infinite) or inf (so is hi)
 
 
 @intrinsic
@@ -866,15 +876,32 @@ def _by_crossing_rows(y, args):
     return True
 
 
+def _beyond_float32(y, args):
+    # ``_needs_float64``: whether a channel from ``c0`` to ``c1`` has a scale that is not 0
+    # or from 2**-64 to 2**64, or a mean beyond 2**64 (NaN included): there a float32
+    # coefficient, low part, ``x - mean`` (BF16 data) or ``c`` of ``_crossing`` may
+    # overflow or keep fewer bits than a normal float32 (NaN, infinities and 1% errors).
+    # Within those bounds each is a normal float32 or exact.
+    mean, scale, c0, c1 = args
+    for c in range(c0, c1):
+        a = abs(scale[c])
+        if not ((a == 0.0 or 2.0**-64 <= a <= 2.0**64) and abs(mean[c]) <= 2.0**64):
+            return True
+    return False
+
+
 _runs_by_crossing = _halves_only(_by_crossing_runs)
 _rows_by_crossing = _halves_only(_by_crossing_rows)
+# Whether an item of F16/BF16 data takes the float64 elementwise pass (``_forward_element``),
+# as fused passes do: the float32 ones are within one ulp only inside float32's range.
+_needs_float64 = _halves_only(_beyond_float32)
 
 
 @helper
 def _forward_across(x, z, y, geometry, strides, r0, r1, n, mean, scale, shift, flags):
     add_z, relu = flags
     sx, sz, sy = strides[0, 0], strides[1, 0], strides[2, 0]
-    if add_z or relu:
+    if add_z or relu or _needs_float64(y, (mean, scale, 0, geometry[0])):
         for r in range(r0, r1):
             ox, oz = row_offset(r, geometry, strides[0]), row_offset(r, geometry, strides[1])
             oy = row_offset(r, geometry, strides[2])
@@ -924,7 +951,7 @@ def item_forward_along(x, z, y, geometry, strides, mean, scale, shift, flags, it
     while i >= 0:
         c0, c1, r0, r1, _, n, s = _walk(items[i], geometry, strides)
         sx, sz, sy = s[0], s[1], s[2]
-        plain = not (add_z or relu)
+        plain = not (add_z or relu or _needs_float64(y, (mean, scale, c0, c1)))
         if plain and _runs_by_crossing(
             y, (x, geometry, strides, c0, c1, r0, r1, n, s, mean, scale, shift)
         ):

@@ -18,6 +18,7 @@ executor's queue) cost a futex wake per step: 40-130 us here after 0.1-20 ms idl
 (``wake``), so that the wake-up overlaps the call's own set-up.
 """
 
+import operator
 import os
 import signal
 import threading
@@ -28,6 +29,8 @@ import numba
 import numpy as np
 from numba.core.compiler_lock import global_compiler_lock
 
+from ..enums import Status
+from ..errors import InfiniError, shown
 from .cpu_kernels import _atomic_read, jit
 
 SPINS = 1 << 18  # reads of a word before a waiting thread sleeps: about 0.15 ms here
@@ -77,12 +80,19 @@ class _Pool:
         self.busy = threading.Lock()  # held by the caller whose job it is
         self.job: _Job | None = None
         self.sleeping, self.running = 0, True
-        self.threads = [
-            threading.Thread(target=self.serve, name=f"cudnn_bn-cpu-{i}", daemon=True)
-            for i in range(helpers)
-        ]
-        for thread in self.threads:
-            thread.start()
+        self.threads: list[threading.Thread] = []
+        try:
+            for i in range(helpers):
+                thread = threading.Thread(target=self.serve, name=f"cudnn_bn-cpu-{i}", daemon=True)
+                thread.start()
+                self.threads.append(thread)
+        except RuntimeError as exc:  # "can't start new thread": the system's limit
+            self.stop()  # the helpers that started end
+            raise InfiniError(
+                Status.INTERNAL_ERROR,
+                f"the CPU engine started {len(self.threads)} of its {helpers} helper threads "
+                f"({exc}); ask for fewer with cudnn_bn.backends.cpu_pool.set_thread_count",
+            ) from None
 
     def wake(self) -> None:
         """Make sleeping helpers spin again (they sleep after ``SPINS`` reads)."""
@@ -204,6 +214,8 @@ def _signals_deferred() -> Iterator[None]:
 
 
 _count = _configured_count()
+# The most set_thread_count takes (each is a Python thread).
+MOST_THREADS = max(1024, numba.config.NUMBA_NUM_THREADS)
 _lock = threading.Lock()
 _pool: _Pool | None = None  # on first use
 
@@ -214,9 +226,17 @@ def thread_count() -> int:
 
 
 def set_thread_count(count: int) -> None:
-    """Use ``count`` threads per large call from now on (at least 1)."""
+    """Use ``count`` threads per large call from now on: an integer (1 where it is less),
+    at most ``MOST_THREADS``; BAD_PARAM naming ``count`` for anything else."""
     global _count
-    _count = max(1, int(count))
+    if isinstance(count, bool | np.bool_) or not hasattr(type(count), "__index__"):
+        raise InfiniError(Status.BAD_PARAM, f"count must be an integer, got {shown(count)}")
+    number = operator.index(count)
+    if number > MOST_THREADS:
+        raise InfiniError(
+            Status.BAD_PARAM, f"count is {shown(number)}; at most {MOST_THREADS} threads"
+        )
+    _count = max(1, number)
 
 
 def _helpers(count: int) -> _Pool | None:
@@ -230,6 +250,7 @@ def _helpers(count: int) -> _Pool | None:
         if _pool is None or _pool.helpers != count:
             if _pool is not None:
                 _pool.stop()
+                _pool = None
             _pool = _Pool(count)
         return _pool
     finally:

@@ -309,9 +309,11 @@ class BatchNorm:
                     f"state[{name!r}] has shape {value.shape}; expected {shape}",
                 )
         count = values.pop("num_batches_tracked", None)
-        if count is not None and not (count >= 0 and count == int(count)):
+        if count is not None and not (0 <= count < 2.0**63 and count == np.floor(count)):
             raise InfiniError(
-                Status.BAD_PARAM, f"state['num_batches_tracked'] must be a count, got {count}"
+                Status.BAD_PARAM,
+                f"state['num_batches_tracked'] must be a count below 2**63 (torch's int64), "
+                f"got {count}",
             )
         for name, value in values.items():
             if self._pending is not None:

@@ -41,7 +41,8 @@ def new(values: np.ndarray, like: Any, dtype: str) -> Any:
     (a NumPy dtype name: ``"float32"``, ``"float64"``, ``"int64"``)."""
     lib = library("like", like)
     if lib == "numpy":
-        return np.array(values, dtype=dtype)
+        with np.errstate(over="ignore"):  # beyond float32: inf, as torch's copies make it
+            return np.array(values, dtype=dtype)
     if lib == "cupy":
         import cupy
 
@@ -53,15 +54,21 @@ def new(values: np.ndarray, like: Any, dtype: str) -> Any:
 
 
 def host(name: str, array: Any) -> np.ndarray:
-    """A float64 NumPy copy of an array of any of the three libraries, or of a number."""
+    """A float64 NumPy copy of an array of any of the three libraries, or of a number; a
+    complex one is BAD_PARAM (its imaginary parts would be dropped, with a warning)."""
     try:
-        if type(array).__module__.partition(".")[0] == "torch":
-            return array.detach().to("cpu", copy=True).double().numpy()
-        if type(array).__module__.partition(".")[0] == "cupy":
-            return array.get().astype(np.float64)
-        return np.array(array, dtype=np.float64)
+        lib = type(array).__module__.partition(".")[0]
+        if lib == "torch":
+            values = array.detach().to("cpu", copy=True)
+            if not values.is_complex():
+                return values.double().numpy()
+        else:
+            values = array.get() if lib == "cupy" else np.asarray(array)
+            if values.dtype.kind != "c":
+                return np.array(values, dtype=np.float64)
     except (TypeError, ValueError) as exc:
         raise InfiniError(Status.BAD_PARAM, f"{name} is not an array of numbers: {exc}") from exc
+    raise InfiniError(Status.BAD_PARAM, f"{name} is complex ({values.dtype}); expected reals")
 
 
 def assign(target: Any, values: np.ndarray) -> None:
