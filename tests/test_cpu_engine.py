@@ -193,6 +193,45 @@ def test_sums_over_an_odd_number_of_rows(shape):
             assert_close(g, v, 1e-10)
 
 
+@pytest.mark.parametrize("rows", [1, 2, 5], ids=lambda r: f"{r}_rows")
+def test_channels_last_rows_of_two_dimensions(rows):
+    """Channels-last data whose rows do not merge into one dimension (a gap after each image
+    row): the across walks take such rows' offsets by decomposing the row index, not by the
+    one-dimension multiply of dense data; every pass (odd and even row counts, a lone row)
+    as torch's in float64."""
+    shape = (rows, 16, 1, 5) if rows < 5 else (3, 16, rows, 7)
+    _, c, h, w = shape
+    strides = (h * (w + 1) * c, 1, (w + 1) * c, c)  # one pixel's gap after each image row
+    rng = np.random.default_rng(4)
+    x64, dy64 = rng.standard_normal(shape) * 3 + 10, rng.standard_normal(shape)
+    x, dy = laid_out(x64, strides), laid_out(dy64, strides)
+    w8, b8 = rng.uniform(0.5, 1.5, c), rng.standard_normal(c)
+    weight, bias = w8.astype(np.float32), b8.astype(np.float32)
+    y, mean, invstd = cudnn_bn.batch_norm_forward_training(x, weight, bias, None, None)
+    xs = torch.from_numpy(np.asarray(x, np.float64))
+    want_y, want_mean, want_invstd = torch.ops.aten.native_batch_norm(
+        xs, *(torch.from_numpy(np.asarray(a, np.float64)) for a in (weight, bias)), None, None,
+        True, 0.1, EPS,
+    )  # fmt: skip
+    for got, want in ((y, want_y), (mean, want_mean), (invstd, want_invstd)):
+        assert_close(got, want)
+    rv = np.abs(bias) + 0.5
+    inference = cudnn_bn.batch_norm_forward_inference(x, weight, bias, bias, rv)
+    want_inference = F.batch_norm(
+        xs, *(torch.from_numpy(np.asarray(a, np.float64)) for a in (bias, rv, weight, bias)),
+        training=False, eps=EPS,
+    )  # fmt: skip
+    assert_close(inference, want_inference)
+    want = torch_backward(x, dy, weight)
+    train = cudnn_bn.batch_norm_backward(x, dy, weight, None, None)
+    saved = cudnn_bn.batch_norm_backward(
+        x, dy, weight, None, None, mode="saved", saved_mean=mean, saved_invstd=invstd
+    )
+    for got in (train, saved):
+        for g, v in zip(got, want, strict=True):
+            assert_close(g, v)
+
+
 @pytest.mark.parametrize("layout", ["nchw", "nhwc"])
 @pytest.mark.parametrize("dtype", [np.float32, np.float16, np.float64], ids=str)
 def test_first_calls_step_by_step_give_the_one_call_passs_results(monkeypatch, layout, dtype):

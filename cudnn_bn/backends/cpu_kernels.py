@@ -469,10 +469,17 @@ def row_offset(row, geometry, strides):
     return offset + row * strides[2]
 
 
-# Columns of ``Layout.strides``: each slot's channel stride, and its stride along a run. Like
-# every constant argument of a helper, int64 values, not literals: numba would compile the
-# helper once more for each literal argument (``_next_item``'s ``NO_ITEM`` too).
-CHANNEL, RUN = np.int64(0), np.int64(1)
+# Columns of ``Layout.strides``: each slot's channel stride, its stride along a run, and its
+# stride between rows of the innermost row dimension. Like every constant argument of a
+# helper, int64 values, not literals: numba would compile the helper once more for each
+# literal argument (``_next_item``'s ``NO_ITEM`` too).
+CHANNEL, RUN, ROW = np.int64(0), np.int64(1), np.int64(STRIDE_COLUMNS - 1)
+# Where every row lies in the innermost row dimension (``geometry[INNER_ROWS]``, the row
+# count: most layouts, every dense one), the across loops take a row's offsets as ``row *
+# _column(strides, ROW)``: calling ``row_offset`` there, every few hundred values, cost
+# those steps 5-20 % (a call spills the loop's values), and writing it into them (LLVM's
+# alwaysinline) made their first use compile 20 % longer.
+INNER_ROWS = 4 + ROW_DIMS - 1
 
 
 def _loads(context, builder, array_type, array, indices):
@@ -626,8 +633,13 @@ def _sums_across(x, dy, y, geometry, strides, r0, r1, n, shift, out, base, first
     has_dy, masked = dy.size > 0, y.size > 0
     sx, sd, sy = strides[0, 0], strides[1, 0], strides[2, 0]
     h = 0 if masked else (r1 - r0) // 2
+    flat, rs = geometry[INNER_ROWS] == geometry[2], _column(strides, ROW)  # see INNER_ROWS
     for r in range(r0, r0 + h):
-        ox, ox2 = row_offset(r, geometry, strides[0]), row_offset(r + h, geometry, strides[0])
+        if flat:
+            ox, ox2, od, od2 = r * rs[0], (r + h) * rs[0], r * rs[1], (r + h) * rs[1]
+        else:
+            ox, ox2 = row_offset(r, geometry, strides[0]), row_offset(r + h, geometry, strides[0])
+            od, od2 = row_offset(r, geometry, strides[1]), row_offset(r + h, geometry, strides[1])
         if not has_dy:
             for i in range(n):
                 k = shift[i]
@@ -635,7 +647,6 @@ def _sums_across(x, dy, y, geometry, strides, r0, r1, n, shift, out, base, first
                 out[base, i] += a + b
                 out[base + 1, i] += a * a + b * b
             continue
-        od, od2 = row_offset(r, geometry, strides[1]), row_offset(r + h, geometry, strides[1])
         if first == DY_SUMS:
             for i in range(n):
                 k = shift[i]
@@ -927,11 +938,15 @@ def _forward_across(x, z, y, geometry, strides, r0, r1, n, mean, scale, shift, f
     # place too. (The pairing is written out, not a helper: each helper is one more
     # function to compile on first use.)
     h = (r1 - r0) // 2
+    flat, rs = geometry[INNER_ROWS] == geometry[2], _column(strides, ROW)  # see INNER_ROWS
     for j in range(r0, r1 - h):
         r = j if j < r0 + h else j + h
         p = r + h if j < r0 + h else r
-        ox, oy = row_offset(r, geometry, strides[0]), row_offset(r, geometry, strides[2])
-        px, py = row_offset(p, geometry, strides[0]), row_offset(p, geometry, strides[2])
+        if flat:
+            ox, oy, px, py = r * rs[0], r * rs[2], p * rs[0], p * rs[2]
+        else:
+            ox, oy = row_offset(r, geometry, strides[0]), row_offset(r, geometry, strides[2])
+            px, py = row_offset(p, geometry, strides[0]), row_offset(p, geometry, strides[2])
         for i in range(n):
             k = (table[0, i], table[1, i], table[2, i]), (table[3, i], table[4, i])
             u = encode(normalize(x[_at(ox, i, sx)], k), y.dtype)
@@ -1046,10 +1061,15 @@ def _backward_across(x, dy, y, gi, gz, geometry, strides, r0, r1, n, k_dy, k_x, 
         return
     # The plain grad_input two rows per loop, as ``_forward_across``.
     h = (r1 - r0) // 2
+    flat, rs = geometry[INNER_ROWS] == geometry[2], _column(strides, ROW)  # see INNER_ROWS
     for j in range(r0, r1 - h):
         r = j if j < r0 + h else j + h
-        o = _row_offsets(r, geometry, strides)
-        p = _row_offsets(r + h if j < r0 + h else r, geometry, strides)
+        q = r + h if j < r0 + h else r
+        if flat:
+            o = (r * rs[0], r * rs[1], 0, r * rs[3], 0)  # the slots this loop reads and writes
+            p = (q * rs[0], q * rs[1], 0, q * rs[3], 0)
+        else:
+            o, p = _row_offsets(r, geometry, strides), _row_offsets(q, geometry, strides)
         if use_x:
             for i in range(n):
                 u = _fma(k_x[i], decode(x[_at(o[0], i, s[0])]), k_c[i])
