@@ -55,6 +55,7 @@ from typing import Any
 import numpy as np
 import torch
 import torch.nn.functional as F
+from interleaving import alternating
 
 import cudnn_bn
 from cudnn_bn import (
@@ -394,10 +395,11 @@ class Timing:
 
 
 def interleaved(ways: dict[str, Callable[[], Any]], timing: Timing) -> dict:
-    """Each way timed in turn, ``timing.rounds`` times: ``{way: Figure}``."""
+    """Each way timed in turn, ``timing.rounds`` times, the order reversed every other
+    round (``interleaving.alternating``): ``{way: Figure}``."""
     figures = {name: Figure(calls_filling(call, timing.sample_s)) for name, call in ways.items()}
-    for _ in range(timing.rounds):
-        for name, call in ways.items():
+    for round_ in range(timing.rounds):
+        for name, call in alternating(ways, round_):
             n = figures[name].calls_per_sample
             time.sleep(SETTLE_S)
             start = time.perf_counter()
@@ -604,7 +606,8 @@ def markdown(report: dict) -> str:
         f"{meta['torch']}, NumPy {meta['numpy']}, numba {meta['numba']}. F32, eps {EPS}.",
         "",
         f"Times: µs per call, median [min, max] of {meta['rounds']} interleaved samples of "
-        f"about {meta['sample_ms']} ms each (quartiles in the JSON). A ratio is of medians; "
+        f"about {meta['sample_ms']} ms each, the order reversed every other round (quartiles "
+        "in the JSON). A ratio is of medians; "
         "met = at most its target (issue 17). max |Δ|: the first call's largest difference "
         "from torch in float64 (ok: within atol = rtol = 2e-5); the stand-ins compute nothing. "
         "Of which CuPy stand-in: µs per call spent in the CuPy stand-in's own Python (its "

@@ -30,6 +30,7 @@ import numba
 import numpy as np
 import torch
 import torch.nn.functional as F
+from interleaving import alternating
 
 import cudnn_bn
 from cudnn_bn import DataType
@@ -298,8 +299,8 @@ def time_case(case: Case, runs: int, with_compute: bool) -> list[dict]:
                 fn()
             accuracy[name] = max_error(fn(), want[pass_name], TOL[case.dtype])
         samples: dict[str, list[float]] = {name: [] for name in fns}
-        for _ in range(runs):
-            for name, fn in fns.items():
+        for run in range(runs):
+            for name, fn in alternating(fns, run):
                 time.sleep(SETTLE_S)  # the previous library's spinning threads go idle
                 start = time.perf_counter()
                 for _ in range(case.calls):
@@ -353,7 +354,8 @@ def markdown(rows: list[dict], meta: dict) -> str:
         f"Command: `{meta['command']}`  ",
         f"Machine: {meta['machine']}, {meta['cpus']} CPUs; threads: {meta['threads']} "
         f"(torch and cudnn_bn); torch {meta['torch']}, NumPy {meta['numpy']}, "
-        f"numba {meta['numba']}; {meta['runs']} interleaved runs per implementation.",
+        f"numba {meta['numba']}; {meta['runs']} interleaved runs per implementation, the "
+        "order reversed every other run.",
         "",
         f"Each sample follows {SETTLE_S * 1e3:.0f} ms idle, so that the OpenMP threads of the "
         "previous implementation (torch's, numba's) stop spinning before the next one runs.",
