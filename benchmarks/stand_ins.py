@@ -25,10 +25,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
 import cudnn_stub  # tests/ modules, importable from here on
 import helpers
-from fake_devices import FakeArray, FakeCupy, FakeStream
+from fake_devices import FakeArray, FakeCupy, FakeRawKernel, FakeStream
 
 import cudnn_bn
-from cudnn_bn.api import batched
 from cudnn_bn.backends import cuda
 
 __all__ = [
@@ -80,12 +79,13 @@ def forget_allocations(fake: FakeCupy) -> None:
 
 def own_share(fake: FakeCupy, call: Callable[[], object], calls: int) -> float:
     """The fraction of ``calls`` runs of ``call`` spent inside the CuPy stand-in (its arrays'
-    CUDA array interface, views and copies, allocation, streams, device calls), timed round
-    its entry points (outermost entry only): the part of a device-array call that a real
-    CuPy replaces with its own. A fraction of the same runs, so that a pause of the process
-    scales both; the timing wrappers' own cost (``_wrapper_cost``, per outermost entry) is
-    taken out of both the time inside and the whole, which it would otherwise bias towards
-    the package (it runs outside the timed span, yet is no part of a real call)."""
+    CUDA array interface, views and copies, allocation, streams, device calls, kernel
+    launches, copies from the host), timed round its entry points (outermost entry only):
+    the part of a device-array call that a real CuPy replaces with its own. A fraction of
+    the same runs, so that a pause of the process scales both; the timing wrappers' own cost
+    (``_wrapper_cost``, per outermost entry) is taken out of both the time inside and the
+    whole, which it would otherwise bias towards the package (it runs outside the timed
+    span, yet is no part of a real call)."""
     spent, depth, entries = [0.0], [0], [0]
 
     def timed(function: Callable) -> Callable:
@@ -114,7 +114,8 @@ def own_share(fake: FakeCupy, call: Callable[[], object], calls: int) -> float:
         for name in ("__enter__", "__exit__"):
             patch.setattr(FakeStream, name, timed(getattr(FakeStream, name)))
         patch.setattr(fake.cuda, "get_current_stream", timed(fake.cuda.get_current_stream))
-        for name in ("getDevice", "setDevice"):
+        patch.setattr(FakeRawKernel, "__call__", timed(FakeRawKernel.__call__))
+        for name in ("getDevice", "setDevice", "memcpyAsync"):
             patch.setattr(runtime, name, timed(getattr(runtime, name)))
         _forget_plans()
         call()  # plans made again, with the timed functions; not timed
@@ -153,8 +154,8 @@ def _wrapper_cost(timed: Callable, spent: list[float], runs: int = 20000) -> tup
 
 
 def _forget_plans() -> None:
-    """Forget the array API's plans and batched folds: they keep the CuPy functions they were
-    made with (``cupy.empty`` bound to each output's layout), so ``own_share`` times calls
-    of plans made with its timed functions, and the calls after it plans made without."""
+    """Forget the array API's plans: they keep the CuPy functions they were made with
+    (``cupy.empty`` bound to each output's layout, a batched plan's gather kernel), so
+    ``own_share`` times calls of plans made with its timed functions, and the calls after it
+    plans made without."""
     cudnn_bn.descriptor_cache.clear()
-    batched._folds.clear()

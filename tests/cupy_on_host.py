@@ -1,7 +1,7 @@
 """A stand-in ``cupy`` that runs the CuPy engines' own CUDA C++ kernels on the host.
 
 The NVIDIA backend's CuPy engines use a small part of CuPy: views of raw device memory,
-``ElementwiseKernel``, ``RawKernel``, streams and the device calls.
+``ElementwiseKernel``, ``RawKernel``, streams, the device calls and copies from the host.
 Here "device memory" is host memory (NumPy buffers, addressed by their integer pointers) and
 every kernel is compiled with ``g++``, its body as written, CUDA's few device builtins
 shimmed. Elementwise kernels run over NumPy views with CuPy's broadcasting; real CuPy (which
@@ -21,7 +21,6 @@ import hashlib
 import re
 import subprocess
 import types
-from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -342,6 +341,28 @@ class _RuntimeError(Exception):
     pass
 
 
+class _Stream:
+    """A stream on the host: entering it does nothing, kernels run at once, and it is never
+    capturing a CUDA graph."""
+
+    def __init__(self, ptr: int = 0) -> None:
+        self.ptr = ptr
+
+    def __enter__(self) -> "_Stream":
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        pass
+
+    def is_capturing(self) -> bool:
+        return False
+
+
+def _memcpy(dst: int, src: int, size: int, kind: int, stream: int) -> None:
+    """``cudaMemcpyAsync`` between host addresses (host memory stands for the device's)."""
+    ctypes.memmove(dst, src, size)
+
+
 def module(directory: Path) -> types.ModuleType:
     """A ``cupy`` module for ``sys.modules``: one device (0), kernels compiled into
     ``directory``. Needs the real CuPy importable (to parse kernel parameters) and g++."""
@@ -355,13 +376,14 @@ def module(directory: Path) -> types.ModuleType:
         getDeviceCount=lambda: 1,
         getDevice=lambda: 0,
         setDevice=lambda device_id: None,
+        memcpyAsync=_memcpy,
     )
     cuda = types.SimpleNamespace(
         runtime=runtime,
         UnownedMemory=_UnownedMemory,
         MemoryPointer=_MemoryPointer,
-        Stream=types.SimpleNamespace(null=nullcontext()),
-        ExternalStream=lambda stream, device_id: nullcontext(),
+        Stream=types.SimpleNamespace(null=_Stream()),
+        ExternalStream=lambda stream, device_id: _Stream(stream),
         get_current_stream=lambda device_id=-1: streams,
     )
     fake = types.ModuleType("cupy", "CuPy's kernels run on the host (tests/cupy_on_host.py)")

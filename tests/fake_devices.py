@@ -4,7 +4,8 @@
 current stream per device (CuPy's stream stack), ``Stream.from_external`` and the deprecated
 ``ExternalStream``, events, ``cudaPointerGetAttributes`` over the fake arrays it made, and a
 memory pool that records the device and current stream of every allocation (CuPy's pool
-takes memory from the current stream's arena), fills and stream synchronizations, and streams
+takes memory from the current stream's arena), fills, copies from the host, kernel launches
+(``RawKernel``) and stream synchronizations, and streams
 marked as capturing a CUDA graph (``capturing``), which refuse to synchronize as CUDA
 does. ``FakeArray`` looks like a CuPy array to the package (``__module__`` is ``cupy``,
 ``.device.id``, ``.data.ptr``, the CUDA array interface). ``fake_torch`` patches torch's
@@ -166,6 +167,30 @@ class FakeEvent:
         self._fake.log.append(("record", self._fake.device, stream.ptr))
 
 
+class FakeRawKernel:
+    """CuPy's ``RawKernel``: a launch is recorded as ``("launch", device, stream, name, grid,
+    block, args)`` (the stream given, else CuPy's current one); nothing runs. Its arguments
+    are checked as CuPy converts them (``cupy/cuda/function.pyx``, ``_pointer``): as many as
+    the kernel's parameters, each an array or a scalar, a Python int within an int64."""
+
+    def __init__(self, fake: "FakeCupy", code: str, name: str, **options: Any) -> None:
+        self._fake, self.code, self.name = fake, code, name
+        signature = code[code.index(f"void {name}(") :]
+        self.parameters = signature[: signature.index(")")].count(",") + 1
+
+    def __call__(self, grid: tuple, block: tuple, args: tuple, **options: Any) -> None:
+        if len(args) != self.parameters:
+            raise TypeError(f"{self.name} takes {self.parameters} arguments, got {len(args)}")
+        for arg in args:
+            if isinstance(arg, int) and not -(1 << 63) <= arg < 1 << 63:
+                raise OverflowError("Python int too large to convert to C long")
+            if not isinstance(arg, int | np.generic | FakeArray):
+                raise TypeError(f"Unsupported type {type(arg)}")
+        fake, stream = self._fake, options.get("stream")
+        ptr = fake.stacks[fake.device][-1] if stream is None else stream.ptr
+        fake.log.append(("launch", fake.device, ptr, self.name, grid, block, tuple(args)))
+
+
 class FakeCupy(types.ModuleType):
     """A ``cupy`` with ``DEVICES`` devices whose current streams are ``current[device]``."""
 
@@ -211,6 +236,9 @@ class FakeCupy(types.ModuleType):
                 memsetAsync=lambda ptr, value, size, stream: fake.log.append(
                     ("memset", fake.device, stream, ptr, value, size)
                 ),
+                memcpyAsync=lambda dst, src, size, kind, stream: fake.log.append(
+                    ("memcpy", fake.device, stream, dst, size, kind)
+                ),
             ),
             Stream=stream_class,
             ExternalStream=external_stream,
@@ -219,6 +247,13 @@ class FakeCupy(types.ModuleType):
                 fake, fake.stacks[fake.device if device_id == -1 else device_id][-1]
             ),
         )
+
+    def RawKernel(self, code: str, name: str, **options: Any) -> FakeRawKernel:
+        return FakeRawKernel(self, code, name, **options)
+
+    def launches(self) -> list[tuple]:
+        """Every kernel launch so far."""
+        return [entry for entry in self.log if entry[0] == "launch"]
 
     def array(self, shape, device: int = 0, dtype: Any = np.float32) -> FakeArray:
         """An input array on ``device`` (made outside any call: not logged)."""

@@ -44,7 +44,7 @@ from producers import Marks, produce
 import cudnn_bn
 from cudnn_bn import InfiniError, Status
 from cudnn_bn import cupyx_compat as cupyx
-from cudnn_bn.api import batched_host
+from cudnn_bn.api import batched_pass
 from cudnn_bn.ops.descriptor import OperatorDescriptor
 
 FORMS = [
@@ -64,7 +64,7 @@ OUT_FORMS = ["good", "good", "partial", "readonly", "alias_input", "alias_each_o
              "wrong_shape", "wrong_dtype", "big_endian", "wrong_kind"]  # fmt: skip
 # The training forward's out[3], its reserve (the CPU engine needs no bytes of it)
 RESERVE_FORMS = ["good", "good", "empty", "strided", "readonly", "alias_output"]
-IN_PLACE_MIN_VALUES = batched_host.MIN_VALUES
+IN_PLACE_MIN_VALUES = batched_pass.MIN_VALUES
 TWINS = ["misaligned", "readonly_written", "overlap", "bool_option", "bad_stream"]
 
 
@@ -389,8 +389,8 @@ def call(entry: str, args: dict, s: dict, out: tuple | None) -> list:
         )
     if entry == "batched":  # folded with copies, or in place, as drawn
         minimum = 0 if s["in_place"] else IN_PLACE_MIN_VALUES
-        if minimum != batched_host.MIN_VALUES:  # a problem is folded or not once
-            batched_host.MIN_VALUES = minimum
+        if minimum != batched_pass.MIN_VALUES:  # a problem is folded or not once
+            batched_pass.MIN_VALUES = minimum
             cudnn_bn.descriptor_cache.clear()
         return list(
             cudnn_bn.batch_norm_backward_batched(x, dy, w, None, None, eps=eps, stream=stream)

@@ -15,7 +15,7 @@ from helpers import assert_close, convert, f64, tolerance_dtype
 
 import cudnn_bn
 from cudnn_bn import InfiniError, Status, batch_norm_backward, batch_norm_backward_batched
-from cudnn_bn.api import batched_host
+from cudnn_bn.api import batched_pass
 
 EPS = 1e-5
 SHAPES = [(3, 4, 2), (3, 4, 2, 5), (2, 2, 3, 4, 5)]  # (B, N, C, ...)
@@ -30,11 +30,11 @@ MASK = [True, True, True]
 
 @pytest.fixture(autouse=True, params=["folded", "in place"])
 def strategy(request, monkeypatch) -> str:
-    """Every test both ways a CPU batch runs (``batched_host``): folded (small problems)
+    """Every test both ways a CPU batch runs (``batched_pass``): folded (small problems)
     and in place (here at any size), from an empty plan cache."""
     cudnn_bn.descriptor_cache.clear()
     if request.param == "in place":
-        monkeypatch.setattr(batched_host, "MIN_VALUES", 0)
+        monkeypatch.setattr(batched_pass, "MIN_VALUES", 0)
     return request.param
 
 

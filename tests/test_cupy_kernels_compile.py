@@ -3,9 +3,9 @@
 No GPU is needed: CuPy builds kernel objects without a device, and NVRTC compiles without
 one. Each elementwise kernel's body is compiled inside a function that declares its
 parameters with the concrete types CuPy would substitute for the placeholders, against
-CuPy's own ``float16`` header; the reductions' raw kernels (``cupy_reductions.py``) compile
-as they are, with no header. What this cannot check, the GPU tests do: CuPy's parsing of the
-parameter lists and the results.
+CuPy's own ``float16`` header; the reductions' raw kernels (``cupy_reductions.py``) and the
+batched backward's gather (``gather.py``) compile as they are, with no header. What this
+cannot check, the GPU tests do: CuPy's parsing of the parameter lists and the results.
 """
 
 import os
@@ -16,6 +16,7 @@ import pytest
 
 from cudnn_bn.backends import cupy_kernels as kern
 from cudnn_bn.backends import cupy_reductions as red
+from cudnn_bn.backends import gather
 from cudnn_bn.enums import DataType
 
 F16, BF16, F32, F64 = DataType.F16, DataType.BF16, DataType.F32, DataType.F64
@@ -130,6 +131,18 @@ RAW_CASES = list(raw_cases())
     ("source", "name"), [c[1:] for c in RAW_CASES], ids=[c[0] for c in RAW_CASES]
 )
 def test_raw_kernel_compiles(source, name):
+    assert f'extern "C" __global__ void {name}(' in source
+    compile_source(source)
+
+
+@pytest.mark.parametrize("index", ["int", "long long"])
+@pytest.mark.parametrize("count", range(1, 10))
+def test_the_batched_gather_kernel_compiles(count, index):
+    """``backends/gather.py``'s kernel for 1 to 9 operand pointers (the batched backward's
+    operands), in 32-bit and 64-bit index arithmetic; ``tests/test_gather_on_host.py`` runs
+    it, compiled by g++, on host memory."""
+    name = f"cudnn_bn_gather_{count}"
+    source = gather._source(name, count, index)
     assert f'extern "C" __global__ void {name}(' in source
     compile_source(source)
 

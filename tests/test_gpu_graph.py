@@ -34,6 +34,7 @@ from bf16 import bf16_bits_to_f32, f32_to_bf16_bits
 from cudnn_bn import BatchNormBackwardDescriptor, DataType, Device, Handle, TensorDesc
 from cudnn_bn.api import (
     batch_norm_backward,
+    batch_norm_backward_batched,
     batch_norm_forward_inference,
     batch_norm_forward_training,
 )
@@ -481,3 +482,55 @@ def test_array_api_training_forward_with_out_and_its_reserve_is_captured_allocat
     stream.synchronize()
     for got, want in zip(out[:3], eager, strict=True):
         np.testing.assert_array_equal(cupy.asnumpy(got), want)
+
+
+def test_array_api_batched_backward_is_captured_allocating_only_its_outputs():
+    """A batched backward's plan gathers its operands by one kernel into the stream's
+    workspace, whose table its first call there wrote (``backends.gather``): captured after
+    one eager call on the stream, a call allocates only its three outputs, and the replay
+    fills them with the eager gradients; a batched problem's first call on a capturing
+    stream is refused (its table would be a copy from host memory) and the capture ended."""
+    host = problem(DataType.F32, DataType.F32)
+    batch = 3
+    stream = cupy.cuda.Stream(non_blocking=True)
+    with stream:
+        x, dy = (
+            cupy.stack([cupy.asarray(host[n].astype(np.float32)) * (b + 1) for b in range(batch)])
+            for n in ("input", "grad_output")
+        )
+        w = cupy.asarray(host["weight"].astype(np.float32))  # shared: gathered into rows
+    results = []
+
+    def compute():
+        results.append(batch_norm_backward_batched(x, dy, w, None, None, stream=stream.ptr))
+
+    compute()
+    compute()  # freed below: blocks of the outputs' sizes in the stream's arena, for the
+    stream.synchronize()  # capture's allocations to reuse rather than cudaMalloc
+    eager = [cupy.asnumpy(g) for g in results[0]]
+    results.clear()
+    mallocs = _Mallocs()
+    with mallocs:
+        graph = capture(stream, compute)
+    assert mallocs.count == 3
+    with stream:
+        for g in results[0]:
+            g.fill(0)
+    graph.launch(stream)
+    stream.synchronize()
+    for got, want in zip(results[0], eager, strict=True):
+        np.testing.assert_array_equal(cupy.asnumpy(got), want)
+    for b in range(batch):
+        one = batch_norm_backward(x[b], dy[b], w, None, None, stream=stream.ptr)
+        stream.synchronize()
+        for got, want in zip(eager, one, strict=True):
+            np.testing.assert_allclose(got[b], cupy.asnumpy(want), rtol=1e-5, atol=1e-5)
+
+    with stream:
+        other = cupy.ones((2, 4, CHANNELS, 7), cupy.float32)  # a problem with no plan yet
+    with pytest.raises(InfiniError, match=r"^BAD_PARAM: .*gather table.*before the capture"):
+        capture(
+            stream,
+            lambda: batch_norm_backward_batched(other, other, w, None, None, stream=stream.ptr),
+        )
+    assert not stream.is_capturing()

@@ -108,12 +108,15 @@ def test_a_call_given_the_current_stream_runs_on_it():
     np.testing.assert_allclose(cupy.asnumpy(y), expected(operands()), rtol=1e-5, atol=1e-5)
 
 
-def test_a_batched_call_allocates_and_copies_on_the_call_stream():
-    """The batched backward's folding copies (CuPy's ``ascontiguousarray``) and outputs come
-    from the call's stream, and each problem's results are the unbatched call's."""
+@pytest.mark.parametrize("weight", ["rows", "shared"])
+def test_a_batched_call_allocates_and_gathers_on_the_call_stream(weight):
+    """The batched backward's outputs and workspace come from the call's stream, where its
+    gather kernel runs (``backends.gather``), and each problem's results are the unbatched
+    call's; a weight shared by the problems is gathered into rows by the same kernel."""
     p = operands()
     x = cupy.stack([cupy.asarray(p["input"]), cupy.asarray(p["input"]) * 2])
-    w = cupy.stack([cupy.asarray(p["weight"])] * 2)
+    one = cupy.asarray(p["weight"])
+    w = cupy.stack([one, one * 2]) if weight == "rows" else one
     stream = cupy.cuda.Stream(non_blocking=True)
     recorder = _StreamRecorder()
     with recorder:
@@ -121,7 +124,7 @@ def test_a_batched_call_allocates_and_copies_on_the_call_stream():
     stream.synchronize()
     assert recorder.streams and set(recorder.streams) == {stream.ptr}
     for b in range(2):
-        want = cudnn_bn.batch_norm_backward(x[b], x[b], w[b], None, None)
+        want = cudnn_bn.batch_norm_backward(x[b], x[b], w[b] if w.ndim == 2 else w, None, None)
         for g, h in zip(got, want, strict=True):
             np.testing.assert_allclose(cupy.asnumpy(g[b]), cupy.asnumpy(h), rtol=1e-5, atol=1e-5)
 

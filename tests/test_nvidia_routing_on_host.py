@@ -16,7 +16,9 @@ from helpers import assert_close, channels_last, f64, fused_problem, reference, 
 
 import cudnn_bn
 from cudnn_bn import batch_norm_backward, batch_norm_backward_batched
+from cudnn_bn.api import batched_pass
 from cudnn_bn.backends import cuda, nvidia
+from cudnn_bn.backends.gather import DeviceGather
 from cudnn_bn.ops import descriptor as descriptor_module
 
 F16, F32 = torch.float16, torch.float32
@@ -39,11 +41,15 @@ def channels_last_copy(t: torch.Tensor) -> torch.Tensor:
     return torch.empty_strided(t.shape, channels_last(tuple(t.shape)), dtype=t.dtype).copy_(t)
 
 
+@pytest.mark.parametrize("gather", ["cpu", "device"])
 @pytest.mark.parametrize("fusion", ["relu", "add_relu"])
-def test_batched_fused_backward_runs_on_cupy(routed_on_host, fusion):
+def test_batched_fused_backward_runs_on_cupy(routed_on_host, fusion, gather, monkeypatch):
     """A batched fused backward has no reserve to give: cuDNN's fused kernels would refuse
     it (no ReLU mask), so it runs on the CuPy engine even where cuDNN takes the problem
-    (F16 NHWC, C % 4 == 0, SPATIAL_PERSISTENT, saved statistics)."""
+    (F16 NHWC, C % 4 == 0, SPATIAL_PERSISTENT, saved statistics); its operands folded by
+    either engine's gather (``backends.gather``: the device's kernel run on the host)."""
+    if gather == "device":
+        monkeypatch.setattr(batched_pass, "HostGather", DeviceGather)
     batch, shape = 2, (2, 8, 3, 5)
     problems = [fused_problem(shape, F16, F32, seed=b) for b in range(batch)]
     wants = [torch_fused(p, fusion) for p in problems]

@@ -13,6 +13,7 @@ compute, and never destroyed. ``test_gpu_streams.py`` runs the same on a GPU.
 
 import ctypes
 import gc
+import math
 import re
 import sys
 import threading
@@ -47,7 +48,7 @@ from cudnn_bn import (
 )
 from cudnn_bn import arrays as arrays_module
 from cudnn_bn._cudnn import library as library_module
-from cudnn_bn.api import batched, call
+from cudnn_bn.api import call
 from cudnn_bn.arrays import operand
 from cudnn_bn.arrays.dlpack import _DLDataType, _DLDevice, _DLTensor
 from cudnn_bn.backends import cuda
@@ -80,7 +81,6 @@ def fake(stub, monkeypatch):
     monkeypatch.setattr(library_module, "_library", fake.cudnn)
     arrays_module.torch_stream.cache_clear()
     cudnn_bn.descriptor_cache.clear()  # nothing built on another test's library
-    monkeypatch.setattr(batched, "_folds", {})  # nor folded with its stand-in's allocator
     yield fake
     cudnn_bn.descriptor_cache.clear()
     arrays_module.torch_stream.cache_clear()
@@ -105,6 +105,11 @@ def run_batched(make, device: int, **options) -> None:
     batch_norm_backward_batched(x, x, w, None, None, **options)
 
 
+def launched(fake) -> list[tuple]:
+    """``(device, stream)`` of every kernel launch and copy from the host so far."""
+    return [entry[1:3] for entry in fake.log if entry[0] in ("launch", "memcpy")]
+
+
 # --- finding 1: allocations on the call's stream ------------------------------------------------
 
 
@@ -114,17 +119,18 @@ def test_every_allocation_comes_from_the_call_stream(fake, stub):
     run_batched(fake.array, 0, stream=CALL_STREAM)
     assert len(fake.allocations()) >= 10  # outputs, statistics, reserve and workspaces
     assert set(fake.allocations()) == {(0, CALL_STREAM)}
+    assert launched(fake) == [(0, CALL_STREAM)] * 2  # the batch's gather table and kernel
     assert stub.set_stream.stream == CALL_STREAM
     assert fake.stacks == {d: [s] for d, s in CURRENT.items()}, "current streams restored"
 
 
-def test_a_batched_problem_of_an_earlier_test_allocates_from_this_tests_cupy(fake, stub):
-    """The previous test ran this batched problem: its fold (``batched._folds``, which
-    binds the weight's ``(B, C)`` allocator) is forgotten with the plans, or it would
-    allocate and copy through that test's stand-in, unseen by this one's checks."""
+def test_a_batched_problem_of_an_earlier_test_launches_through_this_tests_cupy(fake, stub):
+    """The previous test ran this batched problem: its plan, which binds the gather kernel
+    (made by the CuPy of its test, ``gather._kernel``), is forgotten with the plans, or it
+    would launch through that test's stand-in, unseen by this one's checks."""
     run_batched(fake.array, 0, stream=CALL_STREAM)
-    copies = [e for e in fake.events() if e[0] == "copy"]
-    assert copies == [("copy", 0, CALL_STREAM)] * 3  # input, grad_output, the weight's rows
+    assert [e[:4] for e in fake.launches()] == [("launch", 0, CALL_STREAM, "cudnn_bn_gather_3")]
+    assert not [e for e in fake.events() if e[0] == "copy"]
 
 
 def test_the_workspace_and_reserve_cudnn_is_given_are_as_large_as_it_is_told(fake, stub):
@@ -170,8 +176,10 @@ def test_every_torch_allocation_comes_from_the_call_stream(fake, monkeypatch):
 # --- finding 2: everything on the operands' device ----------------------------------------------
 
 
-def assert_all_on_device_1(fake, stub) -> None:
+def assert_all_on_device_1(fake, stub, batched: bool = True) -> None:
     assert fake.allocations() and set(fake.allocations()) == {(1, CURRENT[1])}
+    # a batched call's gather table and kernel (the other passes launch nothing of CuPy's)
+    assert launched(fake) == [(1, CURRENT[1])] * (2 if batched else 0)
     assert_cudnn_on_device_1(fake, stub)
 
 
@@ -219,6 +227,7 @@ def test_torch_tensors_on_another_device(fake, stub, monkeypatch):
         run_all(problem(torch_tensor, 1))
         run_batched(torch_tensor, 1)
     assert allocations and set(allocations) == {(1, CURRENT[1])}
+    assert launched(fake) == [(1, CURRENT[1])] * 2  # on CuPy's stream object for torch's
     # torch allocates on the tensors' device whichever is current; cuDNN's device is switched
     # by the launch (``TorchKind.current_in_scope``)
     assert_cudnn_on_device_1(fake, stub)
@@ -237,7 +246,7 @@ class Foreign:
 
 def test_array_interface_objects_live_where_their_memory_does(fake, stub):
     run_all(problem(lambda shape, device: Foreign(fake.array(shape, device=device)), 1))
-    assert_all_on_device_1(fake, stub)
+    assert_all_on_device_1(fake, stub, batched=False)
 
 
 def test_a_stream_of_another_device_is_refused(fake):
@@ -692,36 +701,151 @@ def package_calls(call) -> int:
 
 
 def test_a_batched_call_adds_little_to_the_backward_it_runs(fake):
-    """A repeated batched call folds, runs the backward's plan and unfolds: it does not go
-    through the public ``batch_norm_backward`` again (its argument handling, options and
-    error wrapper), so it enters at most 17 more of the package's functions than the one
-    backward call on its folded arrays (15 today; 19 through ``batch_norm_backward``)."""
+    """A repeated batched call is one pass of the call path (``batched_pass``): its plan's
+    launch gathers and runs the folded backward, with no second trip through the array API
+    (its argument handling, options, key and error wrapper) and no folding or unfolding of
+    arrays, so it enters at most 8 more of the package's functions than the one backward
+    call on its folded arrays (6 today; 15 when it folded by views and copies and ran the
+    backward's plan on them)."""
     x, w = fake.array((4, *SHAPE)), fake.array((4, C))
     n, c, *rest = SHAPE
     folded_x, folded_w = fake.array((n, 4 * c, *rest)), fake.array((4 * c,))
     batched = package_calls(lambda: batch_norm_backward_batched(x, x, w, None, None))
     one = package_calls(lambda: batch_norm_backward(folded_x, folded_x, folded_w, None, None))
-    assert batched - one <= 17, (batched, one)
+    assert batched - one <= 8, (batched, one)
 
 
-def test_batched_data_are_copied_by_one_call_of_their_library(fake, monkeypatch):
-    """Data that no view folds (contiguous ``(B, N, C, ...)`` with N > 1) are copied with
-    CuPy's own ``ascontiguousarray`` (an allocation and a copy on the call's stream, one
-    call), not allocated and then assigned through CuPy's indexing, which makes a view and
-    parses the index first."""
-    assigned_by_package = []
-    setitem = FakeArray.__setitem__
+def test_a_repeated_batched_call_allocates_its_outputs_and_launches_one_gather(fake, stub):
+    """Issue 17: a batched call on CuPy arrays folded by its library (per call two
+    ``swapaxes`` and ``ascontiguousarray``, an allocation and a copy each, a new ``(B, C)``
+    array filled from a shared weight, reshapes, a whole inner backward call, views of its
+    results: 19 library operations). Now its plan gathers every operand no view folds by one
+    kernel launch on the call's stream, into the front of the stream's workspace, where the
+    launch's table was written once, by the first call there; a repeated call allocates
+    only its outputs (in the folded problem's memory order: the batch's results as they are)
+    and hands cuDNN the gathered operands and those outputs."""
+    batch, (_, c, *rest) = 2, SHAPE
+    x, dy, w = fake.array((batch, *SHAPE)), fake.array((batch, *SHAPE)), fake.array((C,))
+    for call_number in range(3):
+        fake.log.clear()
+        got = batch_norm_backward_batched(x, dy, w, None, None, stream=CALL_STREAM)
+        kinds = [entry[0] for entry in fake.log]
+        if call_number == 0:  # the outputs, then the stream's workspace and its table
+            assert kinds == ["alloc"] * 4 + ["memcpy", "launch"], kinds
+            workspace, table = fake.log[3][4], fake.log[4]
+            assert table[1:4] == (0, CALL_STREAM, workspace)
+        else:
+            assert kinds == ["alloc"] * 3 + ["launch"], kinds
+        allocated = [entry[4] for entry in fake.log if entry[0] == "alloc"]
+        (_, device, stream, name, _, _, args) = fake.launches()[0]
+        assert (device, stream, name) == (0, CALL_STREAM, "cudnn_bn_gather_3")
+        assert args == (workspace, x.data.ptr, dy.data.ptr, w.data.ptr)
+        call = stub.backward
+        # the gathered operands between the table and cuDNN's own workspace
+        assert all(workspace < p < call.workspace for p in (call.x, call.dy, call.scale))
+        assert [call.dx, call.dscale, call.dbias] == allocated[:3]
+        gx, gw, gb = got
+        assert [gx.data.ptr, gw.data.ptr, gb.data.ptr] == allocated[:3]
+        assert gx.shape == (batch, *SHAPE) and gw.shape == gb.shape == (batch, C)
+        assert gx.strides[:3] == (c * 4 * math.prod(rest), batch * c * 4 * math.prod(rest),
+                                  4 * math.prod(rest))  # fmt: skip
+    assert stub.backward.calls == 3
 
-    def recorded(self, index, value) -> None:
-        assigned_by_package.append("/cudnn_bn/" in sys._getframe(1).f_code.co_filename)
-        setitem(self, index, value)
 
-    monkeypatch.setattr(FakeArray, "__setitem__", recorded)
-    x, w = fake.array((2, *SHAPE)), fake.array((2, C))  # weight rows: a view folds them
+def test_batched_operands_a_packed_view_folds_are_not_gathered(fake, stub):
+    """``(B, C)`` weight rows are the folded problem's ``(B*C,)`` weight as they lie, and
+    data whose problems sit side by side in the channels (a ``(N, B, C, ...)`` array
+    swapped) its ``(N, B*C, ...)`` data: nothing to gather, no kernel launched."""
+    n, c, *rest = SHAPE
+    x = fake.array((n, 2, c, *rest)).swapaxes(0, 1)
+    w = fake.array((2, C))
     batch_norm_backward_batched(x, x, w, None, None, stream=CALL_STREAM)
-    assert assigned_by_package == [False, False]  # input and grad_output, by CuPy itself
-    copies = [e for e in fake.events() if e[0] == "copy"]
-    assert copies == [("copy", 0, CALL_STREAM)] * 2
+    assert fake.launches() == [] and not [e for e in fake.log if e[0] == "memcpy"]
+    assert (stub.backward.x, stub.backward.scale) == (x.data.ptr, w.data.ptr)
+
+
+def test_a_batched_problems_first_call_on_a_capturing_stream_is_refused(fake, stub):
+    """The gather table is written into a stream's workspace from host memory, which a
+    stream capturing a CUDA graph cannot take: a problem's first call there is refused,
+    saying so, launching nothing; after one call on the stream, the problem is captured like any
+    other, allocating its outputs and launching the gather, uploading nothing."""
+    x, w = fake.array((2, *SHAPE)), fake.array((C,))
+    fake.capturing.add(CALL_STREAM)
+    with pytest.raises(InfiniError, match=r"^BAD_PARAM: .*gather table.*before the capture"):
+        batch_norm_backward_batched(x, x, w, None, None, stream=CALL_STREAM)
+    assert fake.launches() == [] and stub.backward.calls == 0
+    fake.capturing.clear()
+    batch_norm_backward_batched(x, x, w, None, None, stream=CALL_STREAM)
+    fake.capturing.add(CALL_STREAM)
+    fake.log.clear()
+    batch_norm_backward_batched(x, x, w, None, None, stream=CALL_STREAM)
+    assert [entry[0] for entry in fake.log] == ["alloc"] * 3 + ["launch"]
+    assert stub.backward.calls == 2
+
+
+def test_each_thread_gathers_into_its_own_workspace_on_the_per_thread_stream(fake, stub):
+    """On ``cudaStreamPerThread`` each thread has its own workspace (``call.Workspaces``),
+    so each gets the gather table written into its own and its gather launched there."""
+    x, w = fake.array((2, *SHAPE)), fake.array((C,))
+    run = lambda: batch_norm_backward_batched(x, x, w, None, None, stream=2)  # noqa: E731
+    run()
+    in_thread(run)
+    copies = [entry for entry in fake.log if entry[0] == "memcpy"]
+    launches = fake.launches()
+    assert [entry[2] for entry in copies + launches] == [2] * 4
+    assert copies[0][3] != copies[1][3]
+    assert [launch[6][0] for launch in launches] == [copies[0][3], copies[1][3]]
+
+
+def test_batched_edge_cases_on_the_device(fake, stub):
+    """B = 0: one problem's layout validated, empty results, nothing launched; N = 0: zero
+    grad_weight/grad_bias queued on the call's stream, no gather; ``weight=None`` with an
+    output mask: only grad_input comes back, the unwanted gradients land in the workspace;
+    a bad operand is named as the caller passed it."""
+    _, c, *rest = SHAPE
+    x = fake.array((0, *SHAPE))
+    gx, gw, gb = batch_norm_backward_batched(x, x, fake.array((C,)), None, None)
+    assert (gx.shape, gw.shape, gb.shape) == ((0, *SHAPE), (0, C), (0, C))
+    assert fake.launches() == [] and stub.backward.calls == 0
+    x = fake.array((2, 0, c, *rest))
+    gx, gw, gb = batch_norm_backward_batched(x, x, fake.array((C,)), None, None, stream=CALL_STREAM)
+    assert gx.shape == (2, 0, c, *rest) and gw.shape == gb.shape == (2, C)
+    memsets = [entry for entry in fake.log if entry[0] == "memset"]
+    assert [e[1:4] for e in memsets] == [
+        (0, CALL_STREAM, gw.data.ptr),
+        (0, CALL_STREAM, gb.data.ptr),
+    ]
+    assert fake.launches() == [] and stub.backward.calls == 0
+    x = fake.array((2, *SHAPE))
+    fake.log.clear()
+    got = batch_norm_backward_batched(x, x, None, None, None, output_mask=(True, False, False))
+    assert got[1:] == (None, None) and got[0].shape == (2, *SHAPE)
+    # grad_input, the ones standing in for the weight (made once) and the workspace
+    assert len(fake.allocations()) == 3
+    assert [entry[4] for entry in fake.log if entry[0] == "fill"] == [1.0]
+    workspace = fake.launches()[0][6][0]
+    # the gather's front of the workspace, then the backward's own, which holds the scratch
+    # that receives the gradients nobody asked for
+    assert workspace < stub.backward.workspace < stub.backward.dscale
+    with pytest.raises(InfiniError, match=r"^BAD_TENSOR_SHAPE: weight has shape \(4,\)"):
+        batch_norm_backward_batched(x, x, fake.array((C + 1,)), None, None)
+    with pytest.raises(InfiniError, match="grad_output") as caught:
+        batch_norm_backward_batched(x, fake.array((2, *SHAPE), dtype=np.float64), None, None, None)
+    assert caught.value.status == Status.BAD_TENSOR_DTYPE
+
+
+def test_a_batched_producer_goes_through_the_door_on_every_call(fake, stub):
+    """An operand that is neither a CuPy array nor a torch tensor (here a CUDA array
+    interface) is read by the door on every call, hit or miss, and gathered from where it
+    says its memory is; the results are CuPy arrays (the input's kind)."""
+    x, w = fake.array((2, *SHAPE)), fake.array((C,))
+    dy = Foreign(fake.array((2, *SHAPE)), stream=None)
+    for _ in range(2):
+        fake.log.clear()
+        got = batch_norm_backward_batched(x, dy, w, None, None, stream=CALL_STREAM)
+        (launch,) = fake.launches()
+        assert launch[6][1:] == (x.data.ptr, dy.__cuda_array_interface__["data"][0], w.data.ptr)
+        assert all(type(g) is FakeArray for g in got)
 
 
 # --- review 8: addresses on a plan's hit -----------------------------------------------------
@@ -762,9 +886,9 @@ def test_an_empty_operands_address_is_checked_on_a_hit_too(fake, stub, address):
     ids=["misaligned", "NULL", "negative"],
 )
 def test_a_repeated_batched_problem_checks_addresses_on_the_device_too(fake, stub, name, address):
-    """A batched problem's fold copies the data (these strides allow no view) and a shared
-    weight before the backward sees them: the fold checks their addresses as the door
-    would (``_Fold``'s ``Aligned.check``), naming the argument, before any copy."""
+    """A batched problem's plan gathers the data (these strides allow no view) and a shared
+    weight before the backward sees them: its call checks their addresses as the door
+    would (``call.Aligned``), naming the argument, before any allocation or launch."""
     good = {"input": fake.array((2, *SHAPE)), "weight": fake.array((C,))}
     batch_norm_backward_batched(good["input"], good["input"], good["weight"], None, None)
     bad = dict(good)

@@ -116,10 +116,13 @@ class Workspaces:
     is each thread's own stream, by the thread's ``_thread_token``: never one an ended thread
     had (CPython reuses ``get_ident()`` at once), whose last kernels may still be writing its
     workspace. So each thread that ever ran a plan there leaves one workspace, kept as long
-    as the plan."""
+    as the plan. ``prepare(pointer, stream)``, where given, writes what the plan keeps in
+    each new workspace (a batched plan's gather table) before it is first used."""
 
-    def __init__(self, kind: Any, size: int) -> None:
-        self.kind, self.size = kind, size
+    def __init__(
+        self, kind: Any, size: int, prepare: Callable[[int, int], None] | None = None
+    ) -> None:
+        self.kind, self.size, self.prepare = kind, size, prepare
         self.made: dict[Any, tuple[Any, int]] = {}
         self.lock = threading.Lock()
 
@@ -129,7 +132,10 @@ class Workspaces:
         workspace = self.made.get(place)
         if workspace is None:
             buffer = self.kind.buffer(like, self.size)()
-            workspace = self.made[place] = (buffer, self.kind.address(buffer))
+            address = self.kind.address(buffer)
+            if self.prepare is not None:
+                self.prepare(address, stream)
+            workspace = self.made[place] = (buffer, address)
         return workspace[1]
 
 
@@ -464,7 +470,9 @@ def _build(
         "host_stream": host_stream,
         "place": (kind, device, device_id),
         "address": kind.address,
-        "workspaces": Workspaces(kind, descriptor.workspace_size),
+        "workspaces": Workspaces(
+            kind, descriptor.workspace_size, getattr(descriptor, "prepare_workspace", None)
+        ),
     }
     exec(compile(source, f"<plan of batch_norm_{spec.name}>", "exec"), namespace)
     # Taken out of its namespace, which would hold it in a cycle: the launch's build is let

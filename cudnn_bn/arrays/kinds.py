@@ -99,11 +99,6 @@ class NumpyKind:
     def buffer(self, like: Any, nbytes: int) -> Allocator:
         return partial(np.empty, nbytes, np.uint8)
 
-    def packed(self, array: Any) -> Any:
-        """``array`` in row-major order: itself where it is, else a copy by its library in
-        one call (on a GPU, allocated from and copied on the current stream)."""
-        return np.ascontiguousarray(array)
-
     def constant(self, like: Any, value: float, desc: TensorDesc, name: str) -> Any:
         storage = self.storage(like, desc.dtype)
         return np.full(desc.shape, _stored(value, storage, desc.dtype), storage)
@@ -151,9 +146,6 @@ class TorchKind:
         torch = sys.modules["torch"]  # imported: like is a tensor
         return partial(torch.empty, nbytes, dtype=torch.uint8, device=like.device)
 
-    def packed(self, array: Any) -> Any:
-        return array.contiguous()
-
     def constant(self, like: Any, value: float, desc: TensorDesc, name: str) -> Any:
         import torch
 
@@ -192,9 +184,6 @@ class CupyKind:
 
     def buffer(self, like: Any, nbytes: int) -> Allocator:
         return partial(cuda.cupy_module().empty, nbytes, np.uint8)
-
-    def packed(self, array: Any) -> Any:
-        return cuda.cupy_module().ascontiguousarray(array)
 
     def constant(self, like: Any, value: float, desc: TensorDesc, name: str) -> Any:
         cupy = cuda.cupy_module()

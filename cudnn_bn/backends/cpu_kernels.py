@@ -53,6 +53,7 @@ from numba.extending import intrinsic
 from numba.np.arrayobj import populate_array
 
 from ..enums import DataType
+from .gather import GATHER_DIMS  # the table format (gather.table_row)
 
 F16, F32, F64, BF16 = (int(d) for d in (DataType.F16, DataType.F32, DataType.F64, DataType.BF16))
 ROW_DIMS = 4  # cpu_layout.ROW_DIMS: geometry is (C, inner, rows, channels_inner,
@@ -1313,8 +1314,6 @@ def batch_pass(whole, plan, eps, momentum, like, steps, items, state, x_at, a_at
 
 
 # --- gathering operands --------------------------------------------------------------------
-
-GATHER_DIMS = 7  # a batch of problems' axes, (B, N, C, D, H, W), then an element's 2-byte units
 
 
 @jit

@@ -193,3 +193,28 @@ def zero_rows_async(
     with on_device(device_id):
         for start, size in rows:
             _runtime_call("cudaMemsetAsync", runtime.memsetAsync, start, 0, size, stream)
+
+
+def capturing(stream: int, device_id: int) -> bool:
+    """Whether the ``cudaStream_t`` ``stream`` of ``device_id`` is capturing a CUDA graph."""
+    return bool(cupy_stream(stream, device_id).is_capturing())
+
+
+_HOST_TO_DEVICE = 1  # cudaMemcpyHostToDevice
+
+
+def copy_to_device(ptr: int, host: Any, stream: int, device_id: int) -> None:
+    """Copy the bytes of the packed NumPy array ``host`` to device address ``ptr`` on
+    ``stream`` (``cudaMemcpyAsync`` from pageable memory, which returns once they are
+    staged: ``host`` may go at once)."""
+    runtime = cupy_module().cuda.runtime
+    with on_device(device_id):
+        _runtime_call(
+            "cudaMemcpyAsync",
+            runtime.memcpyAsync,
+            ptr,
+            host.ctypes.data,
+            host.nbytes,
+            _HOST_TO_DEVICE,
+            stream,
+        )

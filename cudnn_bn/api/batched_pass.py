@@ -1,23 +1,26 @@
-"""The batched backward on the CPU engine: one launch over the caller's arrays, no copy by
-Python.
+"""The batched backward's pass (``call.Pass``): ``B`` problems as one launch over the shared
+call path, on either engine, with no copy or view by the arrays' library.
 
-``(B, N, C, ...)`` data folds into ``(N, B*C, ...)`` by no view unless ``N`` is 1, and
-copying it in and out around the pass, array by array, cost more than the pass (64
-problems ``(4, 64, 7, 7)``: 2.35x one call of that size; 64 of ``(8, 4)``: 2.07x, in
-Python). So on the CPU a batch is a pass of its own over the shared call path
-(``call.run``: one read of the operands, one plan, one launch), whose plan holds one
+``(B, N, C, ...)`` data folds into ``(N, B*C, ...)`` by no view unless the strides allow
+(``N`` is 1, say), and copying it in and out around a backward, array by array, cost more
+than the pass (the CPU, 64 problems ``(4, 64, 7, 7)``: 2.35x one call of that size; on a
+GPU's stand-ins, 19 library operations a call, 3.4x one call). So a batch is a pass of its
+own (``call.run``: one read of the operands, one plan, one launch), whose plan holds one
 backward descriptor, launched on the caller's pointers in one of two ways (``in_place``):
 
-- in place, for problems of ``MIN_VALUES`` or more: one problem's descriptor (data
+- in place, on the CPU for problems of ``MIN_VALUES`` or more (and everywhere for B = 0,
+  whose one problem's layout is validated and nothing runs): one problem's descriptor (data
   ``(N, C, ...)``, per-channel ``(C,)``: the rows of ``(B, C)`` ones or a shared one), run
   on all ``B`` at pointer offsets (``OperatorDescriptor.launcher``'s ``batch``: the CPU
   kernel's ``batched()``, one call); outputs batch outermost, each problem's block laid
   out as the backward lays out one problem's.
-- folded, for smaller problems, whose fixed cost in the kernel (about 0.7 us each: its
-  per-channel steps) is more than gathering them: the folded problem's descriptor (functorch's
-  ``batch_norm_batch_rule``, seed 002: the batch in the channels), its operands gathered
-  into packed scratch by one kernel call (``cpu_kernels.gather``), its outputs allocated in
-  the folded problem's memory order, so that they are the batch's results as they are.
+- folded, for smaller problems on the CPU, whose fixed cost in the kernel (about 0.7 us
+  each: its per-channel steps) is more than gathering them, and always on a GPU: the folded
+  problem's descriptor (functorch's ``batch_norm_batch_rule``, seed 002: the batch in the
+  channels), each operand that no packed view folds gathered into packed scratch by one
+  table (``backends.gather``: the CPU engine's kernel, or one CUDA kernel launch into the
+  plan's per-stream workspace), its outputs allocated in the folded problem's memory order,
+  so that they are the batch's results as they are.
 
 Both are validated by the backward's own build, on the problem it runs.
 """
@@ -26,8 +29,8 @@ from typing import Any
 
 import numpy as np
 
-from ..arrays.numpy_arrays import ndarray_data
-from ..enums import Status
+from ..backends.gather import DeviceGather, HostGather, table_row
+from ..enums import Device, Status
 from ..errors import InfiniError
 from ..ops.descriptor import Launch
 from ..problems import BackwardTensors
@@ -41,7 +44,6 @@ PER_CHANNEL = ("weight", "running_mean", "running_var", "saved_mean", "saved_inv
 # Values per problem from which a batch runs in place: 64 problems at 1 thread took
 # 0.7-0.9x the fold's time from 6272 values, 1.0x at 4096, 1.1-1.4x at 512-2048.
 MIN_VALUES = 4096
-_ALIGN = 64  # bytes: where each gathered operand starts in the scratch
 
 
 def one_problem(name: str, desc: TensorDesc) -> TensorDesc:
@@ -75,19 +77,22 @@ def check_shapes(descs: dict[str, TensorDesc]) -> tuple[int, int]:
     return batch, channels
 
 
-def in_place(descs: dict[str, TensorDesc]) -> bool:
+def in_place(descs: dict[str, TensorDesc], device: Device) -> bool:
     """Whether a batch (its operands' layouts) runs in place: B = 0 (one problem's layout is
-    validated, nothing runs), or each problem has values, ``MIN_VALUES`` or more, and no
-    stride is negative (the backward refuses those; the fold gathers them)."""
+    validated, nothing runs), or on the CPU each problem has values, ``MIN_VALUES`` or
+    more, and no stride is negative (the backward refuses those; the fold gathers them). A
+    GPU folds every batch: one problem's launch per problem would be ``B`` launches."""
     x = descs["input"]
     if not x.shape[0]:
         return True
-    return 0 < x.numel >= MIN_VALUES * x.shape[0] and all(
-        s >= 0 for desc in descs.values() for s in desc.strides
+    return (
+        device == Device.CPU
+        and 0 < x.numel >= MIN_VALUES * x.shape[0]
+        and all(s >= 0 for desc in descs.values() for s in desc.strides)
     )
 
 
-class BatchedHost:
+class BatchedBackward:
     """The pass (``call.Pass``): the batched backward's operands, no ``out=``, the
     backward's options."""
 
@@ -105,12 +110,14 @@ class BatchedHost:
     def build(self, handle: Handle, descs: dict[str, TensorDesc | None], options: tuple) -> Built:
         given = {n: d for n, d in descs.items() if d is not None}
         count, _ = check_shapes(given)
-        return (_in_place if in_place(given) else _folded)(handle, given, options, count)
+        if in_place(given, handle.device):
+            return _in_place(handle, given, options, count)
+        return _folded(handle, given, options, count)
 
     result = None  # the tuple of the gradients
 
 
-BATCHED_HOST = BatchedHost()
+BATCHED = BatchedBackward()
 
 
 def _in_place(handle: Handle, descs: dict[str, TensorDesc], options: tuple, count: int) -> Built:
@@ -171,55 +178,41 @@ class _Batch(_Launched):
 
 
 def _folded(handle: Handle, descs: dict[str, TensorDesc], options: tuple, count: int) -> Built:
-    gathered = {n: _gathering(n, d, count) for n, d in descs.items()}
-    one = dict.fromkeys(BACKWARD.names) | {n: folded for n, (folded, _) in gathered.items()}
+    folds = {n: _fold(n, d, count) for n, d in descs.items()}
+    one = dict.fromkeys(BACKWARD.names) | {n: folded for n, (folded, _) in folds.items()}
     built = BACKWARD.build(handle, one, options)
     outputs = {n: _unfolded(n, d, count) for n, d in built.outputs.items()}
-    rows = {n: row for n, (_, row) in gathered.items()}
-    descriptor = _Gathered(built.descriptor, rows, built.pointers)
+    rows = {n: r for n, (_, r) in folds.items() if r is not None}
+    copies = one["input"].numel > 0  # a problem with no values reads none of them
+    itemsizes = {n: ITEMSIZE[descs[n].dtype] for n in rows}
+    runner = HostGather if handle.device == Device.CPU else DeviceGather
+    gather = runner(rows, itemsizes, handle.device_id, copies)
+    descriptor = _Gathered(built.descriptor, gather, built.pointers)
     return Built(descriptor, built.pointers, outputs, built.returns, built.constants)
 
 
-def _gathering(name: str, desc: TensorDesc, count: int) -> tuple[TensorDesc, np.ndarray]:
-    """Batched operand ``name`` as the folded problem takes it (packed) and its row of
-    ``cpu_kernels.gather``'s table (addresses 0): data ``(B, N, C, ...)`` gathered as
-    ``(N, B, C, ...)``, that is ``(N, B*C, ...)``; a per-channel operand as ``(B, C)``
-    (a shared ``(C,)`` one repeated), that is ``(B*C,)``."""
+def _fold(name: str, desc: TensorDesc, count: int) -> tuple[TensorDesc, np.ndarray | None]:
+    """Batched operand ``name`` as the folded problem takes it (packed), and the row of a
+    gather table (``backends.gather.table_row``) that packs it first, or None where its own
+    memory is that packed operand: data ``(B, N, C, ...)`` gathered as ``(N, B, C, ...)``,
+    that is ``(N, B*C, ...)``; a per-channel operand as ``(B, C)`` (a shared ``(C,)`` one
+    repeated), that is ``(B*C,)``."""
     if name in DATA:
         order = (1, 0, *range(2, desc.ndim))
         n, channels, rest = desc.shape[1], desc.shape[2], desc.shape[3:]
-        folded = TensorDesc.contiguous(desc.dtype, (n, count * channels, *rest))
+        shape = (n, count * channels, *rest)
     else:
         order = (0, 1)
-        shared = desc.ndim == 1
         channels = desc.shape[-1]
-        desc = TensorDesc(
-            desc.dtype,
-            (count, channels),
-            (0, desc.strides[0]) if shared else desc.strides,
-        )
-        folded = TensorDesc.contiguous(desc.dtype, (count * channels,))
-    from ..backends import cpu_kernels  # here: importing the package imports no numba
-
-    units = ITEMSIZE[desc.dtype] // 2  # the gather copies 2-byte units
-    shape = [*(desc.shape[a] for a in order), units]
-    shape, strides = _merged(shape, [*(desc.strides[a] * units for a in order), 1])
-    pad = cpu_kernels.GATHER_DIMS - len(shape)
-    row = [0, 0, *(1,) * pad, *shape, *(0,) * pad, *strides]
-    return folded, np.array(row, dtype=np.int64)
-
-
-def _merged(shape: list[int], strides: list[int]) -> tuple[list[int], list[int]]:
-    """Axes of a gather (outermost first, packed in this order at the destination) with
-    each one that continues the next in the source merged into it: longer runs to copy."""
-    merged_shape, merged_strides = shape[-1:], strides[-1:]
-    for size, stride in zip(shape[-2::-1], strides[-2::-1], strict=True):
-        if stride == merged_strides[0] * merged_shape[0]:
-            merged_shape[0] *= size
-        else:
-            merged_shape.insert(0, size)
-            merged_strides.insert(0, stride)
-    return merged_shape, merged_strides
+        strides = (0, desc.strides[0]) if desc.ndim == 1 else desc.strides
+        desc = TensorDesc(desc.dtype, (count, channels), strides)
+        shape = (count * channels,)
+    folded = TensorDesc.contiguous(desc.dtype, shape)
+    in_order = TensorDesc(desc.dtype, tuple(desc.shape[a] for a in order),
+                          tuple(desc.strides[a] for a in order))  # fmt: skip
+    if in_order.is_contiguous():  # its memory is the folded problem's packed operand
+        return folded, None
+    return folded, table_row(desc, order)
 
 
 def _unfolded(name: str, desc: TensorDesc, count: int) -> TensorDesc:
@@ -238,36 +231,23 @@ def _unfolded(name: str, desc: TensorDesc, count: int) -> TensorDesc:
 
 
 class _Gathered(_Launched):
-    """The folded problem's descriptor, launched on operands gathered first: ``rows`` (by
-    operand name) of ``cpu_kernels.gather``'s table; ``pointers``: the operand each launch
-    field takes where it is not its namesake (``call.Built``)."""
+    """The folded problem's descriptor, launched on operands gathered first (``gather``:
+    a ``backends.gather`` runner, which takes the front of the plan's workspace, ``front``
+    bytes, and writes its table there where it has one, ``prepare``); ``pointers``: the
+    operand each launch field takes where it is not its namesake (``call.Built``)."""
 
-    def __init__(self, one: Any, rows: dict[str, np.ndarray], pointers: dict) -> None:
-        self.one, self.rows, self.pointers = one, rows, pointers
+    def __init__(self, one: Any, gather: Any, pointers: dict) -> None:
+        self.one, self.gather, self.pointers = one, gather, pointers
+        self.prepare_workspace = gather.prepare
 
-    def launcher(self, *args: Any, **options: Any) -> Launch:
-        """The descriptor's ``launcher``, each call gathering its operands into new scratch
-        and launching on that."""
-        from ..backends import cpu_kernels  # as in ``_gathering``
+    @property
+    def workspace_size(self) -> int:
+        return self.gather.front + self.one.workspace_size
 
-        launch = self.one.launcher(*args, **options)
-        named = [(i, self.pointers.get(f, f)) for i, f in enumerate(launch.fields)]
-        taken = [(i, n) for i, n in named if n in self.rows]
-        template = np.array([self.rows[n] for _, n in taken], dtype=np.int64)
-        places, nbytes = [], 0  # (row, field, its offset in the scratch)
-        for row, (i, _) in enumerate(taken):
-            places.append((row, i, nbytes))
-            size = 2 * int(np.prod(template[row, 2 : 2 + cpu_kernels.GATHER_DIMS]))
-            nbytes += -(-size // _ALIGN) * _ALIGN
-        gather = cpu_kernels.gather
-
-        def call(values: tuple, workspace: int, stream: int) -> None:
-            scratch = np.empty(nbytes, np.uint8)
-            base, table, moved = ndarray_data(scratch), template.copy(), list(values)
-            for row, i, offset in places:
-                table[row, 0], table[row, 1] = values[i], base + offset
-                moved[i] = base + offset
-            gather(table)
-            launch.run(tuple(moved), workspace, stream)
-
-        return Launch(launch.fields, call)
+    def launcher(self, owner: str, workspace_size: int, *args: Any, **options: Any) -> Launch:
+        """The descriptor's ``launcher`` after the gather's workspace, each call gathering
+        its operands and launching on them."""
+        inner = self.one.launcher(owner, workspace_size - self.gather.front, *args, **options)
+        named = [(i, self.pointers.get(f, f)) for i, f in enumerate(inner.fields)]
+        taken = [(i, n) for i, n in named if n in self.gather.rows]
+        return self.gather.wrap(inner, taken, options.get("current", False))
