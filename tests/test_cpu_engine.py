@@ -635,6 +635,69 @@ def test_f32_forward_within_1e_6_of_float64(layout, offset, spread):
         np.testing.assert_allclose(got[finite], want[finite], rtol=1e-6, atol=0)
 
 
+# F32 channels where a float32 elementwise pass is not within 1e-6 of float64 unless it is
+# done with care: (x values, weight, bias, mean, var, eps) for the inference forward, with
+# the training forward given the same x.
+_F32_EXTREMES = {
+    # y crosses zero among the data, 1e4 from 0: a plain float32 x*a + c (torch's F32)
+    # cancels there; the crossing form makes x - t exact.
+    "crossing-at-1e4": (-1e4 + np.arange(-8, 8) * 2.0**-9, 1.0, 1e4, 0.0, 1.0, EPS),
+    # Subnormal outputs (1.4e-40): the float32 scale rounds these the other way from the
+    # float64 one, 1e-5 relative; the crossing is at 0 (|t*scale| < 2**-96): float64.
+    "subnormal-outputs": ((141700 + 10 * np.arange(16)) * 2.0**-149, 0.7, 0.0, 0.0, 1.0, EPS),
+    # A constant channel (training: exactly the bias); the crossing form rounds it 1 ulp off.
+    "constant": ([-0.0071568172] * 16, 1.0237464904785156, 0.6923106908798218, 0.5, 1.0, 0.6475423),
+    # y = 3.40282360e38 rounds to inf; with the float32 scale it is 3.4028235e38 (the
+    # largest float32): |x| beyond the item's limit takes float64.
+    "overflow-rounding": ([3e38, -3e38] * 8, 1.6041064262390137, 0.0, 1.0, 2.0, 0.0),
+    # A variance of 1e-30 with eps 0: a scale of 1e15, values 1e-15 apart.
+    "tiny-variance": (0.5 + np.arange(-8, 8) * 2.0**-24, 0.3, -0.2, 0.5, 1e-30, 0.0),
+    # A bias 1e12 times the result: the crossing 1e12 from the data.
+    "large-bias": (np.linspace(-3, 3, 16), 1.0, 1e12, 0.0, 1.0, EPS),
+    # Offsets of 1e30 a few ulps wide, a scale of 1e-15: t beyond 2**64, float64.
+    "offset-1e30": (1e30 * (1 + np.arange(-8, 8) * 2.0**-23), 1e-15, 0.5, 1e30, 1.0, 0.0),
+    # NaN and infinities beside finite values near the crossing.
+    "nan-and-inf": ([np.nan, np.inf, -np.inf, 0.25] * 4, -1.5, 0.375, 0.0, 1.0, EPS),
+}
+
+
+@pytest.mark.parametrize("layout", ["NCHW", "NHWC"])
+@pytest.mark.parametrize("case", sorted(_F32_EXTREMES))
+def test_f32_forward_of_extreme_channels_within_1e_6_of_float64(case, layout):
+    """F32 forwards of channels that a careless float32 pass gets wrong (cancellation,
+    subnormal outputs, float32's overflow, tiny variances, huge offsets and biases, NaN and
+    inf; a constant channel trains to exactly its bias) stay within 1e-6 relative of the
+    float64 result on every element, with the same infinities and NaN, beside a tame
+    channel (an item of both: channels-last walks every channel in one), inference and
+    training. The reference is (x - mean)*scale + bias in float64, rounded once: torch's
+    float64 inference computes x*scale + (bias - mean*scale), which itself cancels (1e-18
+    where the result is 0)."""
+    values, weight, bias, mean, var, eps = _F32_EXTREMES[case]
+    rng = np.random.default_rng(9)
+    x = rng.standard_normal((4, 2, 2, 2)).astype(np.float32)
+    x[:, 1] = np.asarray(values, np.float32).reshape(4, 2, 2)
+    w, b = np.array([0.5, weight], np.float32), np.array([0.25, bias], np.float32)
+    rm, rv = np.array([0.1, mean], np.float32), np.array([2.0, var], np.float32)
+    xs, col = x.astype(np.float64), (lambda a: a.astype(np.float64)[None, :, None, None])
+    batch_mean = xs.mean(axis=(0, 2, 3), keepdims=True)
+    batch_var = ((xs - batch_mean) ** 2).mean(axis=(0, 2, 3), keepdims=True)
+    with np.errstate(over="ignore", invalid="ignore"):
+        want_inference = (xs - col(rm)) * (col(w) / np.sqrt(col(rv) + eps)) + col(b)
+        want_training = (xs - batch_mean) * (col(w) / np.sqrt(batch_var + eps)) + col(b)
+    if layout == "NHWC":
+        x = laid_out(x, channels_last(x.shape))
+    got_inference = cudnn_bn.batch_norm_forward_inference(x, w, b, rm, rv, eps=eps)
+    got_training, *_ = cudnn_bn.batch_norm_forward_training(x, w, b, None, None, eps=eps)
+    if np.ptp(values) == 0:
+        assert (got_training[:, 1] == b[1]).all()
+    for got, want in ((got_inference, want_inference), (got_training, want_training)):
+        with np.errstate(over="ignore"):
+            want = want.astype(np.float32)
+        finite = np.isfinite(want)
+        np.testing.assert_array_equal(got[~finite], want[~finite])
+        np.testing.assert_allclose(got[finite], want[finite], rtol=1e-6, atol=0)
+
+
 @pytest.mark.parametrize("name", ["float16", "bfloat16"])
 def test_half_inference_within_one_ulp_on_every_half_value(name):
     """Every finite F16/BF16 value through channels whose statistics span 1e-6 to 1e4: the

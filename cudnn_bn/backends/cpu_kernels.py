@@ -26,10 +26,12 @@ F16 goes through LLVM's ``half`` type, so it uses the CPU's conversion instructi
 conversions, the views of raw pointers and the element index are intrinsics (LLVM
 instructions written into the kernel that uses them), not functions: each function a
 kernel calls is compiled apart on first use, which cost more than its few instructions.
-The forward's elementwise pass on half data works in float32, within one ulp of the
-float64 result: one fma per element from the value where the output crosses zero
-(``_crossing``), else compensated (``normalize``), or in float64 where a channel's scale or
-mean is beyond what float32 holds well (``_needs_float64``).
+The forward's elementwise pass on half data, and on F32 data walked across channels, works
+in float32: one fma per element from the value where the output crosses zero
+(``_crossing``), within one ulp of the float64 result (half data) or 4.8e-7 relative (F32);
+else compensated (``normalize``, half data) or in float64, where a channel's scale or mean
+is beyond what float32 holds well (``_needs_float64``), and for F32 channels whose outputs
+may be subnormal or near float32's overflow.
 Per-channel operands may have another dtype than the data (F32 for half data); they are
 read and written through a runtime dtype code, since they are small.
 
@@ -802,15 +804,16 @@ def _low(value, hi, like):
     return narrow(lo if lo - lo == 0.0 else 0.0, like)
 
 
-def _halves_only(function):
+def _narrow_only(function, singles=False):
     """An intrinsic ``run(like, args)``: ``function(like, args)`` (a boolean) written into
-    the calling kernel for F16/BF16 data (array ``like``), the constant False for F32/F64
-    data, whose kernels then compile none of it (no first-use cost)."""
+    the calling kernel for F16/BF16 data (array ``like``), and F32 where ``singles``, the
+    constant False for other data, whose kernels then compile none of it (no first-use
+    cost)."""
 
     @intrinsic
     def run(typingctx, like, args):
         def codegen(context, builder, signature, values):
-            if isinstance(like.dtype, types.Float):
+            if like.dtype == types.float64 or (like.dtype == types.float32 and not singles):
                 return context.get_constant(types.boolean, False)
             return context.compile_internal(builder, function, signature, values)
 
@@ -819,31 +822,60 @@ def _halves_only(function):
     return run
 
 
+@intrinsic
+def _single(typingctx, like):
+    """Whether array ``like`` holds F32 data (a constant)."""
+
+    def codegen(context, builder, signature, args):
+        return context.get_constant(types.boolean, like.dtype == types.float32)
+
+    return types.boolean(like), codegen
+
+
+@intrinsic
+def _beyond(typingctx, value, bound):
+    """1 where float32 ``value``'s magnitude exceeds float32 ``bound`` (NaN does), else 0,
+    as an int32: compared as the magnitudes' bits, so that a loop OR-ing it vectorizes (a
+    float or boolean one did not)."""
+
+    def codegen(context, builder, signature, args):
+        bits = [builder.and_(builder.bitcast(a, _I32), _I32(0x7FFFFFFF)) for a in args]
+        return builder.zext(builder.icmp_unsigned(">", *bits), _I32)
+
+    return types.int32(value, bound), codegen
+
+
 @helper
 def _crossing(mean, scale, shift, like):
-    """A channel's float32 ``(t, a, c)`` for ``y = (x - t)*a + c`` on F16/BF16 data, with
-    ``t`` the float32 nearest the value where ``y`` crosses zero, and whether the pass may
-    use them: one float32 fma per element where ``normalize``'s compensated pass costs
-    three and a two-sum (BF16 inference 1.75x faster). Near the crossing, ``x - t`` is exact
-    (Sterbenz) and ``c`` is at most a of t's rounding; elsewhere ``|x - t| >= |t|/2``: every
-    element is within a few float32 roundings of ``y`` (2.4e-7 relative; an F16/BF16 ulp is
-    5e-4 and 4e-3), cancellation or not. Not used (``normalize`` is) where scale is 0 or not
-    finite, ``t`` is huge or not finite, or the mean is a value of the data's dtype: an
-    element equal to the mean (a constant channel's, training) must give the shift exactly,
-    and ``(x - t)*a + c`` rounds it. (F32 data stays on ``normalize``'s float64 fma: the
-    float32 form was 1.5x faster in cache but 1.2-1.3x slower out of it.)"""
-    a = np.float32(scale)
+    """A channel's float32 ``(t, a, c)`` for ``y = (x - t)*a + c``, with ``t`` the float32
+    nearest the value where ``y`` crosses zero, whether the pass may use them, and the
+    largest ``|x|`` for which ``|y|`` stays below 2**127. One float32 fma per element where
+    ``normalize`` costs three and a two-sum (half data; BF16 inference 1.75x faster) or two
+    conversions and float64 arithmetic (F32). Every other float32 ``x`` lies at least half
+    as far from the crossing as from ``t``, so ``|x - t| <= 2|y/scale|``: the roundings of
+    ``x - t`` and ``a`` cost at most 2 float32 ulps of ``y`` each and that of ``c`` (at
+    most ``|y|``) one, cancellation or not (8 with the last rounding and the references',
+    4.8e-7 relative; an F16/BF16 ulp is 5e-4 and 4e-3); at ``x = t`` the result is ``c``,
+    the float64 pass's own ``y`` rounded once. F32 results must be normal floats for that
+    (a subnormal's rounding is coarser), so an F32 channel needs ``|t*scale| >= 2**-96``
+    (then ``|y| >= 2**-122`` wherever ``x != t``), and its outputs must not come near
+    float32's overflow (``_by_crossing_rows``' guard). Not used (``normalize`` is) where
+    the scale is not within 2**-64 to 2**64 or ``t`` beyond 2**64. A scale of 0 (a
+    constant channel's, training: ``channel_results``) makes ``y`` the shift exactly for
+    every finite ``x``: ``(0, 0, shift)``, where the mean is finite (else NaN)."""
+    if scale == 0.0:
+        return (np.float32(0.0), np.float32(0.0), np.float32(shift)), mean - mean == 0.0, np.inf
     t = mean - shift / scale
     t32 = np.float32(t) if abs(t) < 2.0**64 else np.float32(0.0)
-    c = (np.float64(t32) - mean) * scale + shift
+    c = _fma(np.float64(t32) - mean, scale, shift)  # as ``normalize`` makes y at x = t
     usable = (
-        a != 0.0
-        and a - a == 0.0
+        2.0**-64 <= abs(scale) <= 2.0**64
         and abs(t) < 2.0**64
         and c - c == 0.0
-        and decode(encode(mean, like.dtype)) != mean
+        and (abs(t * scale) >= 2.0**-96 or not _single(like))
     )
-    return (t32, a, np.float32(c)), usable
+    limit = (2.0**127 - abs(c)) / abs(scale) - abs(t)
+    return (t32, np.float32(scale), np.float32(c)), usable, limit
 
 
 def _by_crossing_runs(y, args):
@@ -852,7 +884,7 @@ def _by_crossing_runs(y, args):
     x, geometry, strides, c0, c1, r0, r1, n, s, mean, scale, shift = args
     table = np.full((3, c1 - c0), np.float32(0.0))
     for c in range(c0, c1):
-        (table[0, c - c0], table[1, c - c0], table[2, c - c0]), usable = _crossing(
+        (table[0, c - c0], table[1, c - c0], table[2, c - c0]), usable, _ = _crossing(
             mean[c], scale[c], shift[c], y
         )
         if not usable:
@@ -869,22 +901,47 @@ def _by_crossing_runs(y, args):
 
 def _by_crossing_rows(y, args):
     # ``_rows_by_crossing``: rows ``r0`` to ``r1`` of ``n`` values across channels, the
-    # coefficients tiled, if every channel may. One row per loop: LLVM vectorizes this one
-    # 16 wide (two rows per loop: 4 wide for BF16, and BF16 NHWC inference 1.7x slower).
+    # coefficients tiled, if every channel may; two rows per loop, as ``_forward_across``
+    # (F32 out of cache 1.2-1.3x faster than one, F16/BF16 in cache 1.2-1.4x). Where an F32
+    # ``|x|`` is beyond the item's ``limit`` (``_crossing``: its ``y`` may come within the
+    # float32 pass's few ulps of float32's overflow, where it could round to inf as the
+    # float64 result does not, or the other way), the item is done again in float64 (False;
+    # an item in place is not begun); half data never comes near float32's range.
     x, geometry, strides, r0, r1, n, mean, scale, shift = args
     channels, sx, sy = geometry[0], strides[0, 0], strides[2, 0]
     table = np.full((3, n), np.float32(0.0))
+    limit = np.inf
     for c in range(channels):
-        (t, a, b), usable = _crossing(mean[c], scale[c], shift[c], y)
+        (t, a, b), usable, most = _crossing(mean[c], scale[c], shift[c], y)
         if not usable:
             return False
+        limit = min(limit, most)
         for i in range(c, n, channels):
             table[0, i], table[1, i], table[2, i] = t, a, b
-    for r in range(r0, r1):
-        ox, oy = row_offset(r, geometry, strides[0]), row_offset(r, geometry, strides[2])
+    guard = _single(y) and limit < 2.0**128
+    if guard and x.ctypes.data == y.ctypes.data:
+        return False  # in place, x would not be there to do it again from
+    bound = np.float32(limit if guard else 0.0)
+    h = (r1 - r0) // 2
+    flat, rs = geometry[INNER_ROWS] == geometry[2], _column(strides, ROW)  # see INNER_ROWS
+    for j in range(r0, r1 - h):
+        r = j if j < r0 + h else j + h
+        p = r + h if j < r0 + h else r
+        if flat:
+            ox, oy, px, py = r * rs[0], r * rs[2], p * rs[0], p * rs[2]
+        else:
+            ox, oy = row_offset(r, geometry, strides[0]), row_offset(r, geometry, strides[2])
+            px, py = row_offset(p, geometry, strides[0]), row_offset(p, geometry, strides[2])
+        beyond = np.int32(0)
         for i in range(n):
             t, a, b = table[0, i], table[1, i], table[2, i]
-            y[_at(oy, i, sy)] = encode(_fma(widen(x[_at(ox, i, sx)]) - t, a, b), y.dtype)
+            xu, xv = widen(x[_at(ox, i, sx)]), widen(x[_at(px, i, sx)])
+            u, v = encode(_fma(xu - t, a, b), y.dtype), encode(_fma(xv - t, a, b), y.dtype)
+            y[_at(oy, i, sy)] = u
+            y[_at(py, i, sy)] = v
+            beyond |= _beyond(xu, bound) | _beyond(xv, bound)
+        if guard and beyond:
+            return False
     return True
 
 
@@ -902,11 +959,11 @@ def _beyond_float32(y, args):
     return False
 
 
-_runs_by_crossing = _halves_only(_by_crossing_runs)
-_rows_by_crossing = _halves_only(_by_crossing_rows)
+_runs_by_crossing = _narrow_only(_by_crossing_runs)
+_rows_by_crossing = _narrow_only(_by_crossing_rows, singles=True)
 # Whether an item of F16/BF16 data takes the float64 elementwise pass (``_forward_element``),
 # as fused passes do: the float32 ones are within one ulp only inside float32's range.
-_needs_float64 = _halves_only(_beyond_float32)
+_needs_float64 = _narrow_only(_beyond_float32)
 
 
 @helper
@@ -1212,8 +1269,9 @@ def channel_results(kind, sums, shift, values, count, eps, momentum, mode, coeff
         invstd = 1.0 / np.sqrt(var + eps)
         if kind == INFERENCE:
             k = (values[2, c], w[c] / np.sqrt(values[3, c] + eps), values[1, c])
-        elif kind == TRAINING:
-            k = (mean, w[c] * invstd, values[1, c])
+        elif kind == TRAINING:  # a constant channel (every x - k is 0) has (x - mean)*0:
+            # ``_crossing`` then gives the bias exactly; times 0, an infinite scale is NaN
+            k = (mean, w[c] * invstd * (0.0 if s1 == 0.0 else 1.0), values[1, c])
             values[2, c], values[3, c] = mean, invstd
             values[4, c] = (1.0 - momentum) * values[4, c] + momentum * (mean * 1.0)
             unbiased = var * (count / (count - 1))
