@@ -65,6 +65,19 @@ def assert_close(got, want, tol=2e-5) -> None:
     torch.testing.assert_close(f64(got), f64(want), atol=tol, rtol=tol)
 
 
+def assert_backwards_as_torch(x, dy, w, mean, invstd, tol=2e-5) -> None:
+    """Both backwards, train mode and from the forward's saved ``mean``/``invstd``, as
+    torch's training-mode backward in float64."""
+    want = torch_backward(x, dy, w)
+    train = cudnn_bn.batch_norm_backward(x, dy, w, None, None)
+    saved = cudnn_bn.batch_norm_backward(
+        x, dy, w, None, None, mode="saved", saved_mean=mean, saved_invstd=invstd
+    )
+    for got in (train, saved):
+        for g, v in zip(got, want, strict=True):
+            assert_close(g, v, tol)
+
+
 # --- accuracy ------------------------------------------------------------------------------
 
 
@@ -183,14 +196,7 @@ def test_sums_over_an_odd_number_of_rows(shape):
     )
     for got, want in ((y, want_y), (mean, want_mean), (invstd, want_invstd)):
         assert_close(got, want, 1e-11)
-    want = torch_backward(x, dy, w)
-    train = cudnn_bn.batch_norm_backward(x, dy, w, None, None)
-    saved = cudnn_bn.batch_norm_backward(
-        x, dy, w, None, None, mode="saved", saved_mean=mean, saved_invstd=invstd
-    )
-    for got in (train, saved):
-        for g, v in zip(got, want, strict=True):
-            assert_close(g, v, 1e-10)
+    assert_backwards_as_torch(x, dy, w, mean, invstd, 1e-10)
 
 
 @pytest.mark.parametrize("rows", [1, 2, 5], ids=lambda r: f"{r}_rows")
@@ -222,14 +228,7 @@ def test_channels_last_rows_of_two_dimensions(rows):
         training=False, eps=EPS,
     )  # fmt: skip
     assert_close(inference, want_inference)
-    want = torch_backward(x, dy, weight)
-    train = cudnn_bn.batch_norm_backward(x, dy, weight, None, None)
-    saved = cudnn_bn.batch_norm_backward(
-        x, dy, weight, None, None, mode="saved", saved_mean=mean, saved_invstd=invstd
-    )
-    for got in (train, saved):
-        for g, v in zip(got, want, strict=True):
-            assert_close(g, v)
+    assert_backwards_as_torch(x, dy, weight, mean, invstd)
 
 
 @pytest.mark.parametrize("layout", ["nchw", "nhwc"])

@@ -222,23 +222,31 @@ def test_no_writable_cache_location_compiles_in_memory_with_one_warning(tmp_path
     assert len(warnings) == 1 and "NUMBA_CACHE_DIR" in warnings[0], result.stdout
 
 
-def test_no_writable_cache_location_for_a_zip_import(tmp_path):
-    """The package imported from a zip, no writable home, ``NUMBA_CACHE_DIR`` a path under
-    a file: in memory with one warning, as from a folder. numba's locator for a zip takes
-    the user's cache directory without checking it, and every call failed with
-    INTERNAL_ERROR "unexpected NotADirectoryError" (found by an outsider's attack)."""
+def _from_a_zip_without_cache(tmp_path, script: str, **env: str):
+    """``(zip, result)``: ``script`` run in a child importing the package from a zip of it,
+    with no writable home and ``NUMBA_CACHE_DIR`` a path under a file (``env`` added)."""
     packed = tmp_path / "cudnn_bn.zip"
     with zipfile.ZipFile(packed, "w") as archive:
         for path in (REPO / "cudnn_bn").rglob("*.py"):
             archive.write(path, path.relative_to(REPO))
     result = run_child(
-        NO_CACHE_SCRIPT,
+        script,
         PYTHONPATH=str(packed),
         HOME="/dev/null",
         XDG_CACHE_HOME="/dev/null",
         NUMBA_CACHE_DIR="/dev/null/numba",
         PYTHONDONTWRITEBYTECODE="1",
+        **env,
     )
+    return packed, result
+
+
+def test_no_writable_cache_location_for_a_zip_import(tmp_path):
+    """The package imported from a zip, no writable home, ``NUMBA_CACHE_DIR`` a path under
+    a file: in memory with one warning, as from a folder. numba's locator for a zip takes
+    the user's cache directory without checking it, and every call failed with
+    INTERNAL_ERROR "unexpected NotADirectoryError" (found by an outsider's attack)."""
+    packed, result = _from_a_zip_without_cache(tmp_path, NO_CACHE_SCRIPT)
     assert result.returncode == 0, result.stderr[-3000:]
     first, *warnings = result.stdout.splitlines()
     assert first == f"{packed / 'cudnn_bn' / '__init__.py'} 276.0 (4, 3, 2)", result.stdout
@@ -265,18 +273,8 @@ def test_no_writable_cache_location_under_python_w_error(tmp_path):
     The warning was issued as the kernels module was imported, so the import failed, every
     call imported it again, and every call failed with INTERNAL_ERROR "unexpected
     RuntimeWarning" (found by an outsider's attack)."""
-    packed = tmp_path / "cudnn_bn.zip"
-    with zipfile.ZipFile(packed, "w") as archive:
-        for path in (REPO / "cudnn_bn").rglob("*.py"):
-            archive.write(path, path.relative_to(REPO))
-    result = run_child(
-        _WARNINGS_AS_ERRORS_SCRIPT,
-        PYTHONPATH=str(packed),
-        HOME="/dev/null",
-        XDG_CACHE_HOME="/dev/null",
-        NUMBA_CACHE_DIR="/dev/null/numba",
-        PYTHONDONTWRITEBYTECODE="1",
-        PYTHONWARNINGS="error",
+    _, result = _from_a_zip_without_cache(
+        tmp_path, _WARNINGS_AS_ERRORS_SCRIPT, PYTHONWARNINGS="error"
     )
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.splitlines() == ["raised True", "276.0 (4, 3, 2)"], result.stdout
