@@ -131,6 +131,40 @@ def test_constant_channel(eps):
         assert np.isnan(gi[:, 1]).all() and np.isnan(gw[1])
 
 
+@pytest.mark.parametrize("path", ["stepwise", "one_call", "threads"])
+@pytest.mark.parametrize("layout", ["nchw", "nhwc"])
+def test_f64_channel_of_tiny_deviations_is_not_taken_for_constant(path, layout, monkeypatch):
+    """An F64 channel whose deviations (1e-200) square to 0 in float64 is not constant: its
+    training output is (x - mean) * invstd * w + bias as torch's (invstd 1/sqrt(eps), the
+    variance 0 in float64 too), not the bias alone. Only narrow data (whose nonzero
+    deviations square to 2**-298 at least) may take a zero sum of squares for a constant
+    channel (``cpu_kernels.channel_results``), in every path that computes it."""
+    shape = (2, 2, 64, 512) if path == "threads" else (2, 2, 4, 8)
+    rng = np.random.default_rng(6)
+    x = rng.standard_normal(shape)
+    x[:, 1] = rng.integers(-3, 4, x[:, 1].shape) * 1e-200
+    x[0, 1, 0, 0] = 0.0  # the channel's first value, which shifts its sums
+    if layout == "nhwc":
+        x = laid_out(x, channels_last(shape), np.float64)
+    w, b = np.array([0.5, 2.0]), np.array([0.25, 0.0])
+    monkeypatch.setattr(cpu, "STEPWISE_CALLS", 1 << 30 if path == "stepwise" else 0)
+    monkeypatch.setattr(cpu, "THREADS_MIN_VALUES", cpu.PARALLEL_MIN_VALUES)
+    previous = cpu_pool.thread_count()
+    cpu_pool.set_thread_count(2 if path == "threads" else 1)
+    try:
+        y, _, invstd = cudnn_bn.batch_norm_forward_training(x, w, b, None, None)
+    finally:
+        cpu_pool.set_thread_count(previous)
+    want, _, want_invstd = torch.ops.aten.native_batch_norm(
+        torch.from_numpy(np.ascontiguousarray(x)), torch.from_numpy(w), torch.from_numpy(b),
+        None, None, True, 0.1, EPS,
+    )  # fmt: skip
+    assert invstd[1] == want_invstd[1]
+    assert (y[:, 1] != 0).any()
+    torch.testing.assert_close(torch.from_numpy(y[:, 1]), want[:, 1], rtol=1e-12, atol=0)
+    assert_close(y, want, 1e-10)
+
+
 # --- every walk, serial and parallel ---------------------------------------------------------
 
 

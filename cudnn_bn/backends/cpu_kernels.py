@@ -1232,7 +1232,7 @@ def entries(like, geometry, strides, steps) -> np.ndarray:
     calls = {
         COPY: (copy_channels, at, args, 0, two, one, 0, False),
         ITEM_SUMS: (globals()[f"item_sums_{walk}"], *data, one, two, 0, *items),
-        RESULTS: (channel_results, 0, two, one, two, 0, 0.0, 0.0, 0, two),
+        RESULTS: (channel_results, 0, two, one, two, 0, 0.0, 0.0, 0, False, two),
         ITEM_FORWARD: (globals()[f"item_forward_{walk}"], *data, one, one, one, (False,) * 2,
                        *items),
         ITEM_BACKWARD: (globals()[f"item_backward_{walk}"], like, like, *data, one, one, one,
@@ -1245,7 +1245,7 @@ def entries(like, geometry, strides, steps) -> np.ndarray:
 
 
 @jit
-def channel_results(kind, sums, shift, values, count, eps, momentum, mode, coefficients):
+def channel_results(kind, sums, shift, values, count, eps, momentum, mode, narrow, coefficients):
     """A pass's per-channel results from its inputs (rows of ``values``, ``copy_channels``)
     and its data's ``sums`` (``(SUMS, C * tile + PAD)``, the padding zero, shifted by the
     tiled ``shift``; no columns for inference), written into ``values``' output rows, and
@@ -1253,7 +1253,9 @@ def channel_results(kind, sums, shift, values, count, eps, momentum, mode, coeff
     (rows weight, bias, saved mean, saved invstd, running mean, running var;
     ``y = (x - mean)*scale + bias``), ``BACKWARD`` (rows weight, statistic 0, statistic 1,
     grad_weight, grad_bias; ``grad_input = k_dy*dy + k_x*x + k_c``, ``mode`` the backward's)
-    or ``INFERENCE`` (rows weight, bias, running mean, running var). No arrays are made
+    or ``INFERENCE`` (rows weight, bias, running mean, running var). ``narrow``: the data
+    is F32/F16/BF16, whose nonzero deviations square to 2**-298 at least, so that a zero sum
+    of squares is a constant channel's (an F64 one's may underflow). No arrays are made
     here: each costs compile time."""
     channels = values.shape[1]
     w = values[0]
@@ -1270,8 +1272,9 @@ def channel_results(kind, sums, shift, values, count, eps, momentum, mode, coeff
         if kind == INFERENCE:
             k = (values[2, c], w[c] / np.sqrt(values[3, c] + eps), values[1, c])
         elif kind == TRAINING:  # a constant channel (every x - k is 0) has (x - mean)*0:
-            # ``_crossing`` then gives the bias exactly; times 0, an infinite scale is NaN
-            k = (mean, w[c] * invstd * (0.0 if s1 == 0.0 else 1.0), values[1, c])
+            # ``_crossing`` then gives the bias exactly; times 0, an infinite scale is NaN.
+            # (F64 data takes no ``_crossing``: its float64 pass gives the bias as it is.)
+            k = (mean, w[c] * invstd * (0.0 if narrow and s1 == 0.0 else 1.0), values[1, c])
             values[2, c], values[3, c] = mean, invstd
             values[4, c] = (1.0 - momentum) * values[4, c] + momentum * (mean * 1.0)
             unbiased = var * (count / (count - 1))
@@ -1339,7 +1342,9 @@ def whole_pass(plan, eps, momentum, like, x_at, a_at, y_at, gi_at, gz_at, c0, c1
         _call(plan[PLAN_STEPS + ITEM_SUMS], (x, empty, empty, geometry, strides, shift, sums,
                                              first, whole, state))  # fmt: skip
     count = geometry[1] * geometry[2] * tile
-    _call(plan[PLAN_STEPS + RESULTS], (kind, sums, shift, values, count, eps, momentum, mode, k))
+    narrow = like.itemsize < 8  # F32/F16/BF16 data (``channel_results``)
+    _call(plan[PLAN_STEPS + RESULTS], (kind, sums, shift, values, count, eps, momentum, mode,
+                                       narrow, k))  # fmt: skip
     if writes:
         _call(plan[PLAN_STEPS + COPY], (at, channel_args, writes, values, shift, -1, True))
     data = (geometry, strides, carve(floats, o, (n,)), carve(floats, o + n, (n,)),
