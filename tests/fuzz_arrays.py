@@ -13,7 +13,9 @@ runs folded or in place, as drawn, whatever its size), weight or bias is None
 (affine=False), the input holds NaN, or ``out=`` arrays are given (good, read-only, aliased,
 of a wrong shape, dtype, byte order or kind); scalars (eps, momentum,
 decay, mode, output_mask) come as Python or NumPy values, good or bad. A "clean" problem
-(plain NumPy or torch arrays, good scalars) must be accepted. Some problems are called twice
+(plain NumPy or torch arrays, good scalars) must be accepted; one that is clean but for a
+producer whose method raises (its own exception, or a library's it calls: ``json``, NumPy,
+a builtin) must let exactly that exception through, not refuse it. Some problems are called twice
 with the same signature but one property that must still be checked on the plan's hit
 (``twin``).
 
@@ -39,7 +41,7 @@ from fuzzing import COUNTS, SETTINGS, child_main, problem_values, violation
 from helpers import TOL, reference
 from hypothesis import given
 from hypothesis import strategies as st
-from producers import Marks, produce
+from producers import Marks, produce, raising
 
 import cudnn_bn
 from cudnn_bn import InfiniError, Status
@@ -199,6 +201,7 @@ class Problem:
     clean: bool = False
     twin: str | None = None
     reserve_form: str | None = None
+    raising: str | None = None  # the one argument of a good problem whose producer raises
 
 
 def draw_problem(draw) -> Problem:
@@ -238,6 +241,12 @@ def draw_problem(draw) -> Problem:
         if draw(st.sampled_from([False] * 5 + [True])):
             args[name] = None
             marks.pop(name, None)
+    raised_by = None  # a good problem but for one producer that raises: it passes through
+    readable = [n for n in USES[entry] if args[n] is not None]
+    if clean and not numpy_only and readable and draw(st.integers(0, 4)) == 0:
+        raised_by = draw(st.sampled_from(readable))
+        typed = arrange(values[raised_by], draw(st.sampled_from(PRODUCED_FROM)), dtype)
+        args[raised_by], marks[raised_by] = draw(raising(typed))
     if not clean and draw(st.integers(0, 7)) == 0:
         first, second = draw(st.permutations(list(args)))[:2]
         args[second] = args[first]
@@ -268,9 +277,11 @@ def draw_problem(draw) -> Problem:
     if entry == "training" and out_form is not None and draw(st.booleans()):
         reserve_form = draw(st.sampled_from(RESERVE_FORMS[:3] if clean else RESERVE_FORMS))
     twin = draw(st.sampled_from(TWINS)) if draw(st.integers(0, 4)) == 0 else None
+    twin = None if raised_by else twin  # the raising producer stays the only departure
     problem = Problem(
-        entry, shape, args, scalars, dtype, marks, out_form, clean, twin, reserve_form
-    )
+        entry, shape, args, scalars, dtype, marks, out_form, clean and not raised_by, twin,
+        reserve_form, raised_by,
+    )  # fmt: skip
     if twin == "overlap":  # first disjoint written operands, then overlapping ones (``twin``)
         _written_pair(problem, overlapping=False)
     return problem
@@ -592,6 +603,10 @@ def attempt(p: Problem, must_refuse: str = "") -> None:
     except InfiniError as exc:
         if exc.status == Status.INTERNAL_ERROR:
             raise violation("escapes", f"{entry}: {exc}") from exc
+        if p.raising:
+            raised = marks[p.raising].raised
+            message = f"{entry} refused ({exc}) {p.raising}, whose producer raised {raised!r}"
+            raise violation("swallowed", message) from exc
         COUNTS[f"refused_{exc.status.name}"] += 1
         _refused(p, exc, every, before, touched, host)
         return
@@ -599,9 +614,15 @@ def attempt(p: Problem, must_refuse: str = "") -> None:
         own = [n for n, m in marks.items() if m.raised is not None and exc is m.raised]
         if not own:
             raise violation("escapes", f"{entry} raised {exc!r}") from exc
+        if p.raising and exc is not marks[p.raising].raised:
+            message = f"{entry} raised {exc!r}, not what {p.raising}'s producer raised"
+            raise violation("swallowed", message) from exc
         COUNTS["passed_through"] += 1
+        COUNTS["passed_through_alone"] += bool(p.raising)
         _refused(p, exc, every, before, touched, host)
         return
+    if p.raising:
+        raise violation("wrong", f"{entry} accepted {p.raising}, whose producer raises")
     COUNTS["accepted"] += 1
     if p.reserve_form is not None and got.reserve is not outs[3]:
         raise violation("wrong", f"{entry} returned a .reserve that is not the out[3] given")

@@ -19,7 +19,9 @@ the call unchanged); ``lie``, what it does; ``itemsize``, for the tolerance.
 """
 
 import ctypes
+import json
 import tempfile
+import textwrap
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,6 +33,34 @@ from hypothesis import strategies as st
 
 class ProducerError(Exception):
     """Raised by a producer's own method: the caller's exception, not the package's."""
+
+
+# Where a raising producer's exception comes from: its own method, or a library that method
+# calls, whose frame is then the innermost (the standard library's, NumPy's in site-packages,
+# or a builtin's, which has none). Each passes through a call unchanged
+# (``errors.raised_by_caller``); most are the ValueError or TypeError a careless ``except``
+# in the package would swallow.
+LIBRARY_CALLS = {
+    "json": lambda: json.loads("{"),  # JSONDecodeError (a ValueError), in json.decoder
+    "textwrap": lambda: textwrap.dedent(5),  # TypeError, in textwrap
+    "numpy": lambda: np.broadcast_shapes((2,), (3,)),  # ValueError, in NumPy's Python
+    "builtin": lambda: int("x"),  # ValueError, from C: the producer's frame is innermost
+}
+RAISED_BY = ("own", "own", *LIBRARY_CALLS)
+
+
+@st.composite
+def raised_error(draw, lie: str) -> BaseException:
+    """The exception a producer telling ``lie`` raises from its method, from a drawn origin
+    (``RAISED_BY``): made once, with a library's frames in its traceback."""
+    origin = draw(st.sampled_from(RAISED_BY))
+    if origin == "own":
+        return ProducerError(lie)
+    try:
+        LIBRARY_CALLS[origin]()
+    except Exception as exc:
+        return exc
+    raise AssertionError(f"{origin} raised nothing")
 
 
 @dataclass
@@ -266,7 +296,7 @@ def array_interface(draw, a: np.ndarray) -> Any:
         obj = Interface(iface)
     verdict = _interface_lie(lie, iface, form, size)
     obj.iface = ["not", "a", "dict"] if lie == "not_dict" else iface
-    raised = ProducerError(lie) if lie == "raises" else None
+    raised = draw(raised_error(lie)) if lie == "raises" else None
     truth = None if verdict == "refused" else _f64(a)
     writable = writable and verdict != "read-only"
     lie = f"interface_{form}_{lie}"
@@ -285,7 +315,7 @@ def cuda_interface(draw, a: np.ndarray) -> Any:
         _interface_lie(lie, iface, "pair", a.nbytes)
     elif lie.startswith("stream"):
         iface["stream"] = 0 if lie == "stream_zero" else "stream"
-    raised = ProducerError(lie) if lie == "raises" else None
+    raised = draw(raised_error(lie)) if lie == "raises" else None
     return mark(CudaInterface(iface), a, None, f"cuda_{lie}", host=False, raised=raised)
 
 
@@ -440,7 +470,7 @@ def dlpack(draw, a: np.ndarray) -> Any:
     )
     valid = lie in DLPACK_VALID or (lie in ("data_null", "misaligned") and not a.size)
     writable = bool(a.flags.writeable) and lie not in ("read_only", "is_copied", "copy_refused")
-    raised = ProducerError(lie) if lie in ("raises", "device_raises") else None
+    raised = draw(raised_error(lie)) if lie in ("raises", "device_raises") else None
     host = lie not in ("device_cuda", "device_mismatch")
     truth = _f64(a) if valid else None
     return mark(
@@ -520,3 +550,25 @@ def produce(draw, a: np.ndarray) -> Any:
     family = draw(st.sampled_from(FAMILIES))
     return {"interface": array_interface, "cuda": cuda_interface, "dlpack": dlpack,
             "oddity": oddity}[family](draw, a)  # fmt: skip
+
+
+@st.composite
+def raising(draw, a: np.ndarray) -> Any:
+    """``a`` behind a producer whose protocol method raises (``raised_error``): an array or
+    CUDA array interface, a DLPack ``__dlpack__`` or ``__dlpack_device__``. In a problem
+    otherwise good, a call must let exactly that exception through (``fuzz_arrays``)."""
+    family = draw(st.sampled_from(("interface", "cuda", "dlpack", "dlpack_device")))
+    iface = {"version": 3, "shape": a.shape, "typestr": a.dtype.str, "strides": a.strides,
+             "data": (a.ctypes.data, False)}  # fmt: skip
+    if family == "interface":
+        obj, lie = Interface(iface), "raises"
+    elif family == "cuda":
+        obj, lie = CudaInterface(iface), "raises"
+    else:
+        style = draw(st.sampled_from(("versioned", "legacy", "bare")))
+        lie = "raises" if family == "dlpack" else "device_raises"
+        obj = {"versioned": Versioned, "legacy": Legacy, "bare": Bare}[style](a, style, lie, (1, 0))
+    raised = draw(raised_error(lie))
+    origin = "own" if isinstance(raised, ProducerError) else type(raised).__name__
+    lie = f"raising_{family}_{origin}"
+    return mark(obj, a, None, lie, host=family != "cuda", raised=raised)
