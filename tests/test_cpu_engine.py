@@ -683,6 +683,10 @@ _F32_EXTREMES = {
     # y = 3.40282360e38 rounds to inf; with the float32 scale it is 3.4028235e38 (the
     # largest float32): |x| beyond the item's limit takes float64.
     "overflow-rounding": ([3e38, -3e38] * 8, 1.6041064262390137, 0.0, 1.0, 2.0, 0.0),
+    # The same where the crossing is so far out (t*scale 2.7e38) that no |x| keeps y below
+    # 2**127: the item's limit is negative, and the guard took its magnitude for the bound
+    # (an |x| of 4.3e18 passed it, one y rounded to -3.4028235e38 where float64's is -inf).
+    "overflow-far-out": (-4.2676483e18 + np.arange(-8, 8) * 2**39, 1.6e19, 0, 1.7e19, 1, 0),
     # A variance of 1e-30 with eps 0: a scale of 1e15, values 1e-15 apart.
     "tiny-variance": (0.5 + np.arange(-8, 8) * 2.0**-24, 0.3, -0.2, 0.5, 1e-30, 0.0),
     # A bias 1e12 times the result: the crossing 1e12 from the data.

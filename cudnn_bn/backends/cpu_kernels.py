@@ -919,8 +919,10 @@ def _by_crossing_rows(y, args):
         for i in range(c, n, channels):
             table[0, i], table[1, i], table[2, i] = t, a, b
     guard = _single(y) and limit < 2.0**128
-    if guard and x.ctypes.data == y.ctypes.data:
-        return False  # in place, x would not be there to do it again from
+    if guard and (limit < 0.0 or x.ctypes.data == y.ctypes.data):
+        return False  # no |x| keeps y below 2**127 (``_beyond`` compares magnitudes, so a
+        # negative bound let |x| up to -limit through); in place, x would not be there to do
+        # it again from
     bound = np.float32(limit if guard else 0.0)
     h = (r1 - r0) // 2
     flat, rs = geometry[INNER_ROWS] == geometry[2], _column(strides, ROW)  # see INNER_ROWS
