@@ -131,6 +131,28 @@ def test_constant_channel(eps):
         assert np.isnan(gi[:, 1]).all() and np.isnan(gw[1])
 
 
+@pytest.mark.parametrize("layout", ["nchw", "nhwc"])
+@pytest.mark.parametrize("dtype", [np.float32, np.float64, np.float16])
+def test_an_infinite_first_value_gives_torchs_infinite_mean(dtype, layout):
+    """A training channel whose first value is infinite (the sums' shift) has torch's mean
+    and running mean: inf or -inf (NaN for both infinities), as where an infinity comes
+    later. Taken as the shift, it made every x - k NaN (inf - inf), and the mean NaN."""
+    rng = np.random.default_rng(7)
+    x = rng.standard_normal((3, 4, 2, 2)).astype(dtype)
+    x[0, :3, 0, 0] = np.inf, -np.inf, np.inf  # first values of each sign
+    x[0, 1, 0, 1] = x[2, 2, 1, 1] = x[1, 3, 0, 0] = -np.inf  # both signs in channel 2
+    if layout == "nhwc":
+        x = laid_out(x, channels_last(x.shape), dtype)
+    per_channel = np.float64 if dtype is np.float64 else np.float32
+    rm, rv = np.zeros(4, per_channel), np.ones(4, per_channel)
+    y, mean, _ = cudnn_bn.batch_norm_forward_training(x, None, None, rm, rv, momentum=0.5)
+    want_rm, want_rv = torch.zeros(4, dtype=torch.float64), torch.ones(4, dtype=torch.float64)
+    want = torch.ops.aten.native_batch_norm(f64(x), None, None, want_rm, want_rv, True, 0.5, EPS)
+    np.testing.assert_array_equal(mean, want[1].numpy().astype(per_channel))
+    np.testing.assert_array_equal(rm, want_rm.numpy().astype(per_channel))
+    np.testing.assert_array_equal(np.asarray(y, np.float64), want[0].numpy())  # NaN
+
+
 @pytest.mark.parametrize("path", ["stepwise", "one_call", "threads"])
 @pytest.mark.parametrize("layout", ["nchw", "nhwc"])
 def test_f64_channel_of_tiny_deviations_is_not_taken_for_constant(path, layout, monkeypatch):

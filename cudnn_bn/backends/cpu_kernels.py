@@ -419,7 +419,10 @@ def copy_channels(at, args, bits, values, shift, shift_row, store):
     their rows of ``values``, as float64, or, where ``store``, write those rows into them,
     rounded once to their dtype (``args``: each one's element stride and dtype code, F16,
     BF16, F32 or F64, a runtime choice: one compiled version serves every pass and dtype).
-    Row ``shift_row`` (when not negative) also into ``shift``, tiled."""
+    Row ``shift_row`` (when not negative) also into ``shift``, tiled: x's first values
+    (``FIRST_VALUES``) as 0 where not finite, since an infinite shift makes each ``x - k``
+    NaN (inf - inf) and the mean NaN where torch's is inf; a statistic as it is (it is the
+    backward's mean)."""
     count = values.shape[1]
     for t in range(at.size):
         if not bits >> t & 1:
@@ -451,7 +454,8 @@ def copy_channels(at, args, bits, values, shift, shift_row, store):
                 row[c] = decode(bf16[i])
     if shift_row >= 0:
         for i in range(shift.size):
-            shift[i] = values[shift_row, i % count]
+            k = values[shift_row, i % count]
+            shift[i] = k if k - k == 0.0 or shift_row != FIRST_VALUES else 0.0
 
 
 # --- walking the data ----------------------------------------------------------------------
