@@ -131,6 +131,28 @@ def test_constant_channel(eps):
         assert np.isnan(gi[:, 1]).all() and np.isnan(gw[1])
 
 
+@pytest.mark.parametrize("layout", ["nchw", "nhwc"])
+@pytest.mark.parametrize("dtype", [np.float32, np.float64, np.float16])
+def test_an_infinite_first_value_gives_torchs_infinite_mean(dtype, layout):
+    """A training channel whose first value is infinite (the sums' shift) has torch's mean
+    and running mean: inf or -inf (NaN for both infinities), as where an infinity comes
+    later. Taken as the shift, it made every x - k NaN (inf - inf), and the mean NaN."""
+    rng = np.random.default_rng(7)
+    x = rng.standard_normal((3, 4, 2, 2)).astype(dtype)
+    x[0, :3, 0, 0] = np.inf, -np.inf, np.inf  # first values of each sign
+    x[0, 1, 0, 1] = x[2, 2, 1, 1] = x[1, 3, 0, 0] = -np.inf  # both signs in channel 2
+    if layout == "nhwc":
+        x = laid_out(x, channels_last(x.shape), dtype)
+    per_channel = np.float64 if dtype is np.float64 else np.float32
+    rm, rv = np.zeros(4, per_channel), np.ones(4, per_channel)
+    y, mean, _ = cudnn_bn.batch_norm_forward_training(x, None, None, rm, rv, momentum=0.5)
+    want_rm, want_rv = torch.zeros(4, dtype=torch.float64), torch.ones(4, dtype=torch.float64)
+    want = torch.ops.aten.native_batch_norm(f64(x), None, None, want_rm, want_rv, True, 0.5, EPS)
+    np.testing.assert_array_equal(mean, want[1].numpy().astype(per_channel))
+    np.testing.assert_array_equal(rm, want_rm.numpy().astype(per_channel))
+    np.testing.assert_array_equal(np.asarray(y, np.float64), want[0].numpy())  # NaN
+
+
 @pytest.mark.parametrize("path", ["stepwise", "one_call", "threads"])
 @pytest.mark.parametrize("layout", ["nchw", "nhwc"])
 def test_f64_channel_of_tiny_deviations_is_not_taken_for_constant(path, layout, monkeypatch):
@@ -148,6 +170,7 @@ def test_f64_channel_of_tiny_deviations_is_not_taken_for_constant(path, layout, 
         x = laid_out(x, channels_last(shape), np.float64)
     w, b = np.array([0.5, 2.0]), np.array([0.25, 0.0])
     monkeypatch.setattr(cpu, "STEPWISE_CALLS", 1 << 30 if path == "stepwise" else 0)
+    monkeypatch.setattr(cpu, "_ONE_CALL_DTYPES", set())  # else F64's, once compiled, runs
     monkeypatch.setattr(cpu, "THREADS_MIN_VALUES", cpu.PARALLEL_MIN_VALUES)
     previous = cpu_pool.thread_count()
     cpu_pool.set_thread_count(2 if path == "threads" else 1)
@@ -683,6 +706,10 @@ _F32_EXTREMES = {
     # y = 3.40282360e38 rounds to inf; with the float32 scale it is 3.4028235e38 (the
     # largest float32): |x| beyond the item's limit takes float64.
     "overflow-rounding": ([3e38, -3e38] * 8, 1.6041064262390137, 0.0, 1.0, 2.0, 0.0),
+    # The same where the crossing is so far out (t*scale 2.7e38) that no |x| keeps y below
+    # 2**127: the item's limit is negative, and the guard took its magnitude for the bound
+    # (an |x| of 4.3e18 passed it, one y rounded to -3.4028235e38 where float64's is -inf).
+    "overflow-far-out": (-4.2676483e18 + np.arange(-8, 8) * 2**39, 1.6e19, 0, 1.7e19, 1, 0),
     # A variance of 1e-30 with eps 0: a scale of 1e15, values 1e-15 apart.
     "tiny-variance": (0.5 + np.arange(-8, 8) * 2.0**-24, 0.3, -0.2, 0.5, 1e-30, 0.0),
     # A bias 1e12 times the result: the crossing 1e12 from the data.

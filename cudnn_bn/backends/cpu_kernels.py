@@ -419,7 +419,10 @@ def copy_channels(at, args, bits, values, shift, shift_row, store):
     their rows of ``values``, as float64, or, where ``store``, write those rows into them,
     rounded once to their dtype (``args``: each one's element stride and dtype code, F16,
     BF16, F32 or F64, a runtime choice: one compiled version serves every pass and dtype).
-    Row ``shift_row`` (when not negative) also into ``shift``, tiled."""
+    Row ``shift_row`` (when not negative) also into ``shift``, tiled: x's first values
+    (``FIRST_VALUES``) as 0 where not finite, since an infinite shift makes each ``x - k``
+    NaN (inf - inf) and the mean NaN where torch's is inf; a statistic as it is (it is the
+    backward's mean)."""
     count = values.shape[1]
     for t in range(at.size):
         if not bits >> t & 1:
@@ -451,7 +454,8 @@ def copy_channels(at, args, bits, values, shift, shift_row, store):
                 row[c] = decode(bf16[i])
     if shift_row >= 0:
         for i in range(shift.size):
-            shift[i] = values[shift_row, i % count]
+            k = values[shift_row, i % count]
+            shift[i] = k if k - k == 0.0 or shift_row != FIRST_VALUES else 0.0
 
 
 # --- walking the data ----------------------------------------------------------------------
@@ -919,8 +923,10 @@ def _by_crossing_rows(y, args):
         for i in range(c, n, channels):
             table[0, i], table[1, i], table[2, i] = t, a, b
     guard = _single(y) and limit < 2.0**128
-    if guard and x.ctypes.data == y.ctypes.data:
-        return False  # in place, x would not be there to do it again from
+    if guard and (limit < 0.0 or x.ctypes.data == y.ctypes.data):
+        return False  # no |x| keeps y below 2**127 (``_beyond`` compares magnitudes, so a
+        # negative bound let |x| up to -limit through); in place, x would not be there to do
+        # it again from
     bound = np.float32(limit if guard else 0.0)
     h = (r1 - r0) // 2
     flat, rs = geometry[INNER_ROWS] == geometry[2], _column(strides, ROW)  # see INNER_ROWS
