@@ -342,7 +342,12 @@ def _reserve(form: str, output: object, on_torch: bool) -> object:
     if on_torch and form in ("good", "empty"):
         return torch.full((size,), 7, dtype=torch.uint8)
     if form == "alias_output" and isinstance(output, np.ndarray):
-        return output.view(np.uint8).reshape(-1)
+        root = output  # a strided input given as out[0]: its allocation's bytes
+        while isinstance(root.base, np.ndarray):
+            root = root.base
+        for packed in (output, root, root.T):  # the last axis packed, as a byte view needs
+            if packed.ndim and packed.strides[-1] == packed.itemsize:
+                return packed.view(np.uint8).reshape(-1)
     reserve = np.full(2 * size if form == "strided" else size, 7, np.uint8)
     if form == "strided":
         return reserve[::2]
