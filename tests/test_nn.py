@@ -297,6 +297,21 @@ def test_a_state_beyond_float32_loads_as_infinities_without_a_warning(lib):
     assert np.isinf(np.asarray(layer.running_var)).all()
 
 
+def test_a_state_without_num_batches_tracked_loads_strictly_and_keeps_the_count():
+    """As torch's ``_load_from_state_dict`` for a state of no version (a plain dict, or a
+    checkpoint from before its version 2): a missing ``num_batches_tracked`` keeps the count,
+    where a strict load raised BAD_PARAM "missing ['num_batches_tracked']"."""
+    state = numpy_state(trained_module())
+    del state["num_batches_tracked"]
+    x = np.random.default_rng(8).standard_normal((6, 3, 4))
+    module, layer = torch_module((6, 3, 4)), BatchNorm(3)
+    module(torch.tensor(x))
+    layer(x)
+    module.load_state_dict({name: torch.tensor(value) for name, value in state.items()})
+    layer.load_state_dict(state)
+    compare_state(layer, module, 1e-12, 0)
+
+
 def test_non_strict_load_takes_what_is_there():
     layer = BatchNorm(3)
     layer.load_state_dict({"running_mean": np.full(3, 2.0), "other": 1}, strict=False)

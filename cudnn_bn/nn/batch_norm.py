@@ -285,7 +285,9 @@ class BatchNorm:
     def load_state_dict(self, state: dict[str, Any], strict: bool = True) -> None:
         """Copy a state (``state_dict()``'s names; arrays of any of the three libraries or
         anything NumPy reads, e.g. a torch module's state) into the layer's arrays, in place.
-        ``strict``: missing or unexpected names raise. Everything is checked first."""
+        ``strict``: missing or unexpected names raise; a missing ``num_batches_tracked`` keeps
+        the count, as torch loads a state of no version (its checkpoints before version 2).
+        Everything is checked first."""
         if not isinstance(state, Mapping):
             raise InfiniError(
                 Status.BAD_PARAM, f"state must be a mapping of names to arrays, got {state!r}"
@@ -293,7 +295,7 @@ class BatchNorm:
         expected = list(self.defaults())
         if self.track_running_stats:
             expected.append("num_batches_tracked")
-        missing = [n for n in expected if n not in state]
+        missing = [n for n in expected if n not in state and n != "num_batches_tracked"]
         unexpected = [n for n in state if n not in expected]
         if strict and (missing or unexpected):
             raise InfiniError(
