@@ -312,6 +312,25 @@ def test_a_state_without_num_batches_tracked_loads_strictly_and_keeps_the_count(
     compare_state(layer, module, 1e-12, 0)
 
 
+@pytest.mark.parametrize("after_a_forward", [False, True])
+@pytest.mark.parametrize("reset", ["reset_running_stats", "reset_parameters"])
+def test_resets_are_torch_s_in_place(reset, after_a_forward):
+    """torch's ``reset_running_stats`` (running_mean 0, running_var 1, count 0) and
+    ``reset_parameters`` (those, weight 1 and bias 0), on the layer's own arrays; the layer
+    had neither (AttributeError)."""
+    module, layer = trained_module(), BatchNorm(3)
+    layer.load_state_dict(numpy_state(module))
+    if after_a_forward:
+        layer(np.ones((2, 3, 4)))
+        module(torch.ones(2, 3, 4, dtype=torch.float64))
+    kept = layer.running_var
+    getattr(layer, reset)()
+    getattr(module, reset)()
+    assert layer.running_var is kept
+    for name, value in module.state_dict().items():
+        np.testing.assert_array_equal(np.asarray(layer.state_dict()[name]), value.numpy())
+
+
 def test_non_strict_load_takes_what_is_there():
     layer = BatchNorm(3)
     layer.load_state_dict({"running_mean": np.full(3, 2.0), "other": 1}, strict=False)

@@ -281,6 +281,22 @@ class BatchNorm:
             )
         return state
 
+    def reset_running_stats(self) -> None:
+        """torch's: ``running_mean`` 0, ``running_var`` 1 and ``num_batches_tracked`` 0 (a
+        tracking layer), in place."""
+        self._reset("running_mean", "running_var", "num_batches_tracked")
+
+    def reset_parameters(self) -> None:
+        """torch's: the running statistics reset, and ``weight`` 1 and ``bias`` 0 (affine)."""
+        self._reset("weight", "bias", "running_mean", "running_var", "num_batches_tracked")
+
+    def _reset(self, *names: str) -> None:
+        """Load the initial values (torch's) of those of ``names`` the layer has."""
+        initial = {n: np.full(self.num_features, v) for n, v in self.defaults().items()}
+        if self.track_running_stats:
+            initial["num_batches_tracked"] = np.array(0)
+        self.load_state_dict({n: initial[n] for n in names if n in initial}, strict=False)
+
     @_public
     def load_state_dict(self, state: dict[str, Any], strict: bool = True) -> None:
         """Copy a state (``state_dict()``'s names; arrays of any of the three libraries or
