@@ -331,10 +331,16 @@ def test_resets_are_torch_s_in_place(reset, after_a_forward):
         np.testing.assert_array_equal(np.asarray(layer.state_dict()[name]), value.numpy())
 
 
-def test_non_strict_load_takes_what_is_there():
+def test_non_strict_load_takes_what_is_there_and_returns_torch_s_keys():
+    """The load returns torch's ``(missing_keys, unexpected_keys)`` (it returned None)."""
+    state = {"running_mean": np.full(3, 2.0), "other": np.ones(1)}
     layer = BatchNorm(3)
-    layer.load_state_dict({"running_mean": np.full(3, 2.0), "other": 1}, strict=False)
+    got = layer.load_state_dict(state, strict=False)
     np.testing.assert_array_equal(layer.state_dict()["running_mean"], np.full(3, 2.0))
+    module = torch.nn.BatchNorm1d(3)
+    want = module.load_state_dict({n: torch.tensor(v) for n, v in state.items()}, strict=False)
+    assert (got.missing_keys, got.unexpected_keys) == (want.missing_keys, want.unexpected_keys)
+    assert tuple(layer.load_state_dict(numpy_state(module))) == ([], [])
 
 
 # --- batches torch treats specially ------------------------------------------------------------

@@ -8,7 +8,7 @@ training forward itself.
 
 import sys
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -49,6 +49,13 @@ def check_like_input(name: str, array: Any, input: Any) -> None:
             f"{name} must be an array like input: {x.dtype.name} {x.shape}, "
             f"got {a.dtype.name} {a.shape}",
         )
+
+
+class IncompatibleKeys(NamedTuple):
+    """What ``load_state_dict`` returns, as torch's: the names it lacked and those it left."""
+
+    missing_keys: list[str]
+    unexpected_keys: list[str]
 
 
 class BatchNorm:
@@ -298,12 +305,12 @@ class BatchNorm:
         self.load_state_dict({n: initial[n] for n in names if n in initial}, strict=False)
 
     @_public
-    def load_state_dict(self, state: dict[str, Any], strict: bool = True) -> None:
+    def load_state_dict(self, state: dict[str, Any], strict: bool = True) -> IncompatibleKeys:
         """Copy a state (``state_dict()``'s names; arrays of any of the three libraries or
         anything NumPy reads, e.g. a torch module's state) into the layer's arrays, in place.
         ``strict``: missing or unexpected names raise; a missing ``num_batches_tracked`` keeps
         the count, as torch loads a state of no version (its checkpoints before version 2).
-        Everything is checked first."""
+        Everything is checked first. Returns torch's ``(missing_keys, unexpected_keys)``."""
         if not isinstance(state, Mapping):
             raise InfiniError(
                 Status.BAD_PARAM, f"state must be a mapping of names to arrays, got {state!r}"
@@ -340,3 +347,4 @@ class BatchNorm:
                 libraries.assign(getattr(self, name), value)
         if count is not None:
             self.num_batches_tracked = int(count)
+        return IncompatibleKeys(missing, unexpected)
