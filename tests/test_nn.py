@@ -367,6 +367,27 @@ def test_one_value_per_channel_raises_where_torch_does(shape, training):
             close("output", layer(x), module(torch.tensor(x)), 1e-12)
 
 
+@pytest.mark.parametrize("training", [True, False])
+@pytest.mark.parametrize("track", [True, False])
+def test_eps_zero_raises_where_torch_does(track, training):
+    """torch refuses ``eps=0`` where it normalizes with the batch's statistics (training, or
+    eval without running statistics): ValueError "eps must be positive during training"; the
+    layer took it (NaN outputs for a constant channel). Now BAD_PARAM (a ValueError) that
+    changes nothing; eval with running statistics takes it, as torch."""
+    module = torch.nn.BatchNorm1d(3, eps=0.0, track_running_stats=track).double()
+    layer = BatchNorm(3, eps=0.0, track_running_stats=track).train(training)
+    x = np.random.default_rng(9).standard_normal((4, 3))
+    try:
+        expected = module.train(training)(torch.tensor(x))
+    except ValueError:
+        with pytest.raises(ValueError) as info:
+            layer(x)
+        assert info.value.status == Status.BAD_PARAM and "eps" in str(info.value)
+        assert layer.weight is None and layer.num_batches_tracked in (0, None)
+    else:
+        close("output", layer(x), expected, 1e-12)
+
+
 @pytest.mark.parametrize("flags", FLAGS, ids=flag_id)
 def test_empty_batch_gives_empty_output_and_leaves_statistics_alone(flags):
     """N = 0 in training: an empty output, running statistics unchanged; torch still counts

@@ -195,6 +195,12 @@ class BatchNorm:
         weight, bias = arrays.get("weight"), arrays.get("bias")
         running = arrays.get("running_mean"), arrays.get("running_var")
         if self.training or not self.track_running_stats:
+            if self.eps <= 0:  # as torch's F.batch_norm with the batch's statistics
+                raise InfiniError(
+                    Status.BAD_PARAM,
+                    f"eps must be positive for the batch's statistics (training, or "
+                    f"track_running_stats=False), as torch's; got {self.eps}",
+                )
             tracking = self.training and self.track_running_stats
             count = self.num_batches_tracked + 1 if tracking else None
             momentum = 0.0
