@@ -9,7 +9,9 @@ InfiniCore's 2e-5 for float32 and 1e-2 for F16/BF16 (whose outputs alone are rou
 2^-11 and 2^-8 relative), each as atol + rtol.
 """
 
+import copy
 import itertools
+import pickle
 import socket
 import warnings
 
@@ -425,6 +427,26 @@ def test_zero_grad_forgets_and_a_backward_needs_its_forward():
     assert layer.weight_grad is None and layer.bias_grad is None
     layer(x)
     np.testing.assert_array_equal(layer.backward(np.ones((4, 3))), first)
+
+
+@pytest.mark.parametrize("lib", ["numpy", "torch"])
+def test_a_layer_pickles_and_copies_after_a_forward(lib):
+    """As torch's modules (``torch.save(model)``, ``copy.deepcopy`` for an EMA copy): the
+    copy has the state and no pending backward; pickling raised AttributeError "Can't pickle
+    local object" (the backward's closure), and a deep copy's backward read the original's
+    arrays."""
+    rng = np.random.default_rng(10)
+    x, dy = (make(rng.standard_normal((4, 3, 2)), lib, "f32") for _ in range(2))
+    layer = BatchNorm(3, momentum=None)
+    layer(x)
+    for copy_of in (lambda layer: pickle.loads(pickle.dumps(layer)), copy.deepcopy):
+        copy_ = copy_of(layer)
+        with pytest.raises(InfiniError):
+            copy_.backward(dy)
+        for name, value in layer.state_dict().items():
+            np.testing.assert_array_equal(host(copy_.state_dict()[name]), host(value))
+        np.testing.assert_array_equal(host(copy_(x)), host(layer(x)))
+        np.testing.assert_array_equal(host(copy_.backward(dy)), host(layer.backward(dy)))
 
 
 def test_like_makes_the_state_at_once_in_that_library():

@@ -139,6 +139,11 @@ class BatchNorm:
             f"track_running_stats={self.track_running_stats}, fusion={self.fusion!r})"
         )
 
+    def __getstate__(self) -> dict[str, Any]:
+        """The layer without its pending backward (a closure over the last forward's arrays),
+        so that it pickles and copies as torch's modules do, without their autograd graph."""
+        return self.__dict__ | {"_backward": None}
+
     # --- modes and gradients ----------------------------------------------------------------
 
     @_public
