@@ -268,6 +268,11 @@ def test_state_dict_before_any_forward_is_torch_initial_state():
         # -W error: INTERNAL_ERROR "unexpected ComplexWarning").
         (lambda s: s.update(weight=np.ones(3, complex)), Status.BAD_PARAM),
         (lambda s: s.update(running_mean=torch.ones(3, dtype=torch.complex64)), Status.BAD_PARAM),
+        # Values that are not numbers, which torch's load refuses: NumPy read [None] * 3 as
+        # NaNs and strings as the numbers they spell, and the layer loaded them.
+        (lambda s: s.update(weight=[None] * 3), Status.BAD_PARAM),
+        (lambda s: s.update(running_var=np.array(["1", "2", "3"])), Status.BAD_PARAM),
+        (lambda s: s.update(num_batches_tracked="7"), Status.BAD_PARAM),
     ],
 )
 def test_bad_state_raises_and_changes_nothing(change, status):
@@ -281,6 +286,15 @@ def test_bad_state_raises_and_changes_nothing(change, status):
     assert info.value.status == status
     for name, value in layer.state_dict().items():
         np.testing.assert_array_equal(np.asarray(value), before[name])
+
+
+@pytest.mark.parametrize("dtype", [np.float16, ml_dtypes.bfloat16, np.int64, np.bool_])
+def test_a_state_of_other_real_dtypes_loads(dtype):
+    state = {name: value.astype(dtype) for name, value in numpy_state(trained_module()).items()}
+    layer = BatchNorm(3)
+    layer.load_state_dict(state)
+    for name, value in layer.state_dict().items():
+        np.testing.assert_array_equal(value, state[name].astype(np.float64))
 
 
 @pytest.mark.parametrize("lib", ["numpy", "torch"])
