@@ -463,6 +463,19 @@ def test_a_layer_pickles_and_copies_after_a_forward(lib):
         np.testing.assert_array_equal(host(copy_.backward(dy)), host(layer.backward(dy)))
 
 
+def test_zero_grad_takes_torch_s_set_to_none():
+    """``zero_grad(set_to_none=False)`` zeroes the gradients in place, as torch's (a
+    TypeError before: the layer took no argument)."""
+    layer = BatchNorm(3)
+    layer.zero_grad(set_to_none=False)  # no gradients yet: they stay None
+    assert layer.weight_grad is None
+    layer(np.random.default_rng(0).standard_normal((4, 3)))
+    layer.backward(np.ones((4, 3)))
+    kept = layer.weight_grad
+    layer.zero_grad(set_to_none=False)
+    assert layer.weight_grad is kept and not kept.any() and not layer.bias_grad.any()
+
+
 def test_like_makes_the_state_at_once_in_that_library():
     layer = BatchNorm(3, like=torch.zeros(0, dtype=torch.float16))
     assert layer.weight.dtype == torch.float32 and layer.running_var.tolist() == [1.0] * 3

@@ -159,9 +159,14 @@ class BatchNorm:
         """Eval mode: the running statistics (the batch's without ``track_running_stats``)."""
         return self.train(False)
 
-    def zero_grad(self) -> None:
-        """Forget the accumulated ``weight_grad``/``bias_grad`` (None, as torch's default)."""
-        self.weight_grad = self.bias_grad = None
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Forget the accumulated ``weight_grad``/``bias_grad``: None (torch's default) or,
+        with ``set_to_none=False``, zeros in place (torch's too)."""
+        if set_to_none or self.weight_grad is None:
+            self.weight_grad = self.bias_grad = None
+        else:
+            self.weight_grad[...] = 0
+            self.bias_grad[...] = 0
 
     # --- the arrays --------------------------------------------------------------------------
 
