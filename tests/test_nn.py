@@ -476,6 +476,18 @@ def test_zero_grad_takes_torch_s_set_to_none():
     assert layer.weight_grad is kept and not kept.any() and not layer.bias_grad.any()
 
 
+def test_an_array_assigned_before_the_first_forward_is_not_dropped():
+    """Before the first forward the layer's arrays do not exist (None): one assigned then (a
+    zero-initialized weight) was replaced by the first forward's new arrays, silently. Now
+    that forward raises BAD_PARAM naming it and pointing to ``like=``/``load_state_dict``."""
+    layer = BatchNorm(3)
+    layer.weight = np.zeros(3, np.float32)
+    with pytest.raises(InfiniError) as info:
+        layer(np.ones((4, 3), np.float32))
+    assert info.value.status == Status.BAD_PARAM and "weight" in str(info.value)
+    assert layer.num_batches_tracked == 0 and layer.running_mean is None
+
+
 def test_like_makes_the_state_at_once_in_that_library():
     layer = BatchNorm(3, like=torch.zeros(0, dtype=torch.float16))
     assert layer.weight.dtype == torch.float32 and layer.running_var.tolist() == [1.0] * 3

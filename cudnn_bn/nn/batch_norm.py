@@ -182,6 +182,14 @@ class BatchNorm:
                     f"and statistics are {self._place[0]} arrays on {self._place[1]}",
                 )
             return where, {n: getattr(self, n) for n in self.defaults()}
+        assigned = [n for n in self._pending if getattr(self, n) is not None]
+        if assigned:  # the new arrays would replace them
+            raise InfiniError(
+                Status.BAD_PARAM,
+                f"{', '.join(assigned)} assigned before the layer's arrays exist (the first "
+                "forward makes them): give values with load_state_dict(), or make the arrays "
+                "with like= and write into them",
+            )
         dtype = operand(name, array).desc.dtype
         stats_dtype = "float64" if dtype == DataType.F64 else "float32"
         return where, {n: libraries.new(v, array, stats_dtype) for n, v in self._pending.items()}
