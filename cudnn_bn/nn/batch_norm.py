@@ -216,7 +216,7 @@ class BatchNorm:
             if self.eps <= 0:  # as torch's F.batch_norm with the batch's statistics
                 raise InfiniError(
                     Status.BAD_PARAM,
-                    f"eps must be positive for the batch's statistics (training, or "
+                    "eps must be positive for the batch's statistics (training, or "
                     f"track_running_stats=False), as torch's; got {self.eps}",
                 )
             tracking = self.training and self.track_running_stats
