@@ -328,6 +328,23 @@ def test_a_state_without_num_batches_tracked_loads_strictly_and_keeps_the_count(
     compare_state(layer, module, 1e-12, 0)
 
 
+@pytest.mark.parametrize("flags", FLAGS[:4], ids=flag_id)
+def test_a_torch_state_of_other_flags_gives_torch_s_missing_and_unexpected_keys(flags):
+    """A torch module's own ``state_dict()`` says it is of version 2, so torch counts a
+    missing ``num_batches_tracked`` (its strict load raises): the layer's load counted it as
+    a plain dict's, kept."""
+    other = {name: not value for name, value in flags.items() if name != "momentum"}
+    state = torch.nn.BatchNorm1d(3, **other).state_dict()
+    got = BatchNorm(3, **flags).load_state_dict(state, strict=False)
+    want = torch.nn.BatchNorm1d(3, **flags).load_state_dict(state, strict=False)
+    assert (got.missing_keys, got.unexpected_keys) == (want.missing_keys, want.unexpected_keys)
+    state = torch.nn.BatchNorm1d(3).state_dict()
+    del state["num_batches_tracked"]
+    for module in (BatchNorm(3), torch.nn.BatchNorm1d(3)):
+        with pytest.raises((InfiniError, RuntimeError), match="num_batches_tracked"):
+            module.load_state_dict(state)
+
+
 @pytest.mark.parametrize("after_a_forward", [False, True])
 @pytest.mark.parametrize("reset", ["reset_running_stats", "reset_parameters"])
 def test_resets_are_torch_s_in_place(reset, after_a_forward):

@@ -51,6 +51,15 @@ def check_like_input(name: str, array: Any, input: Any) -> None:
         )
 
 
+def state_version(state: Mapping) -> int:
+    """torch's version of a state: its ``_metadata``'s (2 for a torch module's own
+    ``state_dict()``), 0 for a plain mapping."""
+    try:
+        return int(state._metadata[""]["version"])
+    except (AttributeError, KeyError, TypeError, ValueError):
+        return 0
+
+
 class IncompatibleKeys(NamedTuple):
     """What ``load_state_dict`` returns, as torch's: the names it lacked and those it left."""
 
@@ -333,7 +342,7 @@ class BatchNorm:
         """Copy a state (``state_dict()``'s names; arrays of any of the three libraries or
         anything NumPy reads, e.g. a torch module's state) into the layer's arrays, in place.
         ``strict``: missing or unexpected names raise; a missing ``num_batches_tracked`` keeps
-        the count, as torch loads a state of no version (its checkpoints before version 2).
+        the count in a state of no version or one before 2 (torch's ``_metadata``), as torch's.
         Everything is checked first. Returns torch's ``(missing_keys, unexpected_keys)``."""
         if not isinstance(state, Mapping):
             raise InfiniError(
@@ -342,7 +351,8 @@ class BatchNorm:
         expected = list(self.defaults())
         if self.track_running_stats:
             expected.append("num_batches_tracked")
-        missing = [n for n in expected if n not in state and n != "num_batches_tracked"]
+        kept = ("num_batches_tracked",) if state_version(state) < 2 else ()
+        missing = [n for n in expected if n not in state and n not in kept]
         unexpected = [n for n in state if n not in expected]
         if strict and (missing or unexpected):
             raise InfiniError(
