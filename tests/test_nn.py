@@ -9,7 +9,9 @@ InfiniCore's 2e-5 for float32 and 1e-2 for F16/BF16 (whose outputs alone are rou
 2^-11 and 2^-8 relative), each as atol + rtol.
 """
 
+import copy
 import itertools
+import pickle
 import socket
 import warnings
 
@@ -266,6 +268,11 @@ def test_state_dict_before_any_forward_is_torch_initial_state():
         # -W error: INTERNAL_ERROR "unexpected ComplexWarning").
         (lambda s: s.update(weight=np.ones(3, complex)), Status.BAD_PARAM),
         (lambda s: s.update(running_mean=torch.ones(3, dtype=torch.complex64)), Status.BAD_PARAM),
+        # Values that are not numbers, which torch's load refuses: NumPy read [None] * 3 as
+        # NaNs and strings as the numbers they spell, and the layer loaded them.
+        (lambda s: s.update(weight=[None] * 3), Status.BAD_PARAM),
+        (lambda s: s.update(running_var=np.array(["1", "2", "3"])), Status.BAD_PARAM),
+        (lambda s: s.update(num_batches_tracked="7"), Status.BAD_PARAM),
     ],
 )
 def test_bad_state_raises_and_changes_nothing(change, status):
@@ -279,6 +286,15 @@ def test_bad_state_raises_and_changes_nothing(change, status):
     assert info.value.status == status
     for name, value in layer.state_dict().items():
         np.testing.assert_array_equal(np.asarray(value), before[name])
+
+
+@pytest.mark.parametrize("dtype", [np.float16, ml_dtypes.bfloat16, np.int64, np.bool_])
+def test_a_state_of_other_real_dtypes_loads(dtype):
+    state = {name: value.astype(dtype) for name, value in numpy_state(trained_module()).items()}
+    layer = BatchNorm(3)
+    layer.load_state_dict(state)
+    for name, value in layer.state_dict().items():
+        np.testing.assert_array_equal(value, state[name].astype(np.float64))
 
 
 @pytest.mark.parametrize("lib", ["numpy", "torch"])
@@ -297,10 +313,67 @@ def test_a_state_beyond_float32_loads_as_infinities_without_a_warning(lib):
     assert np.isinf(np.asarray(layer.running_var)).all()
 
 
-def test_non_strict_load_takes_what_is_there():
+def test_a_state_without_num_batches_tracked_loads_strictly_and_keeps_the_count():
+    """As torch's ``_load_from_state_dict`` for a state of no version (a plain dict, or a
+    checkpoint from before its version 2): a missing ``num_batches_tracked`` keeps the count,
+    where a strict load raised BAD_PARAM "missing ['num_batches_tracked']"."""
+    state = numpy_state(trained_module())
+    del state["num_batches_tracked"]
+    x = np.random.default_rng(8).standard_normal((6, 3, 4))
+    module, layer = torch_module((6, 3, 4)), BatchNorm(3)
+    module(torch.tensor(x))
+    layer(x)
+    module.load_state_dict({name: torch.tensor(value) for name, value in state.items()})
+    layer.load_state_dict(state)
+    compare_state(layer, module, 1e-12, 0)
+
+
+@pytest.mark.parametrize("flags", FLAGS[:4], ids=flag_id)
+def test_a_torch_state_of_other_flags_gives_torch_s_missing_and_unexpected_keys(flags):
+    """A torch module's own ``state_dict()`` says it is of version 2, so torch counts a
+    missing ``num_batches_tracked`` (its strict load raises): the layer's load counted it as
+    a plain dict's, kept."""
+    other = {name: not value for name, value in flags.items() if name != "momentum"}
+    state = torch.nn.BatchNorm1d(3, **other).state_dict()
+    got = BatchNorm(3, **flags).load_state_dict(state, strict=False)
+    want = torch.nn.BatchNorm1d(3, **flags).load_state_dict(state, strict=False)
+    assert (got.missing_keys, got.unexpected_keys) == (want.missing_keys, want.unexpected_keys)
+    state = torch.nn.BatchNorm1d(3).state_dict()
+    del state["num_batches_tracked"]
+    for module in (BatchNorm(3), torch.nn.BatchNorm1d(3)):
+        with pytest.raises((InfiniError, RuntimeError), match="num_batches_tracked"):
+            module.load_state_dict(state)
+
+
+@pytest.mark.parametrize("after_a_forward", [False, True])
+@pytest.mark.parametrize("reset", ["reset_running_stats", "reset_parameters"])
+def test_resets_are_torch_s_in_place(reset, after_a_forward):
+    """torch's ``reset_running_stats`` (running_mean 0, running_var 1, count 0) and
+    ``reset_parameters`` (those, weight 1 and bias 0), on the layer's own arrays; the layer
+    had neither (AttributeError)."""
+    module, layer = trained_module(), BatchNorm(3)
+    layer.load_state_dict(numpy_state(module))
+    if after_a_forward:
+        layer(np.ones((2, 3, 4)))
+        module(torch.ones(2, 3, 4, dtype=torch.float64))
+    kept = layer.running_var
+    getattr(layer, reset)()
+    getattr(module, reset)()
+    assert layer.running_var is kept
+    for name, value in module.state_dict().items():
+        np.testing.assert_array_equal(np.asarray(layer.state_dict()[name]), value.numpy())
+
+
+def test_non_strict_load_takes_what_is_there_and_returns_torch_s_keys():
+    """The load returns torch's ``(missing_keys, unexpected_keys)`` (it returned None)."""
+    state = {"running_mean": np.full(3, 2.0), "other": np.ones(1)}
     layer = BatchNorm(3)
-    layer.load_state_dict({"running_mean": np.full(3, 2.0), "other": 1}, strict=False)
+    got = layer.load_state_dict(state, strict=False)
     np.testing.assert_array_equal(layer.state_dict()["running_mean"], np.full(3, 2.0))
+    module = torch.nn.BatchNorm1d(3)
+    want = module.load_state_dict({n: torch.tensor(v) for n, v in state.items()}, strict=False)
+    assert (got.missing_keys, got.unexpected_keys) == (want.missing_keys, want.unexpected_keys)
+    assert tuple(layer.load_state_dict(numpy_state(module))) == ([], [])
 
 
 # --- batches torch treats specially ------------------------------------------------------------
@@ -325,6 +398,27 @@ def test_one_value_per_channel_raises_where_torch_does(shape, training):
             assert layer.num_batches_tracked in (0, None)
         else:
             close("output", layer(x), module(torch.tensor(x)), 1e-12)
+
+
+@pytest.mark.parametrize("training", [True, False])
+@pytest.mark.parametrize("track", [True, False])
+def test_eps_zero_raises_where_torch_does(track, training):
+    """torch refuses ``eps=0`` where it normalizes with the batch's statistics (training, or
+    eval without running statistics): ValueError "eps must be positive during training"; the
+    layer took it (NaN outputs for a constant channel). Now BAD_PARAM (a ValueError) that
+    changes nothing; eval with running statistics takes it, as torch."""
+    module = torch.nn.BatchNorm1d(3, eps=0.0, track_running_stats=track).double()
+    layer = BatchNorm(3, eps=0.0, track_running_stats=track).train(training)
+    x = np.random.default_rng(9).standard_normal((4, 3))
+    try:
+        expected = module.train(training)(torch.tensor(x))
+    except ValueError:
+        with pytest.raises(ValueError) as info:
+            layer(x)
+        assert info.value.status == Status.BAD_PARAM and "eps" in str(info.value)
+        assert layer.weight is None and layer.num_batches_tracked in (0, None)
+    else:
+        close("output", layer(x), expected, 1e-12)
 
 
 @pytest.mark.parametrize("flags", FLAGS, ids=flag_id)
@@ -364,6 +458,51 @@ def test_zero_grad_forgets_and_a_backward_needs_its_forward():
     assert layer.weight_grad is None and layer.bias_grad is None
     layer(x)
     np.testing.assert_array_equal(layer.backward(np.ones((4, 3))), first)
+
+
+@pytest.mark.parametrize("lib", ["numpy", "torch"])
+def test_a_layer_pickles_and_copies_after_a_forward(lib):
+    """As torch's modules (``torch.save(model)``, ``copy.deepcopy`` for an EMA copy): the
+    copy has the state and no pending backward; pickling raised AttributeError "Can't pickle
+    local object" (the backward's closure), and a deep copy's backward read the original's
+    arrays."""
+    rng = np.random.default_rng(10)
+    x, dy = (make(rng.standard_normal((4, 3, 2)), lib, "f32") for _ in range(2))
+    layer = BatchNorm(3, momentum=None)
+    layer(x)
+    for copy_of in (lambda layer: pickle.loads(pickle.dumps(layer)), copy.deepcopy):
+        copy_ = copy_of(layer)
+        with pytest.raises(InfiniError):
+            copy_.backward(dy)
+        for name, value in layer.state_dict().items():
+            np.testing.assert_array_equal(host(copy_.state_dict()[name]), host(value))
+        np.testing.assert_array_equal(host(copy_(x)), host(layer(x)))
+        np.testing.assert_array_equal(host(copy_.backward(dy)), host(layer.backward(dy)))
+
+
+def test_zero_grad_takes_torch_s_set_to_none():
+    """``zero_grad(set_to_none=False)`` zeroes the gradients in place, as torch's (a
+    TypeError before: the layer took no argument)."""
+    layer = BatchNorm(3)
+    layer.zero_grad(set_to_none=False)  # no gradients yet: they stay None
+    assert layer.weight_grad is None
+    layer(np.random.default_rng(0).standard_normal((4, 3)))
+    layer.backward(np.ones((4, 3)))
+    kept = layer.weight_grad
+    layer.zero_grad(set_to_none=False)
+    assert layer.weight_grad is kept and not kept.any() and not layer.bias_grad.any()
+
+
+def test_an_array_assigned_before_the_first_forward_is_not_dropped():
+    """Before the first forward the layer's arrays do not exist (None): one assigned then (a
+    zero-initialized weight) was replaced by the first forward's new arrays, silently. Now
+    that forward raises BAD_PARAM naming it and pointing to ``like=``/``load_state_dict``."""
+    layer = BatchNorm(3)
+    layer.weight = np.zeros(3, np.float32)
+    with pytest.raises(InfiniError) as info:
+        layer(np.ones((4, 3), np.float32))
+    assert info.value.status == Status.BAD_PARAM and "weight" in str(info.value)
+    assert layer.num_batches_tracked == 0 and layer.running_mean is None
 
 
 def test_like_makes_the_state_at_once_in_that_library():

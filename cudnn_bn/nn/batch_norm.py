@@ -8,7 +8,7 @@ training forward itself.
 
 import sys
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -49,6 +49,22 @@ def check_like_input(name: str, array: Any, input: Any) -> None:
             f"{name} must be an array like input: {x.dtype.name} {x.shape}, "
             f"got {a.dtype.name} {a.shape}",
         )
+
+
+def state_version(state: Mapping) -> int:
+    """torch's version of a state: its ``_metadata``'s (2 for a torch module's own
+    ``state_dict()``), 0 for a plain mapping."""
+    try:
+        return int(state._metadata[""]["version"])
+    except (AttributeError, KeyError, TypeError, ValueError):
+        return 0
+
+
+class IncompatibleKeys(NamedTuple):
+    """What ``load_state_dict`` returns, as torch's: the names it lacked and those it left."""
+
+    missing_keys: list[str]
+    unexpected_keys: list[str]
 
 
 class BatchNorm:
@@ -132,6 +148,11 @@ class BatchNorm:
             f"track_running_stats={self.track_running_stats}, fusion={self.fusion!r})"
         )
 
+    def __getstate__(self) -> dict[str, Any]:
+        """The layer without its pending backward (a closure over the last forward's arrays),
+        so that it pickles and copies as torch's modules do, without their autograd graph."""
+        return self.__dict__ | {"_backward": None}
+
     # --- modes and gradients ----------------------------------------------------------------
 
     @_public
@@ -147,9 +168,14 @@ class BatchNorm:
         """Eval mode: the running statistics (the batch's without ``track_running_stats``)."""
         return self.train(False)
 
-    def zero_grad(self) -> None:
-        """Forget the accumulated ``weight_grad``/``bias_grad`` (None, as torch's default)."""
-        self.weight_grad = self.bias_grad = None
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Forget the accumulated ``weight_grad``/``bias_grad``: None (torch's default) or,
+        with ``set_to_none=False``, zeros in place (torch's too)."""
+        if set_to_none or self.weight_grad is None:
+            self.weight_grad = self.bias_grad = None
+        else:
+            self.weight_grad[...] = 0
+            self.bias_grad[...] = 0
 
     # --- the arrays --------------------------------------------------------------------------
 
@@ -165,6 +191,14 @@ class BatchNorm:
                     f"and statistics are {self._place[0]} arrays on {self._place[1]}",
                 )
             return where, {n: getattr(self, n) for n in self.defaults()}
+        assigned = [n for n in self._pending if getattr(self, n) is not None]
+        if assigned:  # the new arrays would replace them
+            raise InfiniError(
+                Status.BAD_PARAM,
+                f"{', '.join(assigned)} assigned before the layer's arrays exist (the first "
+                "forward makes them): give values with load_state_dict(), or make the arrays "
+                "with like= and write into them",
+            )
         dtype = operand(name, array).desc.dtype
         stats_dtype = "float64" if dtype == DataType.F64 else "float32"
         return where, {n: libraries.new(v, array, stats_dtype) for n, v in self._pending.items()}
@@ -188,6 +222,12 @@ class BatchNorm:
         weight, bias = arrays.get("weight"), arrays.get("bias")
         running = arrays.get("running_mean"), arrays.get("running_var")
         if self.training or not self.track_running_stats:
+            if self.eps <= 0:  # as torch's F.batch_norm with the batch's statistics
+                raise InfiniError(
+                    Status.BAD_PARAM,
+                    "eps must be positive for the batch's statistics (training, or "
+                    f"track_running_stats=False), as torch's; got {self.eps}",
+                )
             tracking = self.training and self.track_running_stats
             count = self.num_batches_tracked + 1 if tracking else None
             momentum = 0.0
@@ -281,11 +321,29 @@ class BatchNorm:
             )
         return state
 
+    def reset_running_stats(self) -> None:
+        """torch's: ``running_mean`` 0, ``running_var`` 1 and ``num_batches_tracked`` 0 (a
+        tracking layer), in place."""
+        self._reset("running_mean", "running_var", "num_batches_tracked")
+
+    def reset_parameters(self) -> None:
+        """torch's: the running statistics reset, and ``weight`` 1 and ``bias`` 0 (affine)."""
+        self._reset("weight", "bias", "running_mean", "running_var", "num_batches_tracked")
+
+    def _reset(self, *names: str) -> None:
+        """Load the initial values (torch's) of those of ``names`` the layer has."""
+        initial = {n: np.full(self.num_features, v) for n, v in self.defaults().items()}
+        if self.track_running_stats:
+            initial["num_batches_tracked"] = np.array(0)
+        self.load_state_dict({n: initial[n] for n in names if n in initial}, strict=False)
+
     @_public
-    def load_state_dict(self, state: dict[str, Any], strict: bool = True) -> None:
+    def load_state_dict(self, state: dict[str, Any], strict: bool = True) -> IncompatibleKeys:
         """Copy a state (``state_dict()``'s names; arrays of any of the three libraries or
         anything NumPy reads, e.g. a torch module's state) into the layer's arrays, in place.
-        ``strict``: missing or unexpected names raise. Everything is checked first."""
+        ``strict``: missing or unexpected names raise; a missing ``num_batches_tracked`` keeps
+        the count in a state of no version or one before 2 (torch's ``_metadata``), as torch's.
+        Everything is checked first. Returns torch's ``(missing_keys, unexpected_keys)``."""
         if not isinstance(state, Mapping):
             raise InfiniError(
                 Status.BAD_PARAM, f"state must be a mapping of names to arrays, got {state!r}"
@@ -293,7 +351,8 @@ class BatchNorm:
         expected = list(self.defaults())
         if self.track_running_stats:
             expected.append("num_batches_tracked")
-        missing = [n for n in expected if n not in state]
+        kept = ("num_batches_tracked",) if state_version(state) < 2 else ()
+        missing = [n for n in expected if n not in state and n not in kept]
         unexpected = [n for n in state if n not in expected]
         if strict and (missing or unexpected):
             raise InfiniError(
@@ -322,3 +381,4 @@ class BatchNorm:
                 libraries.assign(getattr(self, name), value)
         if count is not None:
             self.num_batches_tracked = int(count)
+        return IncompatibleKeys(missing, unexpected)

@@ -12,6 +12,8 @@ import numpy as np
 from ..enums import Status
 from ..errors import InfiniError
 
+_NOT_REAL = "cOSUmM"  # NumPy's kinds of complex, object, string, date and duration dtypes
+
 
 def library(name: str, array: Any) -> str:
     """``"numpy"``, ``"cupy"`` or ``"torch"``; BAD_PARAM for anything else."""
@@ -54,8 +56,10 @@ def new(values: np.ndarray, like: Any, dtype: str) -> Any:
 
 
 def host(name: str, array: Any) -> np.ndarray:
-    """A float64 NumPy copy of an array of any of the three libraries, or of a number; a
-    complex one is BAD_PARAM (its imaginary parts would be dropped, with a warning)."""
+    """A float64 NumPy copy of an array of any of the three libraries, or of a number, of
+    real numbers (bool, integer or float, ml_dtypes' too): anything else is BAD_PARAM, as
+    torch's load refuses it, where NumPy would drop imaginary parts (with a warning), read
+    None as NaN or parse strings."""
     try:
         lib = type(array).__module__.partition(".")[0]
         if lib == "torch":
@@ -64,11 +68,11 @@ def host(name: str, array: Any) -> np.ndarray:
                 return values.double().numpy()
         else:
             values = array.get() if lib == "cupy" else np.asarray(array)
-            if values.dtype.kind != "c":
+            if values.dtype.kind not in _NOT_REAL:
                 return np.array(values, dtype=np.float64)
     except (TypeError, ValueError) as exc:
         raise InfiniError(Status.BAD_PARAM, f"{name} is not an array of numbers: {exc}") from exc
-    raise InfiniError(Status.BAD_PARAM, f"{name} is complex ({values.dtype}); expected reals")
+    raise InfiniError(Status.BAD_PARAM, f"{name} has dtype {values.dtype}; expected real numbers")
 
 
 def assign(target: Any, values: np.ndarray) -> None:
