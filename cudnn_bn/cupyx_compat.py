@@ -99,9 +99,8 @@ class _Problem(NamedTuple):
         """No values per channel (N = 0, or another size but C is 0)."""
         return math.prod(self.shape) == 0
 
-    def params(self, **arrays: Any) -> list[Any]:
-        """The per-channel ``arrays`` (None stays None) in cuDNN's order and dtype, after
-        checking that each has ``count`` elements."""
+    def check_counts(self, **arrays: Any) -> None:
+        """Refuse a per-channel array (None is skipped) that has not ``count`` elements."""
         for name, array in arrays.items():
             if array is not None and math.prod(array.shape) != self.count:
                 raise InfiniError(
@@ -109,6 +108,11 @@ class _Problem(NamedTuple):
                     f"{name} has shape {tuple(array.shape)}; expected {self.count} elements "
                     f"for x of shape {self.shape}",
                 )
+
+    def params(self, **arrays: Any) -> list[Any]:
+        """The per-channel ``arrays`` (None stays None) in cuDNN's order and dtype, after
+        checking that each has ``count`` elements."""
+        self.check_counts(**arrays)
         return [None if a is None else self.param(a) for a in arrays.values()]
 
 
@@ -266,12 +270,7 @@ def _forward_training(
         mean=mean, inv_std=inv_std,
     )  # fmt: skip
     problem = _problem(x, is_for_conv2d, cudnn_mode, d_layout)
-    for name, saved in (("mean", mean), ("inv_std", inv_std)):
-        if saved is not None and tuple(saved.shape) != tuple(gamma.shape):
-            raise InfiniError(
-                Status.BAD_TENSOR_SHAPE,
-                f"{name} has shape {tuple(saved.shape)}; expected gamma's {tuple(gamma.shape)}",
-            )
+    problem.check_counts(mean=mean, inv_std=inv_std)
     check_written(
         {n: ops[n] for n in ("running_mean", "running_var", "mean", "inv_std") if n in ops},
         {n: ops[n] for n in ("x", "gamma", "beta")},
@@ -289,19 +288,19 @@ def _forward_training(
         persistent=problem.persistent,
         check_overflow=_overflow_check(debug, cudnn_mode),
     )
-    y, save_mean, save_inv_std = outputs
-    shape = tuple(gamma.shape)
-    save_mean, save_inv_std = (problem.undo_param(s, shape) for s in (save_mean, save_inv_std))
+    y, flat_mean, flat_inv_std = outputs
     if not problem.empty:  # else, as torch, running statistics unchanged, saved ones unset
         for target, flat in zip((running_mean, running_var), running, strict=True):
             if target is not None:
                 _write(target, flat, problem)
         if mean is not None:
-            mean[...] = save_mean
-            inv_std[...] = save_inv_std
+            mean[...] = problem.undo_param(flat_mean, tuple(mean.shape))
+            inv_std[...] = problem.undo_param(flat_inv_std, tuple(inv_std.shape))
     if mean is not None:
-        save_mean, save_inv_std = mean, inv_std
-    return outputs.reserve, problem.undo_data(y), save_mean, save_inv_std
+        return outputs.reserve, problem.undo_data(y), mean, inv_std
+    shape = tuple(gamma.shape)
+    saved = (problem.undo_param(s, shape) for s in (flat_mean, flat_inv_std))
+    return outputs.reserve, problem.undo_data(y), *saved
 
 
 @_training_api

@@ -174,6 +174,25 @@ def test_given_mean_and_inv_std_are_written_in_place(case):
     np.testing.assert_array_equal(invstd, invstd_new)
 
 
+@pytest.mark.parametrize("name", ["nchw-spatial", "nhwc-per-activation"])
+def test_given_mean_and_inv_std_may_have_a_shape_of_their_own(name):
+    """Per-channel arrays may have any shape with the right number of elements (the module's
+    docstring); CuPy 13 wrote ``mean``/``inv_std`` through their pointers, whatever their
+    shape. Before, a ``(1, C*H*W)`` mean for a ``(C*H*W,)`` gamma was refused."""
+    case = CASES[name]
+    x, _, gamma, beta, rm, rv = make(case)
+    _, mean_new, invstd_new = cudnn.batch_normalization_forward_training(
+        x, gamma, beta, rm.copy(), rv.copy(), None, None, EPS, DECAY, case.conv, case.mode, False,
+        case.layout,
+    )  # fmt: skip
+    mean, invstd = (np.full((1, gamma.size), np.nan, np.float32) for _ in range(2))
+    cudnn.batch_normalization_forward_training(
+        x, gamma, beta, rm, rv, mean, invstd, EPS, DECAY, case.conv, case.mode, False, case.layout
+    )
+    np.testing.assert_array_equal(mean.reshape(-1), mean_new)
+    np.testing.assert_array_equal(invstd.reshape(-1), invstd_new)
+
+
 @cases
 def test_ex_returns_the_reserve_space_first_and_backward_takes_it(case):
     x, gy, gamma, beta, rm, rv = make(case)
