@@ -22,6 +22,8 @@ What CuPy 13 meant by its arguments, and how it maps onto ``cudnn_bn``'s ``(N, C
   elements in cuDNN's ``(C, H, W)`` order, whatever ``d_layout``. Where x is seen as 2-D the
   three modes compute the same statistics, on the CuPy engine (as PyTorch, no 2-D input is
   sent to cuDNN).
+- Any strides are read, negative and broadcast ones too (copied where cudnn_bn cannot read
+  them; CuPy 13 read every input C-contiguous).
 - Per-channel arrays may have any shape with the right number of elements (``(C,)``,
   ``(1, C, 1, 1)``, ...). They are used as cuDNN's parameter dtype (float32, or float64 for
   float64 ``x``), as CuPy 13 did; running statistics are written back in place in their own
@@ -174,7 +176,8 @@ def _view(x: Any, is_for_conv2d: bool, cudnn_mode: int, d_layout: int) -> _Probl
         return a.reshape(shape)
 
     def param(p: Any) -> Any:
-        return p.reshape(-1).astype(dtype, copy=False)
+        flat = p.reshape(-1).astype(dtype, copy=False)
+        return flat if flat.strides[0] > 0 else flat.copy()  # CuPy 13 read them packed
 
     def undo_param(p: Any, to: tuple[int, ...]) -> Any:
         return p.reshape(to)
@@ -217,6 +220,12 @@ def _view(x: Any, is_for_conv2d: bool, cudnn_mode: int, d_layout: int) -> _Probl
         count,
         *info,
     )
+
+
+def _readable(a: Any) -> Any:
+    """``a``, or a C-contiguous copy where it has a negative stride: CuPy 13 read its inputs
+    C-contiguous, and cudnn_bn reads no array backwards."""
+    return a.copy() if any(s < 0 for s in a.strides) else a
 
 
 def _overflow_check(debug: bool, cudnn_mode: int) -> bool:
@@ -279,7 +288,7 @@ def _forward_training(
         gamma=gamma, beta=beta, running_mean=running_mean, running_var=running_var
     )
     outputs = batch_norm_forward_training(
-        problem.data(x),
+        problem.data(_readable(x)),
         weight,
         bias,
         *running,
@@ -371,7 +380,9 @@ def batch_normalization_forward_inference(
     _arrays(x=x, gamma=gamma, beta=beta, mean=mean, var=var)
     problem = _problem(x, is_for_conv2d, cudnn_mode, d_layout)
     y = batch_norm_forward_inference(
-        problem.data(x), *problem.params(gamma=gamma, beta=beta, mean=mean, var=var), eps=eps
+        problem.data(_readable(x)),
+        *problem.params(gamma=gamma, beta=beta, mean=mean, var=var),
+        eps=eps,
     )
     return problem.undo_data(y)
 
@@ -405,8 +416,8 @@ def batch_normalization_backward(
         )
     weight, saved_mean, saved_invstd = problem.params(gamma=gamma, mean=mean, inv_std=inv_std)
     gx, ggamma, gbeta = batch_norm_backward(
-        problem.data(x),
-        problem.data(gy),
+        problem.data(_readable(x)),
+        problem.data(_readable(gy)),
         weight,
         None,
         None,

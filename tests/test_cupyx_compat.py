@@ -483,3 +483,49 @@ def test_a_bad_reserve_space_is_refused_naming_reserve_space(reserve, words):
         cudnn.batch_normalization_backward(
             x, gamma, gy, gamma, gamma, EPS, True, SPATIAL, False, reserve_space=reserve
         )
+
+
+def reversed_view(a: np.ndarray) -> np.ndarray:
+    """A view of a copy of ``a`` with the same values and every stride negative."""
+    flipped = np.flip(a).copy()
+    return np.flip(flipped)
+
+
+@pytest.mark.parametrize(
+    "view", ["x", "gy", "gamma", "gamma-broadcast", "running_mean", "mean", "inv_std"]
+)
+def test_any_strides_are_read_as_cupy_13_read_them(view):
+    """CuPy 13 made its inputs C-contiguous (``_internal_ascontiguousarray`` or ``astype``), so
+    a reversed or broadcast view worked; the running statistics are written back in place.
+    Before, a negative (or, per channel, zero) stride was refused with BAD_TENSOR_STRIDES."""
+    case = CASES["nchw-spatial"]
+    x, gy, gamma, beta, rm, rv = make(case)
+    if view == "gamma-broadcast":
+        gamma = np.ones_like(gamma)
+    tail = (EPS, DECAY, case.conv, case.mode, False)
+    rm_want = rm.copy()
+    y_want, mean, invstd = cudnn.batch_normalization_forward_training(
+        x, gamma, beta, rm_want, rv.copy(), None, None, *tail
+    )
+    grads_want = cudnn.batch_normalization_backward(
+        x, gamma, gy, mean, invstd, *tail[:1], *tail[2:]
+    )
+    args = {"x": x, "gy": gy, "gamma": gamma, "running_mean": rm, "mean": mean, "inv_std": invstd}
+    if view == "gamma-broadcast":
+        args["gamma"] = np.broadcast_to(np.float32(1), gamma.shape)
+    else:
+        args[view] = reversed_view(args[view])
+    y = cudnn.batch_normalization_forward_training(
+        args["x"], args["gamma"], beta, args["running_mean"], rv, None, None, *tail
+    )[0]
+    np.testing.assert_array_equal(y, y_want)
+    np.testing.assert_array_equal(args["running_mean"], rm_want)
+    y = cudnn.batch_normalization_forward_inference(
+        args["x"], args["gamma"], beta, args["mean"], args["inv_std"], EPS, case.conv, case.mode
+    )
+    assert y.shape == x.shape
+    grads = cudnn.batch_normalization_backward(
+        args["x"], args["gamma"], args["gy"], args["mean"], args["inv_std"], *tail[:1], *tail[2:]
+    )
+    for got, want in zip(grads, grads_want, strict=True):
+        np.testing.assert_array_equal(got, want)
