@@ -96,6 +96,12 @@ class _Problem(NamedTuple):
     shape: tuple[int, ...]  # x's
     param_dtype: np.dtype  # cuDNN's parameter dtype: float64 for float64 x, else float32
 
+    def result(self, a: Any) -> Any:
+        """``undo_data(a)``, C-contiguous as CuPy 13 made its results (a copy only where x's
+        memory order is not its shape's)."""
+        out = self.undo_data(a)
+        return out if out.flags.c_contiguous else out.copy()
+
     @property
     def empty(self) -> bool:
         """No values per channel (N = 0, or another size but C is 0)."""
@@ -306,10 +312,10 @@ def _forward_training(
             mean[...] = problem.undo_param(flat_mean, tuple(mean.shape))
             inv_std[...] = problem.undo_param(flat_inv_std, tuple(inv_std.shape))
     if mean is not None:
-        return outputs.reserve, problem.undo_data(y), mean, inv_std
+        return outputs.reserve, problem.result(y), mean, inv_std
     shape = tuple(gamma.shape)
     saved = (problem.undo_param(s, shape) for s in (flat_mean, flat_inv_std))
-    return outputs.reserve, problem.undo_data(y), *saved
+    return outputs.reserve, problem.result(y), *saved
 
 
 @_training_api
@@ -384,7 +390,7 @@ def batch_normalization_forward_inference(
         *problem.params(gamma=gamma, beta=beta, mean=mean, var=var),
         eps=eps,
     )
-    return problem.undo_data(y)
+    return problem.result(y)
 
 
 @_backward_api
@@ -435,7 +441,7 @@ def batch_normalization_backward(
     ggamma, gbeta = (
         problem.undo_param(g, shape).astype(dtype, copy=False) for g in (ggamma, gbeta)
     )
-    return problem.undo_data(gx), ggamma, gbeta
+    return problem.result(gx), ggamma, gbeta
 
 
 __all__ = [

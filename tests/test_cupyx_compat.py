@@ -529,3 +529,31 @@ def test_any_strides_are_read_as_cupy_13_read_them(view):
     )
     for got, want in zip(grads, grads_want, strict=True):
         np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("name", ["nchw-spatial", "nchw-persistent", "nhwc-spatial"])
+def test_results_are_c_contiguous_whatever_x_s_strides(name):
+    """CuPy 13 made ``y`` and ``gx`` as new C-contiguous arrays of x's shape, so code may
+    rely on it. Before, an x whose memory order is not its shape's (an NCHW-shaped x with
+    channels-last strides; an NHWC-shaped one with NCHW strides) gave results in x's order."""
+    case = CASES[name]
+    x, gy, gamma, beta, rm, rv = make(case)
+    order = (0, 2, 3, 1) if case.layout == NCHW else (0, 3, 1, 2)
+    back = tuple(np.argsort(order))
+    x_odd, gy_odd = (np.ascontiguousarray(a.transpose(order)).transpose(back) for a in (x, gy))
+    tail = (EPS, DECAY, case.conv, case.mode, False, case.layout)
+    results = []
+    for xs, gys in ((x, gy), (x_odd, gy_odd)):
+        y, mean, invstd = cudnn.batch_normalization_forward_training(
+            xs, gamma, beta, rm.copy(), rv.copy(), None, None, *tail
+        )
+        y_inf = cudnn.batch_normalization_forward_inference(
+            xs, gamma, beta, rm, rv, EPS, case.conv, case.mode, case.layout
+        )
+        gx = cudnn.batch_normalization_backward(
+            xs, gamma, gys, mean, invstd, EPS, *tail[2:]
+        )[0]  # fmt: skip
+        results.append((y, y_inf, gx))
+    for got, want in zip(results[1], results[0], strict=True):
+        assert got.flags.c_contiguous and got.shape == x.shape
+        np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5)  # another kernel's roundings
