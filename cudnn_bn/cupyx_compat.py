@@ -46,13 +46,16 @@ Differences from CuPy 13:
   ``reserve_space=``.
 - Failures raise ``cudnn_bn.InfiniError`` (with the status and the offending argument,
   named as here: ``gamma``, ``decay``) instead of ``cupy.cuda.cudnn.CuDNNError``; the
-  BAD_PARAM and shape ones are also ``ValueError``, as CuPy 13's argument errors were.
+  BAD_PARAM and shape ones are also ``ValueError``, as CuPy 13's argument errors were, and
+  an argument of a type CuPy 13's signature refused (``gamma=[...]``, ``eps=None``) is a
+  BAD_PARAM ``BadParamTypeError``, also a ``TypeError`` as there.
   Every argument is checked before anything is written: the arrays written in place
   (``running_mean``, ``running_var``, ``mean``, ``inv_std``) must be writable, on ``x``'s
   device, and share no memory with each other or with ``x``, ``gamma``, ``beta``.
 """
 
 import math
+import numbers
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -66,7 +69,7 @@ from .api import (
 )
 from .arrays import TORCH, Operand, check_written, common_place, operand
 from .enums import Status
-from .errors import InfiniError, raises_only_infini_errors
+from .errors import BadParamError, InfiniError, raises_only_infini_errors, shown
 from .ops.validation import check_fraction
 
 # cudnnTensorFormat_t
@@ -76,6 +79,17 @@ CUDNN_TENSOR_NHWC = 1
 CUDNN_BATCHNORM_PER_ACTIVATION = int(BatchNormMode.PER_ACTIVATION)
 CUDNN_BATCHNORM_SPATIAL = int(BatchNormMode.SPATIAL)
 CUDNN_BATCHNORM_SPATIAL_PERSISTENT = int(BatchNormMode.SPATIAL_PERSISTENT)
+
+
+class BadParamTypeError(BadParamError, TypeError):
+    """BAD_PARAM for an argument of a type that CuPy 13's typed signature refused with
+    ``TypeError`` (an array that is none, a ``double`` or ``int`` that is no number)."""
+
+
+def _number(name: str, value: Any, kind: str = "a number") -> None:
+    """Refuse ``value`` unless it is a real number, as CuPy 13's ``double``/``int`` did."""
+    if not isinstance(value, numbers.Real):
+        raise BadParamTypeError(Status.BAD_PARAM, f"{name} must be {kind}, got {shown(value)}")
 
 
 class _Problem(NamedTuple):
@@ -130,21 +144,27 @@ def _arrays(optional: tuple[str, ...] = (), **arrays: Any) -> dict[str, Operand]
     for name, array in arrays.items():
         if array is None and name not in optional:
             raise InfiniError(Status.NULL_POINTER, f"{name} is None")
+        if array is not None and not hasattr(array, "astype"):
+            _not_an_array(name, array)
     present = {n: a for n, a in arrays.items() if a is not None}
     common_place(present)  # device types first: host arrays among device ones ask CUDA nothing
     found = {}
     for name, array in present.items():
         found[name] = operand(name, array)
-        if found[name].kind is TORCH or not hasattr(array, "astype"):
-            raise InfiniError(
-                Status.BAD_PARAM,
-                f"{name} must be a NumPy or CuPy array, got {type(array).__name__}",
-            )
+        if found[name].kind is TORCH:
+            _not_an_array(name, array)
     places = {(op.device, op.device_id) for op in found.values()}
     if len(places) > 1:
         where = ", ".join(f"{n} on {op.device.name}:{op.device_id}" for n, op in found.items())
         raise InfiniError(Status.BAD_PARAM, f"arrays must share one device; got {where}")
     return found
+
+
+def _not_an_array(name: str, array: Any) -> None:
+    """Refuse ``array``, no NumPy or CuPy array, as CuPy 13's ``_ndarray_base`` did."""
+    raise BadParamTypeError(
+        Status.BAD_PARAM, f"{name} must be a NumPy or CuPy array, got {type(array).__name__}"
+    )
 
 
 def _problem(x: Any, is_for_conv2d: bool, cudnn_mode: int, d_layout: int) -> _Problem:
@@ -157,6 +177,8 @@ def _problem(x: Any, is_for_conv2d: bool, cudnn_mode: int, d_layout: int) -> _Pr
 
 
 def _view(x: Any, is_for_conv2d: bool, cudnn_mode: int, d_layout: int) -> _Problem:
+    _number("cudnn_mode", cudnn_mode, "an integer")
+    _number("d_layout", d_layout, "an integer")
     if isinstance(cudnn_mode, bool) or cudnn_mode not in BatchNormMode._value2member_map_:
         raise InfiniError(
             Status.BAD_PARAM, f"unknown cudnn_mode {cudnn_mode!r}; expected 0, 1 or 2"
@@ -278,6 +300,8 @@ def _forward_training(
     when those are given (and filled). Everything is checked before anything is written."""
     if (mean is None) != (inv_std is None):
         raise InfiniError(Status.BAD_PARAM, "Both mean and inv_std must be None if one is.")
+    _number("eps", eps)
+    _number("decay", decay)
     momentum = 1.0 - check_fraction("decay", decay)
     ops = _arrays(
         ("running_mean", "running_var", "mean", "inv_std"),
@@ -383,6 +407,7 @@ def batch_normalization_forward_inference(
     d_layout: int = CUDNN_TENSOR_NCHW,
 ) -> Any:
     """Inference-mode batch norm with the fixed statistics ``mean``/``var``: ``y``."""
+    _number("eps", eps)
     _arrays(x=x, gamma=gamma, beta=beta, mean=mean, var=var)
     problem = _problem(x, is_for_conv2d, cudnn_mode, d_layout)
     y = batch_norm_forward_inference(
@@ -410,6 +435,7 @@ def batch_normalization_backward(
 ) -> tuple[Any, Any, Any]:
     """``(gx, ggamma, gbeta)`` of training-mode batch norm from the ``mean``/``inv_std`` its
     forward saved; ``reserve_space`` is what ``_ex`` returned (None, or its array)."""
+    _number("eps", eps)
     _arrays(x=x, gamma=gamma, gy=gy, mean=mean, inv_std=inv_std)
     problem = _problem(x, is_for_conv2d, cudnn_mode, d_layout)
     if tuple(gy.shape) != tuple(x.shape):

@@ -557,3 +557,35 @@ def test_results_are_c_contiguous_whatever_x_s_strides(name):
     for got, want in zip(results[1], results[0], strict=True):
         assert got.flags.c_contiguous and got.shape == x.shape
         np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5)  # another kernel's roundings
+
+
+@pytest.mark.parametrize(
+    ("position", "value", "words"),
+    [
+        (1, [1.0, 1.0, 1.0], r"gamma must be a NumPy or CuPy array, got list"),
+        (0, "x", r"x must be a NumPy or CuPy array, got str"),
+        (5, None, r"eps must be a number, got None"),
+        (5, "1e-5", r"eps must be a number, got '1e-5'"),
+        (7, "1", r"cudnn_mode must be an integer, got '1'"),
+        (8, None, r"d_layout must be an integer, got None"),
+    ],
+)
+def test_an_argument_of_a_wrong_type_is_a_type_error(position, value, words):
+    """Where CuPy 13's typed arguments (``_ndarray_base``, ``double``, ``int``) raised
+    ``TypeError``, a BAD_PARAM ``InfiniError`` that is also a ``TypeError`` (the README's
+    promise); before, it was only a ``ValueError``."""
+    x = np.zeros((4, 3, 5, 6), np.float32)
+    gamma = np.ones(3, np.float32)
+    args = [x, gamma, gamma, gamma, gamma, EPS, True, SPATIAL, NCHW]
+    args[position] = value
+    with pytest.raises(TypeError, match=words) as e:
+        cudnn.batch_normalization_forward_inference(*args)
+    assert isinstance(e.value, InfiniError) and e.value.status == Status.BAD_PARAM
+
+
+def test_a_decay_of_a_wrong_type_is_a_type_error():
+    x, _, gamma, beta, rm, rv = make(CASES["2d"])
+    with pytest.raises(TypeError, match=r"decay must be a number, got None"):
+        cudnn.batch_normalization_forward_training(
+            x, gamma, beta, rm, rv, None, None, EPS, None, False, SPATIAL, False
+        )
