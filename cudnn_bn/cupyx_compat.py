@@ -22,6 +22,8 @@ What CuPy 13 meant by its arguments, and how it maps onto ``cudnn_bn``'s ``(N, C
   elements in cuDNN's ``(C, H, W)`` order, whatever ``d_layout``. Where x is seen as 2-D the
   three modes compute the same statistics, on the CuPy engine (as PyTorch, no 2-D input is
   sent to cuDNN).
+- Any strides are read, negative and broadcast ones too (copied where cudnn_bn cannot read
+  them; CuPy 13 read every input C-contiguous).
 - Per-channel arrays may have any shape with the right number of elements (``(C,)``,
   ``(1, C, 1, 1)``, ...). They are used as cuDNN's parameter dtype (float32, or float64 for
   float64 ``x``), as CuPy 13 did; running statistics are written back in place in their own
@@ -44,13 +46,16 @@ Differences from CuPy 13:
   ``reserve_space=``.
 - Failures raise ``cudnn_bn.InfiniError`` (with the status and the offending argument,
   named as here: ``gamma``, ``decay``) instead of ``cupy.cuda.cudnn.CuDNNError``; the
-  BAD_PARAM and shape ones are also ``ValueError``, as CuPy 13's argument errors were.
+  BAD_PARAM and shape ones are also ``ValueError``, as CuPy 13's argument errors were, and
+  an argument of a type CuPy 13's signature refused (``gamma=[...]``, ``eps=None``) is a
+  BAD_PARAM ``BadParamTypeError``, also a ``TypeError`` as there.
   Every argument is checked before anything is written: the arrays written in place
   (``running_mean``, ``running_var``, ``mean``, ``inv_std``) must be writable, on ``x``'s
   device, and share no memory with each other or with ``x``, ``gamma``, ``beta``.
 """
 
 import math
+import numbers
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -64,7 +69,7 @@ from .api import (
 )
 from .arrays import TORCH, Operand, check_written, common_place, operand
 from .enums import Status
-from .errors import InfiniError, raises_only_infini_errors
+from .errors import BadParamError, InfiniError, raises_only_infini_errors, shown
 from .ops.validation import check_fraction
 
 # cudnnTensorFormat_t
@@ -74,6 +79,17 @@ CUDNN_TENSOR_NHWC = 1
 CUDNN_BATCHNORM_PER_ACTIVATION = int(BatchNormMode.PER_ACTIVATION)
 CUDNN_BATCHNORM_SPATIAL = int(BatchNormMode.SPATIAL)
 CUDNN_BATCHNORM_SPATIAL_PERSISTENT = int(BatchNormMode.SPATIAL_PERSISTENT)
+
+
+class BadParamTypeError(BadParamError, TypeError):
+    """BAD_PARAM for an argument of a type that CuPy 13's typed signature refused with
+    ``TypeError`` (an array that is none, a ``double`` or ``int`` that is no number)."""
+
+
+def _number(name: str, value: Any, kind: str = "a number") -> None:
+    """Refuse ``value`` unless it is a real number, as CuPy 13's ``double``/``int`` did."""
+    if not isinstance(value, numbers.Real):
+        raise BadParamTypeError(Status.BAD_PARAM, f"{name} must be {kind}, got {shown(value)}")
 
 
 class _Problem(NamedTuple):
@@ -94,14 +110,19 @@ class _Problem(NamedTuple):
     shape: tuple[int, ...]  # x's
     param_dtype: np.dtype  # cuDNN's parameter dtype: float64 for float64 x, else float32
 
+    def result(self, a: Any) -> Any:
+        """``undo_data(a)``, C-contiguous as CuPy 13 made its results (a copy only where x's
+        memory order is not its shape's)."""
+        out = self.undo_data(a)
+        return out if out.flags.c_contiguous else out.copy()
+
     @property
     def empty(self) -> bool:
         """No values per channel (N = 0, or another size but C is 0)."""
         return math.prod(self.shape) == 0
 
-    def params(self, **arrays: Any) -> list[Any]:
-        """The per-channel ``arrays`` (None stays None) in cuDNN's order and dtype, after
-        checking that each has ``count`` elements."""
+    def check_counts(self, **arrays: Any) -> None:
+        """Refuse a per-channel array (None is skipped) that has not ``count`` elements."""
         for name, array in arrays.items():
             if array is not None and math.prod(array.shape) != self.count:
                 raise InfiniError(
@@ -109,6 +130,11 @@ class _Problem(NamedTuple):
                     f"{name} has shape {tuple(array.shape)}; expected {self.count} elements "
                     f"for x of shape {self.shape}",
                 )
+
+    def params(self, **arrays: Any) -> list[Any]:
+        """The per-channel ``arrays`` (None stays None) in cuDNN's order and dtype, after
+        checking that each has ``count`` elements."""
+        self.check_counts(**arrays)
         return [None if a is None else self.param(a) for a in arrays.values()]
 
 
@@ -118,21 +144,27 @@ def _arrays(optional: tuple[str, ...] = (), **arrays: Any) -> dict[str, Operand]
     for name, array in arrays.items():
         if array is None and name not in optional:
             raise InfiniError(Status.NULL_POINTER, f"{name} is None")
+        if array is not None and not hasattr(array, "astype"):
+            _not_an_array(name, array)
     present = {n: a for n, a in arrays.items() if a is not None}
     common_place(present)  # device types first: host arrays among device ones ask CUDA nothing
     found = {}
     for name, array in present.items():
         found[name] = operand(name, array)
-        if found[name].kind is TORCH or not hasattr(array, "astype"):
-            raise InfiniError(
-                Status.BAD_PARAM,
-                f"{name} must be a NumPy or CuPy array, got {type(array).__name__}",
-            )
+        if found[name].kind is TORCH:
+            _not_an_array(name, array)
     places = {(op.device, op.device_id) for op in found.values()}
     if len(places) > 1:
         where = ", ".join(f"{n} on {op.device.name}:{op.device_id}" for n, op in found.items())
         raise InfiniError(Status.BAD_PARAM, f"arrays must share one device; got {where}")
     return found
+
+
+def _not_an_array(name: str, array: Any) -> None:
+    """Refuse ``array``, no NumPy or CuPy array, as CuPy 13's ``_ndarray_base`` did."""
+    raise BadParamTypeError(
+        Status.BAD_PARAM, f"{name} must be a NumPy or CuPy array, got {type(array).__name__}"
+    )
 
 
 def _problem(x: Any, is_for_conv2d: bool, cudnn_mode: int, d_layout: int) -> _Problem:
@@ -145,6 +177,8 @@ def _problem(x: Any, is_for_conv2d: bool, cudnn_mode: int, d_layout: int) -> _Pr
 
 
 def _view(x: Any, is_for_conv2d: bool, cudnn_mode: int, d_layout: int) -> _Problem:
+    _number("cudnn_mode", cudnn_mode, "an integer")
+    _number("d_layout", d_layout, "an integer")
     if isinstance(cudnn_mode, bool) or cudnn_mode not in BatchNormMode._value2member_map_:
         raise InfiniError(
             Status.BAD_PARAM, f"unknown cudnn_mode {cudnn_mode!r}; expected 0, 1 or 2"
@@ -170,7 +204,8 @@ def _view(x: Any, is_for_conv2d: bool, cudnn_mode: int, d_layout: int) -> _Probl
         return a.reshape(shape)
 
     def param(p: Any) -> Any:
-        return p.reshape(-1).astype(dtype, copy=False)
+        flat = p.reshape(-1).astype(dtype, copy=False)
+        return flat if flat.strides[0] > 0 else flat.copy()  # CuPy 13 read them packed
 
     def undo_param(p: Any, to: tuple[int, ...]) -> Any:
         return p.reshape(to)
@@ -213,6 +248,12 @@ def _view(x: Any, is_for_conv2d: bool, cudnn_mode: int, d_layout: int) -> _Probl
         count,
         *info,
     )
+
+
+def _readable(a: Any) -> Any:
+    """``a``, or a C-contiguous copy where it has a negative stride: CuPy 13 read its inputs
+    C-contiguous, and cudnn_bn reads no array backwards."""
+    return a.copy() if any(s < 0 for s in a.strides) else a
 
 
 def _overflow_check(debug: bool, cudnn_mode: int) -> bool:
@@ -259,6 +300,8 @@ def _forward_training(
     when those are given (and filled). Everything is checked before anything is written."""
     if (mean is None) != (inv_std is None):
         raise InfiniError(Status.BAD_PARAM, "Both mean and inv_std must be None if one is.")
+    _number("eps", eps)
+    _number("decay", decay)
     momentum = 1.0 - check_fraction("decay", decay)
     ops = _arrays(
         ("running_mean", "running_var", "mean", "inv_std"),
@@ -266,12 +309,7 @@ def _forward_training(
         mean=mean, inv_std=inv_std,
     )  # fmt: skip
     problem = _problem(x, is_for_conv2d, cudnn_mode, d_layout)
-    for name, saved in (("mean", mean), ("inv_std", inv_std)):
-        if saved is not None and tuple(saved.shape) != tuple(gamma.shape):
-            raise InfiniError(
-                Status.BAD_TENSOR_SHAPE,
-                f"{name} has shape {tuple(saved.shape)}; expected gamma's {tuple(gamma.shape)}",
-            )
+    problem.check_counts(mean=mean, inv_std=inv_std)
     check_written(
         {n: ops[n] for n in ("running_mean", "running_var", "mean", "inv_std") if n in ops},
         {n: ops[n] for n in ("x", "gamma", "beta")},
@@ -280,7 +318,7 @@ def _forward_training(
         gamma=gamma, beta=beta, running_mean=running_mean, running_var=running_var
     )
     outputs = batch_norm_forward_training(
-        problem.data(x),
+        problem.data(_readable(x)),
         weight,
         bias,
         *running,
@@ -289,19 +327,19 @@ def _forward_training(
         persistent=problem.persistent,
         check_overflow=_overflow_check(debug, cudnn_mode),
     )
-    y, save_mean, save_inv_std = outputs
-    shape = tuple(gamma.shape)
-    save_mean, save_inv_std = (problem.undo_param(s, shape) for s in (save_mean, save_inv_std))
+    y, flat_mean, flat_inv_std = outputs
     if not problem.empty:  # else, as torch, running statistics unchanged, saved ones unset
         for target, flat in zip((running_mean, running_var), running, strict=True):
             if target is not None:
                 _write(target, flat, problem)
         if mean is not None:
-            mean[...] = save_mean
-            inv_std[...] = save_inv_std
+            mean[...] = problem.undo_param(flat_mean, tuple(mean.shape))
+            inv_std[...] = problem.undo_param(flat_inv_std, tuple(inv_std.shape))
     if mean is not None:
-        save_mean, save_inv_std = mean, inv_std
-    return outputs.reserve, problem.undo_data(y), save_mean, save_inv_std
+        return outputs.reserve, problem.result(y), mean, inv_std
+    shape = tuple(gamma.shape)
+    saved = (problem.undo_param(s, shape) for s in (flat_mean, flat_inv_std))
+    return outputs.reserve, problem.result(y), *saved
 
 
 @_training_api
@@ -369,12 +407,15 @@ def batch_normalization_forward_inference(
     d_layout: int = CUDNN_TENSOR_NCHW,
 ) -> Any:
     """Inference-mode batch norm with the fixed statistics ``mean``/``var``: ``y``."""
+    _number("eps", eps)
     _arrays(x=x, gamma=gamma, beta=beta, mean=mean, var=var)
     problem = _problem(x, is_for_conv2d, cudnn_mode, d_layout)
     y = batch_norm_forward_inference(
-        problem.data(x), *problem.params(gamma=gamma, beta=beta, mean=mean, var=var), eps=eps
+        problem.data(_readable(x)),
+        *problem.params(gamma=gamma, beta=beta, mean=mean, var=var),
+        eps=eps,
     )
-    return problem.undo_data(y)
+    return problem.result(y)
 
 
 @_backward_api
@@ -394,6 +435,7 @@ def batch_normalization_backward(
 ) -> tuple[Any, Any, Any]:
     """``(gx, ggamma, gbeta)`` of training-mode batch norm from the ``mean``/``inv_std`` its
     forward saved; ``reserve_space`` is what ``_ex`` returned (None, or its array)."""
+    _number("eps", eps)
     _arrays(x=x, gamma=gamma, gy=gy, mean=mean, inv_std=inv_std)
     problem = _problem(x, is_for_conv2d, cudnn_mode, d_layout)
     if tuple(gy.shape) != tuple(x.shape):
@@ -406,8 +448,8 @@ def batch_normalization_backward(
         )
     weight, saved_mean, saved_invstd = problem.params(gamma=gamma, mean=mean, inv_std=inv_std)
     gx, ggamma, gbeta = batch_norm_backward(
-        problem.data(x),
-        problem.data(gy),
+        problem.data(_readable(x)),
+        problem.data(_readable(gy)),
         weight,
         None,
         None,
@@ -425,7 +467,7 @@ def batch_normalization_backward(
     ggamma, gbeta = (
         problem.undo_param(g, shape).astype(dtype, copy=False) for g in (ggamma, gbeta)
     )
-    return problem.undo_data(gx), ggamma, gbeta
+    return problem.result(gx), ggamma, gbeta
 
 
 __all__ = [

@@ -174,6 +174,25 @@ def test_given_mean_and_inv_std_are_written_in_place(case):
     np.testing.assert_array_equal(invstd, invstd_new)
 
 
+@pytest.mark.parametrize("name", ["nchw-spatial", "nhwc-per-activation"])
+def test_given_mean_and_inv_std_may_have_a_shape_of_their_own(name):
+    """Per-channel arrays may have any shape with the right number of elements (the module's
+    docstring); CuPy 13 wrote ``mean``/``inv_std`` through their pointers, whatever their
+    shape. Before, a ``(1, C*H*W)`` mean for a ``(C*H*W,)`` gamma was refused."""
+    case = CASES[name]
+    x, _, gamma, beta, rm, rv = make(case)
+    _, mean_new, invstd_new = cudnn.batch_normalization_forward_training(
+        x, gamma, beta, rm.copy(), rv.copy(), None, None, EPS, DECAY, case.conv, case.mode, False,
+        case.layout,
+    )  # fmt: skip
+    mean, invstd = (np.full((1, gamma.size), np.nan, np.float32) for _ in range(2))
+    cudnn.batch_normalization_forward_training(
+        x, gamma, beta, rm, rv, mean, invstd, EPS, DECAY, case.conv, case.mode, False, case.layout
+    )
+    np.testing.assert_array_equal(mean.reshape(-1), mean_new)
+    np.testing.assert_array_equal(invstd.reshape(-1), invstd_new)
+
+
 @cases
 def test_ex_returns_the_reserve_space_first_and_backward_takes_it(case):
     x, gy, gamma, beta, rm, rv = make(case)
@@ -463,4 +482,110 @@ def test_a_bad_reserve_space_is_refused_naming_reserve_space(reserve, words):
     with pytest.raises(InfiniError, match=words):
         cudnn.batch_normalization_backward(
             x, gamma, gy, gamma, gamma, EPS, True, SPATIAL, False, reserve_space=reserve
+        )
+
+
+def reversed_view(a: np.ndarray) -> np.ndarray:
+    """A view of a copy of ``a`` with the same values and every stride negative."""
+    flipped = np.flip(a).copy()
+    return np.flip(flipped)
+
+
+@pytest.mark.parametrize(
+    "view", ["x", "gy", "gamma", "gamma-broadcast", "running_mean", "mean", "inv_std"]
+)
+def test_any_strides_are_read_as_cupy_13_read_them(view):
+    """CuPy 13 made its inputs C-contiguous (``_internal_ascontiguousarray`` or ``astype``), so
+    a reversed or broadcast view worked; the running statistics are written back in place.
+    Before, a negative (or, per channel, zero) stride was refused with BAD_TENSOR_STRIDES."""
+    case = CASES["nchw-spatial"]
+    x, gy, gamma, beta, rm, rv = make(case)
+    if view == "gamma-broadcast":
+        gamma = np.ones_like(gamma)
+    tail = (EPS, DECAY, case.conv, case.mode, False)
+    rm_want = rm.copy()
+    y_want, mean, invstd = cudnn.batch_normalization_forward_training(
+        x, gamma, beta, rm_want, rv.copy(), None, None, *tail
+    )
+    grads_want = cudnn.batch_normalization_backward(
+        x, gamma, gy, mean, invstd, *tail[:1], *tail[2:]
+    )
+    args = {"x": x, "gy": gy, "gamma": gamma, "running_mean": rm, "mean": mean, "inv_std": invstd}
+    if view == "gamma-broadcast":
+        args["gamma"] = np.broadcast_to(np.float32(1), gamma.shape)
+    else:
+        args[view] = reversed_view(args[view])
+    y = cudnn.batch_normalization_forward_training(
+        args["x"], args["gamma"], beta, args["running_mean"], rv, None, None, *tail
+    )[0]
+    np.testing.assert_array_equal(y, y_want)
+    np.testing.assert_array_equal(args["running_mean"], rm_want)
+    y = cudnn.batch_normalization_forward_inference(
+        args["x"], args["gamma"], beta, args["mean"], args["inv_std"], EPS, case.conv, case.mode
+    )
+    assert y.shape == x.shape
+    grads = cudnn.batch_normalization_backward(
+        args["x"], args["gamma"], args["gy"], args["mean"], args["inv_std"], *tail[:1], *tail[2:]
+    )
+    for got, want in zip(grads, grads_want, strict=True):
+        np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("name", ["nchw-spatial", "nchw-persistent", "nhwc-spatial"])
+def test_results_are_c_contiguous_whatever_x_s_strides(name):
+    """CuPy 13 made ``y`` and ``gx`` as new C-contiguous arrays of x's shape, so code may
+    rely on it. Before, an x whose memory order is not its shape's (an NCHW-shaped x with
+    channels-last strides; an NHWC-shaped one with NCHW strides) gave results in x's order."""
+    case = CASES[name]
+    x, gy, gamma, beta, rm, rv = make(case)
+    order = (0, 2, 3, 1) if case.layout == NCHW else (0, 3, 1, 2)
+    back = tuple(np.argsort(order))
+    x_odd, gy_odd = (np.ascontiguousarray(a.transpose(order)).transpose(back) for a in (x, gy))
+    tail = (EPS, DECAY, case.conv, case.mode, False, case.layout)
+    results = []
+    for xs, gys in ((x, gy), (x_odd, gy_odd)):
+        y, mean, invstd = cudnn.batch_normalization_forward_training(
+            xs, gamma, beta, rm.copy(), rv.copy(), None, None, *tail
+        )
+        y_inf = cudnn.batch_normalization_forward_inference(
+            xs, gamma, beta, rm, rv, EPS, case.conv, case.mode, case.layout
+        )
+        gx = cudnn.batch_normalization_backward(
+            xs, gamma, gys, mean, invstd, EPS, *tail[2:]
+        )[0]  # fmt: skip
+        results.append((y, y_inf, gx))
+    for got, want in zip(results[1], results[0], strict=True):
+        assert got.flags.c_contiguous and got.shape == x.shape
+        np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5)  # another kernel's roundings
+
+
+@pytest.mark.parametrize(
+    ("position", "value", "words"),
+    [
+        (1, [1.0, 1.0, 1.0], r"gamma must be a NumPy or CuPy array, got list"),
+        (0, "x", r"x must be a NumPy or CuPy array, got str"),
+        (5, None, r"eps must be a number, got None"),
+        (5, "1e-5", r"eps must be a number, got '1e-5'"),
+        (7, "1", r"cudnn_mode must be an integer, got '1'"),
+        (8, None, r"d_layout must be an integer, got None"),
+    ],
+)
+def test_an_argument_of_a_wrong_type_is_a_type_error(position, value, words):
+    """Where CuPy 13's typed arguments (``_ndarray_base``, ``double``, ``int``) raised
+    ``TypeError``, a BAD_PARAM ``InfiniError`` that is also a ``TypeError`` (the README's
+    promise); before, it was only a ``ValueError``."""
+    x = np.zeros((4, 3, 5, 6), np.float32)
+    gamma = np.ones(3, np.float32)
+    args = [x, gamma, gamma, gamma, gamma, EPS, True, SPATIAL, NCHW]
+    args[position] = value
+    with pytest.raises(TypeError, match=words) as e:
+        cudnn.batch_normalization_forward_inference(*args)
+    assert isinstance(e.value, InfiniError) and e.value.status == Status.BAD_PARAM
+
+
+def test_a_decay_of_a_wrong_type_is_a_type_error():
+    x, _, gamma, beta, rm, rv = make(CASES["2d"])
+    with pytest.raises(TypeError, match=r"decay must be a number, got None"):
+        cudnn.batch_normalization_forward_training(
+            x, gamma, beta, rm, rv, None, None, EPS, None, False, SPATIAL, False
         )

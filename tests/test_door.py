@@ -505,7 +505,8 @@ def test_cupyx_compat_refuses_a_cuda_interface_among_host_arrays_before_cuda(mon
     device = CudaInterface(
         {"version": 3, "shape": (C,), "typestr": "<f8", "data": (w.ctypes.data, 0)}
     )
-    with pytest.raises(InfiniError, match="share one device") as caught:
+    # CuPy 13 took CuPy arrays only: an object with no astype is refused first, as TypeError
+    with pytest.raises(TypeError, match="mean must be a NumPy or CuPy array") as caught:
         cupyx_compat.batch_normalization_forward_inference(
             x, w, b, device, np.ones(C), 1e-5, True, cupyx_compat.CUDNN_BATCHNORM_SPATIAL
         )
