@@ -454,6 +454,9 @@ class Bare(DLPackProducer):
         return self.export(None)
 
 
+DLPACK_STYLES = {"versioned": Versioned, "legacy": Legacy, "bare": Bare}
+
+
 def dlpack(draw, a: np.ndarray) -> Any:
     """``a`` through a drawn DLPack producer, with one drawn lie."""
     style = draw(st.sampled_from(("versioned", "versioned", "legacy", "bare")))
@@ -465,9 +468,7 @@ def dlpack(draw, a: np.ndarray) -> Any:
     if style != "versioned" and not a.flags.writeable:
         a = np.array(a)  # a legacy capsule cannot say read-only: NumPy exports none
     device = (2, 0) if lie == "device_cuda" else (1, 0)
-    producer = {"versioned": Versioned, "legacy": Legacy, "bare": Bare}[style](
-        a, style, lie, device
-    )
+    producer = DLPACK_STYLES[style](a, style, lie, device)
     valid = lie in DLPACK_VALID or (lie in ("data_null", "misaligned") and not a.size)
     writable = bool(a.flags.writeable) and lie not in ("read_only", "is_copied", "copy_refused")
     raised = draw(raised_error(lie)) if lie in ("raises", "device_raises") else None
@@ -567,7 +568,7 @@ def raising(draw, a: np.ndarray) -> Any:
     else:
         style = draw(st.sampled_from(("versioned", "legacy", "bare")))
         lie = "raises" if family == "dlpack" else "device_raises"
-        obj = {"versioned": Versioned, "legacy": Legacy, "bare": Bare}[style](a, style, lie, (1, 0))
+        obj = DLPACK_STYLES[style](a, style, lie, (1, 0))
     raised = draw(raised_error(lie))
     origin = "own" if isinstance(raised, ProducerError) else type(raised).__name__
     lie = f"raising_{family}_{origin}"
