@@ -57,7 +57,7 @@ Differences from CuPy 13:
 import math
 import numbers
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, NoReturn
 
 import numpy as np
 
@@ -160,7 +160,7 @@ def _arrays(optional: tuple[str, ...] = (), **arrays: Any) -> dict[str, Operand]
     return found
 
 
-def _not_an_array(name: str, array: Any) -> None:
+def _not_an_array(name: str, array: Any) -> NoReturn:
     """Refuse ``array``, no NumPy or CuPy array, as CuPy 13's ``_ndarray_base`` did."""
     raise BadParamTypeError(
         Status.BAD_PARAM, f"{name} must be a NumPy or CuPy array, got {type(array).__name__}"
