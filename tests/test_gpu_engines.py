@@ -316,3 +316,41 @@ def test_cupyx_compat_debug_on_a_persistent_pass():
             )
     for a, b in zip(*results, strict=True):
         np.testing.assert_allclose(cupy.asnumpy(a), cupy.asnumpy(b), rtol=1e-3, atol=1e-3)
+
+
+def test_cupyx_compat_reads_cupy_views_of_any_strides_and_returns_c_contiguous():
+    """On CuPy arrays, as ``test_cupyx_compat.py`` shows on NumPy ones: a reversed x, a
+    broadcast gamma and a (1, C) mean/inv_std are taken as CuPy 13 took them, the results
+    equal those of packed copies, and y and gx are C-contiguous for an NCHW-shaped x with
+    channels-last strides (cuDNN's own results, copied)."""
+    rng = np.random.default_rng(7)
+    packed = cupy.asarray(rng.standard_normal((4, 8, 5, 6)).astype(np.float32))
+    gy = cupy.asarray(rng.standard_normal(packed.shape).astype(np.float32))
+    gamma, beta = cupy.ones(8, cupy.float32), cupy.zeros(8, cupy.float32)
+    spatial = cupyx_compat.CUDNN_BATCHNORM_SPATIAL
+    tail = (EPS, 0.9, True, spatial, False)
+    y_want, mean, inv_std = cupyx_compat.batch_normalization_forward_training(
+        packed, gamma, beta, None, None, None, None, *tail
+    )
+    gx_want = cupyx_compat.batch_normalization_backward(
+        packed, gamma, gy, mean, inv_std, EPS, True, spatial, False
+    )[0]
+    reversed_x = cupy.ascontiguousarray(packed[::-1])[::-1]  # the same values, stride < 0
+    broadcast = cupy.broadcast_to(cupy.float32(1), (8,))
+    mean2, inv_std2 = cupy.empty((1, 8), cupy.float32), cupy.empty((1, 8), cupy.float32)
+    y = cupyx_compat.batch_normalization_forward_training(
+        reversed_x, broadcast, beta, None, None, mean2, inv_std2, *tail
+    )  # y alone where mean/inv_std are given, as CuPy 13
+    close = np.testing.assert_allclose
+    close(cupy.asnumpy(y), cupy.asnumpy(y_want), rtol=1e-6, atol=1e-6)
+    close(cupy.asnumpy(mean2).ravel(), cupy.asnumpy(mean), rtol=1e-6, atol=1e-6)
+    channels_last = cupy.ascontiguousarray(packed.transpose(0, 2, 3, 1)).transpose(0, 3, 1, 2)
+    y = cupyx_compat.batch_normalization_forward_training(
+        channels_last, gamma, beta, None, None, None, None, *tail
+    )[0]
+    gx = cupyx_compat.batch_normalization_backward(
+        channels_last, gamma, gy, mean, inv_std, EPS, True, spatial, False
+    )[0]
+    assert y.flags.c_contiguous and gx.flags.c_contiguous
+    close(cupy.asnumpy(y), cupy.asnumpy(y_want), rtol=1e-5, atol=1e-5)
+    close(cupy.asnumpy(gx), cupy.asnumpy(gx_want), rtol=1e-4, atol=1e-4)
