@@ -96,19 +96,22 @@ def torch_step(module, x, dy, z, fusion):
 
 
 def compare_state(layer: BatchNorm, module: torch.nn.Module, tol: float, step: int) -> None:
-    if module.affine and module.weight.grad is None:
-        assert layer.weight_grad is layer.bias_grad is None
-    elif module.affine:
-        close(f"step {step}: weight_grad", layer.weight_grad, module.weight.grad, tol)
-        close(f"step {step}: bias_grad", layer.bias_grad, module.bias.grad, tol)
-    else:
-        assert layer.weight is layer.bias is layer.weight_grad is layer.bias_grad is None
-    if module.track_running_stats:
-        close(f"step {step}: running_mean", layer.running_mean, module.running_mean, tol)
-        close(f"step {step}: running_var", layer.running_var, module.running_var, tol)
+    """The gradients of the parameters torch has, the state dict (names, order, values) and
+    which arrays are None."""
+    for name in ("weight", "bias"):
+        grad = getattr(module, name) is not None and getattr(module, name).grad
+        if grad is None or grad is False:
+            assert getattr(layer, f"{name}_grad") is None, (step, name)
+        else:
+            close(f"step {step}: {name}_grad", getattr(layer, f"{name}_grad"), grad, tol)
+    want, got = module.state_dict(), layer.state_dict()
+    assert list(got) == list(want), step
+    for name, value in want.items():
+        close(f"step {step}: {name}", got[name], value, tol)
+    for name in ("weight", "bias", "running_mean", "running_var", "num_batches_tracked"):
+        assert (getattr(layer, name) is None) == (getattr(module, name) is None), (step, name)
+    if module.num_batches_tracked is not None:
         assert layer.num_batches_tracked == int(module.num_batches_tracked), step
-    else:
-        assert layer.running_mean is layer.running_var is layer.num_batches_tracked is None
 
 
 def run_scenario(
@@ -120,15 +123,20 @@ def run_scenario(
     channels_last=False,
     modes=(True, True, True, False, False, True),
     seed=0,
+    change=None,
     **flags,
 ) -> BatchNorm:
-    """Train/eval steps (``modes``: True trains) through both; compares after every step."""
+    """Train/eval steps (``modes``: True trains) through both; compares after every step.
+    ``change``: (step, function) applied to the torch module and the layer before that step."""
     module = torch_module(shape, **flags)
     layer = BatchNorm(shape[1], EPS, fusion=fusion, **flags)
     layer.load_state_dict(numpy_state(module))
     tol = TOLERANCE[dtype]
     rng = np.random.default_rng(seed)
     for step, training in enumerate(modes):
+        if change is not None and change[0] == step:
+            change[1](module)
+            change[1](layer)
         module.train(training)
         layer.train(training)
         x = rng.standard_normal(shape) * 2 + np.arange(shape[1]).reshape(
@@ -195,6 +203,54 @@ def test_torch_tensors_keep_state_as_tensors():
     layer = run_scenario((4, 3, 5), lib="torch", momentum=None)
     assert all(isinstance(a, torch.Tensor) for a in layer.state_dict().values())
     assert layer.state_dict()["num_batches_tracked"].dtype == torch.int64
+
+
+def no_running_statistics(module) -> None:
+    module.running_mean = module.running_var = None
+
+
+@pytest.mark.parametrize("step", [0, 2], ids=["before-any-forward", "after-training"])
+@pytest.mark.parametrize("momentum", [0.1, None])
+def test_running_statistics_set_to_none_are_gone_as_torch_s(step, momentum):
+    """torch's ``m.running_mean = m.running_var = None``: the batch's statistics in eval too,
+    still counted in ``num_batches_tracked``, neither in the state dict. The layer's eval
+    forward raised NULL_POINTER "running_mean is None", its ``state_dict()`` BAD_PARAM, and
+    set before the first forward, that forward made them anew."""
+    run_scenario((4, 3, 5), momentum=momentum, change=(step, no_running_statistics))
+
+
+def test_track_running_stats_turned_off_later_keeps_the_running_statistics_for_eval():
+    """torch decides by the buffers, not the flag: ``track_running_stats = False`` on a
+    trained module stops the updates and the count, and eval still uses the running
+    statistics. The layer's eval used the batch's."""
+    run_scenario(
+        (4, 3, 5), modes=(True, True, False, True, False),
+        change=(2, lambda m: setattr(m, "track_running_stats", False)),
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("training", [True, False])
+@pytest.mark.parametrize("name", ["running_mean", "running_var"])
+def test_one_running_statistic_none_raises_as_torch(name, training):
+    """torch refuses one running statistic without the other (ValueError in training,
+    RuntimeError in eval); the layer updated the other alone in training (NULL_POINTER in
+    eval). Now BAD_PARAM (a ValueError), nothing changed."""
+    module = torch.nn.BatchNorm1d(3).double().train(training)
+    layer = BatchNorm(3).train(training)
+    x = np.random.default_rng(12).standard_normal((4, 3))
+    layer(x)
+    before = {n: np.array(v) for n, v in layer.state_dict().items()}
+    for m in (module, layer):
+        setattr(m, name, None)
+    with pytest.raises((ValueError, RuntimeError)):
+        module(torch.tensor(x))
+    with pytest.raises(ValueError) as info:
+        layer(x)
+    assert info.value.status == Status.BAD_PARAM and "running_mean and running_var" in str(
+        info.value
+    )
+    for n, value in layer.state_dict().items():
+        np.testing.assert_array_equal(value, before[n])
 
 
 # --- state dicts ---------------------------------------------------------------------------------

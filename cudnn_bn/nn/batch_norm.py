@@ -21,6 +21,7 @@ from . import libraries
 
 _public = raises_only_infini_errors({})
 FUSIONS = (None, "relu", "add_relu")
+PER_CHANNEL = ("weight", "bias", "running_mean", "running_var")  # torch's state order
 _MOST_FEATURES = sys.maxsize // 8  # channels whose float64 arrays NumPy can make
 Backward = Callable[[Any], tuple[Any, ...]]
 
@@ -73,10 +74,12 @@ class BatchNorm:
 
     As ``torch.nn.BatchNorm2d(num_features, eps, momentum, affine, track_running_stats)``:
     ``training`` (``train()``/``eval()``) picks the batch statistics (the running ones moved
-    by ``momentum``, or by ``1/num_batches_tracked`` when ``momentum`` is None) or the running
-    statistics; ``track_running_stats=False`` keeps none and uses the batch's in eval too;
-    ``affine=False`` has no ``weight``/``bias``. ``fusion`` ``"relu"`` or ``"add_relu"``
-    makes ``forward(input, z)`` return ``relu(bn(input) [+ z])``.
+    by ``momentum``, or by ``1/num_batches_tracked`` when ``momentum`` is None, while
+    ``track_running_stats``) or the running statistics; without running statistics
+    (``track_running_stats=False``, or both set to None) eval uses the batch's too;
+    ``affine=False`` has no ``weight``/``bias``. A per-channel array set to None is gone, as
+    torch's None parameter or buffer (also before the first forward). ``fusion`` ``"relu"``
+    or ``"add_relu"`` makes ``forward(input, z)`` return ``relu(bn(input) [+ z])``.
 
     ``weight``, ``bias``, ``running_mean`` and ``running_var`` are arrays of the input's
     library on its device, float32 (float64 for float64 input): made on the first
@@ -122,24 +125,40 @@ class BatchNorm:
         self.num_batches_tracked: int | None = 0 if self.track_running_stats else None
         self.weight_grad: Any = None
         self.bias_grad: Any = None
+        self.weight = self.bias = self.running_mean = self.running_var = None
         # Until the arrays exist: their values on the host, made in the first input's library.
         self._pending: dict[str, np.ndarray] | None = {
             name: np.full(self.num_features, value) for name, value in self.defaults().items()
         }
         self._place: tuple[str, str] | None = None
-        self.weight = self.bias = self.running_mean = self.running_var = None
         self._backward: Backward | None = None
         if like is not None:
             self._commit(*self._arrays_for("like", like))
 
     def defaults(self) -> dict[str, float]:
-        """The per-channel arrays this layer has, and their initial value (torch's)."""
+        """The per-channel arrays a new layer of these flags has, and their initial value
+        (torch's)."""
         names = {}
         if self.affine:
             names.update(weight=1.0, bias=0.0)
         if self.track_running_stats:
             names.update(running_mean=0.0, running_var=1.0)
         return names
+
+    def _present(self) -> list[str]:
+        """The per-channel arrays the layer has now, in torch's order: those not None (before
+        the first forward, those it will make)."""
+        if self._pending is not None:
+            return list(self._pending)
+        return [name for name in PER_CHANNEL if getattr(self, name) is not None]
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        """As torch's ``Module``: a per-channel array set to None is gone (not in the state,
+        not used); before the first forward, it is then not made."""
+        pending = self.__dict__.get("_pending")
+        if value is None and pending is not None:
+            pending.pop(name, None)
+        object.__setattr__(self, name, value)
 
     def __repr__(self) -> str:
         return (
@@ -190,8 +209,8 @@ class BatchNorm:
                     f"{name} is a {where[0]} array on {where[1]}, but this layer's parameters "
                     f"and statistics are {self._place[0]} arrays on {self._place[1]}",
                 )
-            return where, {n: getattr(self, n) for n in self.defaults()}
-        assigned = [n for n in self._pending if getattr(self, n) is not None]
+            return where, {n: getattr(self, n) for n in PER_CHANNEL}
+        assigned = [n for n in PER_CHANNEL if getattr(self, n) is not None]
         if assigned:  # the new arrays would replace them
             raise InfiniError(
                 Status.BAD_PARAM,
@@ -201,7 +220,11 @@ class BatchNorm:
             )
         dtype = operand(name, array).desc.dtype
         stats_dtype = "float64" if dtype == DataType.F64 else "float32"
-        return where, {n: libraries.new(v, array, stats_dtype) for n, v in self._pending.items()}
+        pending = self._pending
+        return where, {
+            n: libraries.new(pending[n], where, stats_dtype) if n in pending else None
+            for n in PER_CHANNEL
+        }
 
     def _commit(self, where: tuple[str, str], arrays: dict[str, Any]) -> None:
         """Make ``arrays`` (from ``_arrays_for``) the layer's own, kept at ``where``."""
@@ -219,24 +242,29 @@ class BatchNorm:
             wants = "needs z" if z is None else "takes no z"
             raise InfiniError(Status.BAD_PARAM, f"fusion={self.fusion!r} {wants}")
         where, arrays = self._arrays_for("input", input)
-        weight, bias = arrays.get("weight"), arrays.get("bias")
-        running = arrays.get("running_mean"), arrays.get("running_var")
-        if self.training or not self.track_running_stats:
+        weight, bias, *running = arrays.values()
+        if (running[0] is None) != (running[1] is None):
+            raise InfiniError(
+                Status.BAD_PARAM,
+                "running_mean and running_var must both be None or neither, as torch's",
+            )
+        if self.training or running[0] is None:  # torch's bn_training
             if self.eps <= 0:  # as torch's F.batch_norm with the batch's statistics
                 raise InfiniError(
                     Status.BAD_PARAM,
-                    "eps must be positive for the batch's statistics (training, or "
-                    f"track_running_stats=False), as torch's; got {self.eps}",
+                    "eps must be positive for the batch's statistics (training, or no running "
+                    f"statistics), as torch's; got {self.eps}",
                 )
-            tracking = self.training and self.track_running_stats
-            count = self.num_batches_tracked + 1 if tracking else None
-            momentum = 0.0
-            if tracking:
-                momentum = 1.0 / count if self.momentum is None else self.momentum
+            moving = self.training and self.track_running_stats
+            counting = moving and self.num_batches_tracked is not None
+            count = self.num_batches_tracked + 1 if counting else None
+            momentum = self.momentum
+            if momentum is None:  # the cumulative average (torch's factor 0 when not counting)
+                momentum = 1.0 / count if counting else 0.0
             output, backward = self._batch_pass(
-                input, z, weight, bias, *(running if tracking else (None, None)), momentum
+                input, z, weight, bias, *(running if moving else (None, None)), momentum
             )
-            if tracking:
+            if counting:
                 self.num_batches_tracked = count
         else:
             output, backward = self._eval_pass(input, z, weight, bias, *running)
@@ -308,16 +336,15 @@ class BatchNorm:
 
     @_public
     def state_dict(self) -> dict[str, Any]:
-        """torch's names and order: ``weight``, ``bias`` (affine), ``running_mean``,
-        ``running_var``, ``num_batches_tracked`` (tracking). The layer's own arrays (host
+        """torch's names and order: ``weight``, ``bias``, ``running_mean``, ``running_var``,
+        ``num_batches_tracked``, those the layer has (not None). The layer's own arrays (host
         float64 copies before they exist); ``num_batches_tracked`` a 0-d int64 array."""
         state = {n: v.copy() for n, v in self._pending.items()} if self._pending is not None else {
-            name: getattr(self, name) for name in self.defaults()
+            name: getattr(self, name) for name in self._present()
         }  # fmt: skip
-        if self.track_running_stats:
-            like = state["running_mean"]
+        if self.num_batches_tracked is not None:
             state["num_batches_tracked"] = libraries.new(
-                np.array(self.num_batches_tracked), like, "int64"
+                np.array(self.num_batches_tracked), self._place or ("numpy", "cpu"), "int64"
             )
         return state
 
@@ -348,8 +375,8 @@ class BatchNorm:
             raise InfiniError(
                 Status.BAD_PARAM, f"state must be a mapping of names to arrays, got {state!r}"
             )
-        expected = list(self.defaults())
-        if self.track_running_stats:
+        expected = self._present()
+        if self.num_batches_tracked is not None:
             expected.append("num_batches_tracked")
         kept = ("num_batches_tracked",) if state_version(state) < 2 else ()
         missing = [n for n in expected if n not in state and n not in kept]

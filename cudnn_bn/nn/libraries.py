@@ -38,21 +38,21 @@ def place(name: str, array: Any) -> tuple[str, str]:
     return lib, str(array.device)
 
 
-def new(values: np.ndarray, like: Any, dtype: str) -> Any:
-    """``values`` as a new array of ``like``'s library and device, of dtype ``dtype``
-    (a NumPy dtype name: ``"float32"``, ``"float64"``, ``"int64"``)."""
-    lib = library("like", like)
+def new(values: np.ndarray, where: tuple[str, str], dtype: str) -> Any:
+    """``values`` as a new array at ``where`` (``place``'s (library, device)), of dtype
+    ``dtype`` (a NumPy dtype name: ``"float32"``, ``"float64"``, ``"int64"``)."""
+    lib, device = where
     if lib == "numpy":
         with np.errstate(over="ignore"):  # beyond float32: inf, as torch's copies make it
             return np.array(values, dtype=dtype)
     if lib == "cupy":
         import cupy
 
-        with like.device:
+        with cupy.cuda.Device(int(device.removeprefix("cuda:"))):
             return cupy.array(values, dtype=dtype)
     import torch
 
-    return torch.tensor(values, dtype=getattr(torch, dtype), device=like.device)
+    return torch.tensor(values, dtype=getattr(torch, dtype), device=device)
 
 
 def host(name: str, array: Any) -> np.ndarray:
@@ -77,4 +77,4 @@ def host(name: str, array: Any) -> np.ndarray:
 
 def assign(target: Any, values: np.ndarray) -> None:
     """Write host ``values`` into ``target`` in place (its dtype, library and device)."""
-    target[...] = new(values, target, str(target.dtype).removeprefix("torch."))
+    target[...] = new(values, place("target", target), str(target.dtype).removeprefix("torch."))
