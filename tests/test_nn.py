@@ -75,7 +75,8 @@ def torch_module(shape, **flags) -> torch.nn.Module:
         rng = np.random.default_rng(42)
         with torch.no_grad():
             module.weight.copy_(torch.tensor(rng.uniform(0.5, 1.5, shape[1])))
-            module.bias.copy_(torch.tensor(rng.standard_normal(shape[1]) * 0.5))
+            if module.bias is not None:
+                module.bias.copy_(torch.tensor(rng.standard_normal(shape[1]) * 0.5))
     return module
 
 
@@ -251,6 +252,43 @@ def test_one_running_statistic_none_raises_as_torch(name, training):
     )
     for n, value in layer.state_dict().items():
         np.testing.assert_array_equal(value, before[n])
+
+
+@pytest.mark.parametrize("step", [0, 2], ids=["before-any-forward", "after-training"])
+@pytest.mark.parametrize("names", [("weight",), ("bias",), ("weight", "bias")])
+def test_parameters_set_to_none_are_gone_as_torch_s(names, step):
+    """torch's ``m.weight = None`` (or ``bias``): 1 (or 0) in its place, no gradient, not in
+    the state dict. The layer accumulated a ``bias_grad`` without a bias and ``weight_grad +=
+    None`` raised INTERNAL_ERROR; set before the first forward, the first forward made them.
+    (The gradients are zeroed with the change: torch's go with its parameters.)"""
+
+    def change(m):
+        m.zero_grad()
+        for name in names:
+            setattr(m, name, None)
+
+    run_scenario((4, 3, 5), fusion="relu", change=(step, change))
+
+
+def test_bias_false_is_torch_s_weight_alone():
+    """torch 2.13's ``bias=False``: an affine layer with a weight and no bias (a TypeError
+    here before)."""
+    run_scenario((4, 3, 5), bias=False)
+    layer = BatchNorm(3, bias=False)
+    assert repr(layer) == repr(torch.nn.BatchNorm1d(3, bias=False)).replace("1d", "", 1)
+
+
+@pytest.mark.parametrize(
+    "flags", [{}, dict(momentum=None, affine=False, track_running_stats=False, eps=0.5)]
+)
+def test_repr_is_torch_s(flags):
+    """``BatchNorm1d(3, eps=1e-05, momentum=0.1, affine=True, bias=True, ...)`` as torch's
+    (``extra_repr`` too), ``fusion`` only when fused; the layer's had no ``bias`` and always a
+    ``fusion``."""
+    want = torch.nn.BatchNorm1d(3, **flags)
+    assert repr(BatchNorm(3, **flags)) == repr(want).replace("BatchNorm1d", "BatchNorm")
+    assert BatchNorm(3, **flags).extra_repr() == want.extra_repr()
+    assert repr(BatchNorm(3, fusion="relu")).endswith("track_running_stats=True, fusion='relu')")
 
 
 # --- state dicts ---------------------------------------------------------------------------------

@@ -61,6 +61,12 @@ def state_version(state: Mapping) -> int:
         return 0
 
 
+def wanted(weight: Any, bias: Any) -> tuple[bool, bool, bool]:
+    """A backward's ``output_mask``: ``grad_input``, and the gradients of the parameters the
+    forward had (torch's: none for a None weight or bias)."""
+    return True, weight is not None, bias is not None
+
+
 class IncompatibleKeys(NamedTuple):
     """What ``load_state_dict`` returns, as torch's: the names it lacked and those it left."""
 
@@ -77,7 +83,8 @@ class BatchNorm:
     by ``momentum``, or by ``1/num_batches_tracked`` when ``momentum`` is None, while
     ``track_running_stats``) or the running statistics; without running statistics
     (``track_running_stats=False``, or both set to None) eval uses the batch's too;
-    ``affine=False`` has no ``weight``/``bias``. A per-channel array set to None is gone, as
+    ``affine=False`` has no ``weight``/``bias``, ``bias=False`` (torch 2.13's) no ``bias``,
+    and a parameter absent has no gradient. A per-channel array set to None is gone, as
     torch's None parameter or buffer (also before the first forward). ``fusion`` ``"relu"``
     or ``"add_relu"`` makes ``forward(input, z)`` return ``relu(bn(input) [+ z])``.
 
@@ -100,6 +107,7 @@ class BatchNorm:
         track_running_stats: bool = True,
         fusion: str | None = None,
         *,
+        bias: bool = True,
         like: Any = None,
     ) -> None:
         if isinstance(num_features, bool) or not isinstance(num_features, int | np.integer):
@@ -120,6 +128,7 @@ class BatchNorm:
         self.eps = check_eps(eps)
         self.momentum = None if momentum is None else check_fraction("momentum", momentum)
         self.affine, self.track_running_stats = bool(affine), bool(track_running_stats)
+        self._has_bias = bool(bias)
         self.fusion = fusion
         self.training = True
         self.num_batches_tracked: int | None = 0 if self.track_running_stats else None
@@ -140,7 +149,9 @@ class BatchNorm:
         (torch's)."""
         names = {}
         if self.affine:
-            names.update(weight=1.0, bias=0.0)
+            names["weight"] = 1.0
+            if self._has_bias:  # torch's bias=False: a weight alone
+                names["bias"] = 0.0
         if self.track_running_stats:
             names.update(running_mean=0.0, running_var=1.0)
         return names
@@ -160,12 +171,18 @@ class BatchNorm:
             pending.pop(name, None)
         object.__setattr__(self, name, value)
 
-    def __repr__(self) -> str:
+    def extra_repr(self) -> str:
+        """torch's ``extra_repr`` (``bias`` whether the layer has one), then ``fusion`` when
+        fused."""
+        fusion = f", fusion={self.fusion!r}" if self.fusion else ""
         return (
-            f"{type(self).__name__}({self.num_features}, eps={self.eps}, "
-            f"momentum={self.momentum}, affine={self.affine}, "
-            f"track_running_stats={self.track_running_stats}, fusion={self.fusion!r})"
+            f"{self.num_features}, eps={self.eps}, momentum={self.momentum}, "
+            f"affine={self.affine}, bias={'bias' in self._present()}, "
+            f"track_running_stats={self.track_running_stats}{fusion}"
         )
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.extra_repr()})"
 
     def __getstate__(self) -> dict[str, Any]:
         """The layer without its pending backward (a closure over the last forward's arrays),
@@ -294,7 +311,7 @@ class BatchNorm:
         return outputs[0], lambda grad_output: batch_norm_backward(
             input, grad_output, weight, None, None,
             eps=self.eps, mode="saved", saved_mean=outputs[1], saved_invstd=outputs[2],
-            reserve=outputs.reserve, **fused,
+            reserve=outputs.reserve, output_mask=wanted(weight, bias), **fused,
         )  # fmt: skip
 
     def _eval_pass(
@@ -311,7 +328,7 @@ class BatchNorm:
             fused = dict(fusion=self.fusion, output=output, bias=bias)
         return output, lambda grad_output: batch_norm_backward(
             input, grad_output, weight, running_mean, running_var,
-            eps=self.eps, mode="eval", **fused,
+            eps=self.eps, mode="eval", output_mask=wanted(weight, bias), **fused,
         )  # fmt: skip
 
     @_public
@@ -324,12 +341,12 @@ class BatchNorm:
             )
         grad_input, grad_weight, grad_bias, *grad_z = self._backward(grad_output)
         self._backward = None
-        if self.affine:
-            if self.weight_grad is None:
-                self.weight_grad, self.bias_grad = grad_weight, grad_bias
-            else:
-                self.weight_grad += grad_weight
-                self.bias_grad += grad_bias
+        for name, grad in (("weight_grad", grad_weight), ("bias_grad", grad_bias)):
+            total = getattr(self, name)
+            if total is None:
+                setattr(self, name, grad)
+            elif grad is not None:
+                total += grad
         return (grad_input, grad_z[0]) if grad_z else grad_input
 
     # --- state dicts -------------------------------------------------------------------------

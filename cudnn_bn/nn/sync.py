@@ -8,7 +8,7 @@ training forward synchronizes; eval mode is ``BatchNorm``'s, on this process's b
 from typing import Any
 
 from ..distributed import sync_batch_norm_backward, sync_batch_norm_forward_training
-from .batch_norm import Backward, BatchNorm, add_relu, check_like_input
+from .batch_norm import Backward, BatchNorm, add_relu, check_like_input, wanted
 
 
 class SyncBatchNorm(BatchNorm):
@@ -52,8 +52,9 @@ class SyncBatchNorm(BatchNorm):
                 check_like_input("grad_output", grad_output, input)
                 grad_output = grad_output * (output > 0)
             grads = sync_batch_norm_backward(
-                input, grad_output, weight, mean, invstd, group=self.group
-            )
+                input, grad_output, weight, mean, invstd,
+                group=self.group, output_mask=wanted(weight, bias),
+            )  # fmt: skip
             return (*grads, grad_output) if self.fusion == "add_relu" else grads
 
         return output, backward
