@@ -382,6 +382,27 @@ def test_bad_state_raises_and_changes_nothing(change, status):
         np.testing.assert_array_equal(np.asarray(value), before[name])
 
 
+@pytest.mark.parametrize("lib", ["numpy", "torch"])
+@pytest.mark.parametrize("count", [2**53 + 1, 2**63 - 2])
+def test_num_batches_tracked_round_trips_torch_s_int64_exactly(count, lib):
+    """torch's ``num_batches_tracked`` is an int64: the layer read it through float64, so
+    2**53 + 1 loaded as 2**53 and 2**63 - 2 was refused as 2**63. Now read exactly, it comes
+    back in the layer's ``state_dict()`` and into torch as it was; ``momentum=None`` then
+    moves the running statistics by torch's ``1 / float(num_batches_tracked)``."""
+    module = torch.nn.BatchNorm1d(3, momentum=None).double()
+    module.num_batches_tracked.fill_(count)
+    state = module.state_dict()
+    layer = BatchNorm(3, momentum=None)
+    layer.load_state_dict(numpy_state(module) if lib == "numpy" else state)
+    assert layer.num_batches_tracked == count
+    x = np.random.default_rng(13).standard_normal((4, 3))
+    close("output", layer(x), module(torch.tensor(x)), 1e-12)
+    compare_state(layer, module, 1e-12, 0)
+    back = torch.nn.BatchNorm1d(3).double()
+    back.load_state_dict({n: torch.as_tensor(v) for n, v in layer.state_dict().items()})
+    assert int(back.num_batches_tracked) == count + 1
+
+
 @pytest.mark.parametrize("dtype", [np.float16, ml_dtypes.bfloat16, np.int64, np.bool_])
 def test_a_state_of_other_real_dtypes_loads(dtype):
     state = {name: value.astype(dtype) for name, value in numpy_state(trained_module()).items()}

@@ -403,7 +403,11 @@ class BatchNorm:
                 Status.BAD_PARAM,
                 f"state: missing {missing}, unexpected {unexpected} (expected {expected})",
             )
-        values = {n: libraries.host(f"state[{n!r}]", state[n]) for n in expected if n in state}
+        values = {
+            n: libraries.host(f"state[{n!r}]", state[n], integers=n == "num_batches_tracked")
+            for n in expected
+            if n in state
+        }
         for name, value in values.items():
             shape = () if name == "num_batches_tracked" else (self.num_features,)
             if value.shape != shape:
@@ -412,7 +416,9 @@ class BatchNorm:
                     f"state[{name!r}] has shape {value.shape}; expected {shape}",
                 )
         count = values.pop("num_batches_tracked", None)
-        if count is not None and not (0 <= count < 2.0**63 and count == np.floor(count)):
+        if count is not None and not (
+            0 <= count == np.floor(count) and (count.dtype == np.int64 or count < 2.0**63)
+        ):
             raise InfiniError(
                 Status.BAD_PARAM,
                 f"state['num_batches_tracked'] must be a count below 2**63 (torch's int64), "
