@@ -14,6 +14,7 @@ import itertools
 import pickle
 import socket
 import warnings
+from collections import OrderedDict
 
 import ml_dtypes
 import numpy as np
@@ -22,6 +23,7 @@ import torch
 
 from cudnn_bn import InfiniError, Status
 from cudnn_bn.nn import BatchNorm, SyncBatchNorm
+from cudnn_bn.nn.batch_norm import state_version
 
 EPS = 1e-5
 MODULES = {2: torch.nn.BatchNorm1d, 3: torch.nn.BatchNorm1d, 4: torch.nn.BatchNorm2d}
@@ -401,6 +403,31 @@ def test_num_batches_tracked_round_trips_torch_s_int64_exactly(count, lib):
     back = torch.nn.BatchNorm1d(3).double()
     back.load_state_dict({n: torch.as_tensor(v) for n, v in layer.state_dict().items()})
     assert int(back.num_batches_tracked) == count + 1
+
+
+def with_metadata() -> OrderedDict:
+    """A destination as torch makes its own: an ``OrderedDict`` with a ``_metadata``."""
+    destination = OrderedDict()
+    destination._metadata = OrderedDict()
+    return destination
+
+
+@pytest.mark.parametrize("destination", [None, dict, with_metadata])
+def test_state_dict_takes_torch_s_prefix_destination_and_keep_vars(destination):
+    """torch's ``state_dict(destination=, prefix=, keep_vars=)`` (how a container gathers
+    its children's states), with its ``_metadata`` version where the destination has one
+    (which the layer's own load then reads); the layer's took no argument (TypeError)."""
+    states = []
+    for module in (BatchNorm(3), torch.nn.BatchNorm1d(3)):
+        kwargs = dict(prefix="bn1.", keep_vars=True)
+        if destination is not None:
+            kwargs["destination"] = destination()
+        states.append(module.state_dict(**kwargs))
+        assert destination is None or states[-1] is kwargs["destination"]
+    got, want = states
+    assert list(got) == list(want) and type(got) is type(want)
+    assert getattr(got, "_metadata", None) == getattr(want, "_metadata", None)
+    assert state_version(BatchNorm(3).state_dict()) == 2
 
 
 @pytest.mark.parametrize("dtype", [np.float16, ml_dtypes.bfloat16, np.int64, np.bool_])

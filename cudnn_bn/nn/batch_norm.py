@@ -7,7 +7,8 @@ training forward itself.
 """
 
 import sys
-from collections.abc import Callable, Mapping
+from collections import OrderedDict
+from collections.abc import Callable, Mapping, MutableMapping
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -352,10 +353,32 @@ class BatchNorm:
     # --- state dicts -------------------------------------------------------------------------
 
     @_public
-    def state_dict(self) -> dict[str, Any]:
+    def state_dict(
+        self,
+        *,
+        destination: MutableMapping | None = None,
+        prefix: str = "",
+        keep_vars: bool = False,
+    ) -> MutableMapping[str, Any]:
         """torch's names and order: ``weight``, ``bias``, ``running_mean``, ``running_var``,
         ``num_batches_tracked``, those the layer has (not None). The layer's own arrays (host
-        float64 copies before they exist); ``num_batches_tracked`` a 0-d int64 array."""
+        float64 copies before they exist); ``num_batches_tracked`` a 0-d int64 array.
+
+        As torch's ``Module.state_dict``: each name after ``prefix``, into ``destination``
+        (returned; by default a new ``OrderedDict``), whose ``_metadata``, where it has one,
+        gets torch's version 2 under ``prefix[:-1]``; ``keep_vars`` changes nothing (no
+        autograd here)."""
+        if not isinstance(prefix, str):
+            raise InfiniError(Status.BAD_PARAM, f"prefix must be a str, got {prefix!r}")
+        if destination is None:
+            destination = OrderedDict()
+            destination._metadata = OrderedDict()  # type: ignore[attr-defined]
+        elif not isinstance(destination, MutableMapping):
+            raise InfiniError(
+                Status.BAD_PARAM, f"destination must be a mutable mapping, got {destination!r}"
+            )
+        if hasattr(destination, "_metadata"):
+            destination._metadata[prefix[:-1]] = {"version": 2}
         state = {n: v.copy() for n, v in self._pending.items()} if self._pending is not None else {
             name: getattr(self, name) for name in self._present()
         }  # fmt: skip
@@ -363,7 +386,8 @@ class BatchNorm:
             state["num_batches_tracked"] = libraries.new(
                 np.array(self.num_batches_tracked), self._place or ("numpy", "cpu"), "int64"
             )
-        return state
+        destination.update((prefix + name, value) for name, value in state.items())
+        return destination
 
     def reset_running_stats(self) -> None:
         """torch's: ``running_mean`` 0, ``running_var`` 1 and ``num_batches_tracked`` 0 (a
