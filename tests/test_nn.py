@@ -12,6 +12,7 @@ InfiniCore's 2e-5 for float32 and 1e-2 for F16/BF16 (whose outputs alone are rou
 import copy
 import itertools
 import pickle
+import re
 import socket
 import warnings
 from collections import OrderedDict
@@ -702,6 +703,27 @@ def test_bad_input_raises_infini_error_and_changes_nothing():
     layer.eval()
     with pytest.raises(InfiniError):
         layer(x, np.ones((4, 2)))  # z unlike input, eval mode
+
+
+@pytest.mark.parametrize("dims", [1, 2, 3, 4, 5, 6])
+@pytest.mark.parametrize("name", ["BatchNorm1d", "BatchNorm2d", "BatchNorm3d"])
+def test_dimension_classes_take_torch_s_input_dimensions_alone(name, dims):
+    """``cudnn_bn.nn.BatchNorm2d`` (1d, 3d) raises where torch's does, with its message
+    (``expected 4D input (got 3D input)``) as BAD_TENSOR_SHAPE (a ValueError), changing
+    nothing; the package had only ``BatchNorm``, which takes 2 to 5 dimensions."""
+    import cudnn_bn.nn
+
+    x = np.random.default_rng(14).standard_normal((4, 3, 2, 2, 2, 2)[:dims])
+    module, layer = getattr(torch.nn, name)(3).double(), getattr(cudnn_bn.nn, name)(3)
+    try:
+        expected = module(torch.tensor(x))
+    except ValueError as error:
+        with pytest.raises(ValueError, match=re.escape(str(error))):
+            layer(x)
+        assert layer.num_batches_tracked == 0 and layer.weight is None
+    else:
+        close("output", layer(x), expected, 1e-12)
+        assert repr(layer) == repr(module)
 
 
 # --- SyncBatchNorm in a group of one ------------------------------------------------------------

@@ -98,6 +98,8 @@ class BatchNorm:
     raises ``InfiniError`` and changes nothing.
     """
 
+    DIMS: tuple[int, ...] | None = None  # the input dimensions taken; None: 2 to 5
+
     @_public
     def __init__(
         self,
@@ -259,6 +261,13 @@ class BatchNorm:
         if (z is not None) != (self.fusion == "add_relu"):
             wants = "needs z" if z is None else "takes no z"
             raise InfiniError(Status.BAD_PARAM, f"fusion={self.fusion!r} {wants}")
+        if self.DIMS is not None:  # torch's _check_input_dim, with its words
+            dims = len(operand("input", input).desc.shape)
+            if dims not in self.DIMS:
+                expected = " or ".join(f"{d}D" for d in self.DIMS)
+                raise InfiniError(
+                    Status.BAD_TENSOR_SHAPE, f"expected {expected} input (got {dims}D input)"
+                )
         where, arrays = self._arrays_for("input", input)
         weight, bias, *running = arrays.values()
         if (running[0] is None) != (running[1] is None):
@@ -456,3 +465,22 @@ class BatchNorm:
         if count is not None:
             self.num_batches_tracked = int(count)
         return IncompatibleKeys(missing, unexpected)
+
+
+class BatchNorm1d(BatchNorm):
+    """``BatchNorm`` for torch's ``BatchNorm1d`` input alone: ``(N, C)`` or ``(N, C, L)``
+    (anything else: BAD_TENSOR_SHAPE, a ValueError with torch's message)."""
+
+    DIMS = (2, 3)
+
+
+class BatchNorm2d(BatchNorm):
+    """``BatchNorm`` for torch's ``BatchNorm2d`` input alone: ``(N, C, H, W)``."""
+
+    DIMS = (4,)
+
+
+class BatchNorm3d(BatchNorm):
+    """``BatchNorm`` for torch's ``BatchNorm3d`` input alone: ``(N, C, D, H, W)``."""
+
+    DIMS = (5,)
