@@ -778,6 +778,39 @@ def test_sync_batch_norm_in_a_group_of_one_is_batch_norm(group_of_one):
             assert info.value.status == Status.BAD_PARAM
 
 
+def test_convert_sync_batchnorm_is_torch_s_over_the_layers_of_a_model():
+    """torch's ``SyncBatchNorm.convert_sync_batchnorm``: each batch norm becomes a
+    ``SyncBatchNorm`` with its flags, mode, count and the same arrays; the rest stays. The
+    layer had none (AttributeError). In a group of one, the converted layer trains as the
+    original would."""
+    group = pytest.importorskip("mpi4py.MPI").COMM_SELF
+    rng = np.random.default_rng(15)
+    x, dy = (rng.standard_normal((4, 3, 2, 2)) for _ in range(2))
+    layer = BatchNorm(3, momentum=None, bias=False)
+    layer(x)
+    layer.eval()
+    module = torch.nn.BatchNorm2d(3, momentum=None, bias=False).double()
+    module(torch.tensor(x))
+    module.eval()
+    untouched = object()
+    sync, kept, unmade = SyncBatchNorm.convert_sync_batchnorm(
+        (layer, untouched, BatchNorm(2)), group
+    )
+    want = torch.nn.SyncBatchNorm.convert_sync_batchnorm(module)
+    assert type(sync) is SyncBatchNorm and sync.group is group and kept is untouched
+    assert repr(sync) == repr(want) and sync.training is want.training is False
+    assert sync.running_var is layer.running_var and sync.weight is layer.weight
+    assert sync.num_batches_tracked == int(want.num_batches_tracked) == 1
+    assert type(unmade) is SyncBatchNorm and unmade.weight is None
+    original = copy.deepcopy(layer).train()
+    sync.train()
+    close("output", sync(x), original(x), 1e-12)
+    close("grad_input", sync.backward(dy), original.backward(dy), 1e-12)
+    for name in ("weight", "running_mean", "running_var"):  # shared with the converted one
+        close(name, getattr(layer, name), getattr(original, name), 1e-12)
+    assert sync.num_batches_tracked == original.num_batches_tracked == 2
+
+
 # --- on a GPU: CuPy arrays and torch CUDA tensors (cuDNN and the CuPy kernels) ----------------
 
 
