@@ -12,8 +12,10 @@ InfiniCore's 2e-5 for float32 and 1e-2 for F16/BF16 (whose outputs alone are rou
 import copy
 import itertools
 import pickle
+import re
 import socket
 import warnings
+from collections import OrderedDict
 
 import ml_dtypes
 import numpy as np
@@ -22,6 +24,7 @@ import torch
 
 from cudnn_bn import InfiniError, Status
 from cudnn_bn.nn import BatchNorm, SyncBatchNorm
+from cudnn_bn.nn.batch_norm import state_version
 
 EPS = 1e-5
 MODULES = {2: torch.nn.BatchNorm1d, 3: torch.nn.BatchNorm1d, 4: torch.nn.BatchNorm2d}
@@ -75,7 +78,8 @@ def torch_module(shape, **flags) -> torch.nn.Module:
         rng = np.random.default_rng(42)
         with torch.no_grad():
             module.weight.copy_(torch.tensor(rng.uniform(0.5, 1.5, shape[1])))
-            module.bias.copy_(torch.tensor(rng.standard_normal(shape[1]) * 0.5))
+            if module.bias is not None:
+                module.bias.copy_(torch.tensor(rng.standard_normal(shape[1]) * 0.5))
     return module
 
 
@@ -96,19 +100,22 @@ def torch_step(module, x, dy, z, fusion):
 
 
 def compare_state(layer: BatchNorm, module: torch.nn.Module, tol: float, step: int) -> None:
-    if module.affine and module.weight.grad is None:
-        assert layer.weight_grad is layer.bias_grad is None
-    elif module.affine:
-        close(f"step {step}: weight_grad", layer.weight_grad, module.weight.grad, tol)
-        close(f"step {step}: bias_grad", layer.bias_grad, module.bias.grad, tol)
-    else:
-        assert layer.weight is layer.bias is layer.weight_grad is layer.bias_grad is None
-    if module.track_running_stats:
-        close(f"step {step}: running_mean", layer.running_mean, module.running_mean, tol)
-        close(f"step {step}: running_var", layer.running_var, module.running_var, tol)
+    """The gradients of the parameters torch has, the state dict (names, order, values) and
+    which arrays are None."""
+    for name in ("weight", "bias"):
+        grad = getattr(module, name) is not None and getattr(module, name).grad
+        if grad is None or grad is False:
+            assert getattr(layer, f"{name}_grad") is None, (step, name)
+        else:
+            close(f"step {step}: {name}_grad", getattr(layer, f"{name}_grad"), grad, tol)
+    want, got = module.state_dict(), layer.state_dict()
+    assert list(got) == list(want), step
+    for name, value in want.items():
+        close(f"step {step}: {name}", got[name], value, tol)
+    for name in ("weight", "bias", "running_mean", "running_var", "num_batches_tracked"):
+        assert (getattr(layer, name) is None) == (getattr(module, name) is None), (step, name)
+    if module.num_batches_tracked is not None:
         assert layer.num_batches_tracked == int(module.num_batches_tracked), step
-    else:
-        assert layer.running_mean is layer.running_var is layer.num_batches_tracked is None
 
 
 def run_scenario(
@@ -120,15 +127,20 @@ def run_scenario(
     channels_last=False,
     modes=(True, True, True, False, False, True),
     seed=0,
+    change=None,
     **flags,
 ) -> BatchNorm:
-    """Train/eval steps (``modes``: True trains) through both; compares after every step."""
+    """Train/eval steps (``modes``: True trains) through both; compares after every step.
+    ``change``: (step, function) applied to the torch module and the layer before that step."""
     module = torch_module(shape, **flags)
     layer = BatchNorm(shape[1], EPS, fusion=fusion, **flags)
     layer.load_state_dict(numpy_state(module))
     tol = TOLERANCE[dtype]
     rng = np.random.default_rng(seed)
     for step, training in enumerate(modes):
+        if change is not None and change[0] == step:
+            change[1](module)
+            change[1](layer)
         module.train(training)
         layer.train(training)
         x = rng.standard_normal(shape) * 2 + np.arange(shape[1]).reshape(
@@ -195,6 +207,91 @@ def test_torch_tensors_keep_state_as_tensors():
     layer = run_scenario((4, 3, 5), lib="torch", momentum=None)
     assert all(isinstance(a, torch.Tensor) for a in layer.state_dict().values())
     assert layer.state_dict()["num_batches_tracked"].dtype == torch.int64
+
+
+def no_running_statistics(module) -> None:
+    module.running_mean = module.running_var = None
+
+
+@pytest.mark.parametrize("step", [0, 2], ids=["before-any-forward", "after-training"])
+@pytest.mark.parametrize("momentum", [0.1, None])
+def test_running_statistics_set_to_none_are_gone_as_torch_s(step, momentum):
+    """torch's ``m.running_mean = m.running_var = None``: the batch's statistics in eval too,
+    still counted in ``num_batches_tracked``, neither in the state dict. The layer's eval
+    forward raised NULL_POINTER "running_mean is None", its ``state_dict()`` BAD_PARAM, and
+    set before the first forward, that forward made them anew."""
+    run_scenario((4, 3, 5), momentum=momentum, change=(step, no_running_statistics))
+
+
+def test_track_running_stats_turned_off_later_keeps_the_running_statistics_for_eval():
+    """torch decides by the buffers, not the flag: ``track_running_stats = False`` on a
+    trained module stops the updates and the count, and eval still uses the running
+    statistics. The layer's eval used the batch's."""
+    run_scenario(
+        (4, 3, 5), modes=(True, True, False, True, False),
+        change=(2, lambda m: setattr(m, "track_running_stats", False)),
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("training", [True, False])
+@pytest.mark.parametrize("name", ["running_mean", "running_var"])
+def test_one_running_statistic_none_raises_as_torch(name, training):
+    """torch refuses one running statistic without the other (ValueError in training,
+    RuntimeError in eval); the layer updated the other alone in training (NULL_POINTER in
+    eval). Now BAD_PARAM (a ValueError), nothing changed."""
+    module = torch.nn.BatchNorm1d(3).double().train(training)
+    layer = BatchNorm(3).train(training)
+    x = np.random.default_rng(12).standard_normal((4, 3))
+    layer(x)
+    before = {n: np.array(v) for n, v in layer.state_dict().items()}
+    for m in (module, layer):
+        setattr(m, name, None)
+    with pytest.raises((ValueError, RuntimeError)):
+        module(torch.tensor(x))
+    with pytest.raises(ValueError) as info:
+        layer(x)
+    assert info.value.status == Status.BAD_PARAM and "running_mean and running_var" in str(
+        info.value
+    )
+    for n, value in layer.state_dict().items():
+        np.testing.assert_array_equal(value, before[n])
+
+
+@pytest.mark.parametrize("step", [0, 2], ids=["before-any-forward", "after-training"])
+@pytest.mark.parametrize("names", [("weight",), ("bias",), ("weight", "bias")])
+def test_parameters_set_to_none_are_gone_as_torch_s(names, step):
+    """torch's ``m.weight = None`` (or ``bias``): 1 (or 0) in its place, no gradient, not in
+    the state dict. The layer accumulated a ``bias_grad`` without a bias and ``weight_grad +=
+    None`` raised INTERNAL_ERROR; set before the first forward, the first forward made them.
+    (The gradients are zeroed with the change: torch's go with its parameters.)"""
+
+    def change(m):
+        m.zero_grad()
+        for name in names:
+            setattr(m, name, None)
+
+    run_scenario((4, 3, 5), fusion="relu", change=(step, change))
+
+
+def test_bias_false_is_torch_s_weight_alone():
+    """torch 2.13's ``bias=False``: an affine layer with a weight and no bias (a TypeError
+    here before)."""
+    run_scenario((4, 3, 5), bias=False)
+    layer = BatchNorm(3, bias=False)
+    assert repr(layer) == repr(torch.nn.BatchNorm1d(3, bias=False)).replace("1d", "", 1)
+
+
+@pytest.mark.parametrize(
+    "flags", [{}, dict(momentum=None, affine=False, track_running_stats=False, eps=0.5)]
+)
+def test_repr_is_torch_s(flags):
+    """``BatchNorm1d(3, eps=1e-05, momentum=0.1, affine=True, bias=True, ...)`` as torch's
+    (``extra_repr`` too), ``fusion`` only when fused; the layer's had no ``bias`` and always a
+    ``fusion``."""
+    want = torch.nn.BatchNorm1d(3, **flags)
+    assert repr(BatchNorm(3, **flags)) == repr(want).replace("BatchNorm1d", "BatchNorm")
+    assert BatchNorm(3, **flags).extra_repr() == want.extra_repr()
+    assert repr(BatchNorm(3, fusion="relu")).endswith("track_running_stats=True, fusion='relu')")
 
 
 # --- state dicts ---------------------------------------------------------------------------------
@@ -286,6 +383,52 @@ def test_bad_state_raises_and_changes_nothing(change, status):
     assert info.value.status == status
     for name, value in layer.state_dict().items():
         np.testing.assert_array_equal(np.asarray(value), before[name])
+
+
+@pytest.mark.parametrize("lib", ["numpy", "torch"])
+@pytest.mark.parametrize("count", [2**53 + 1, 2**63 - 2])
+def test_num_batches_tracked_round_trips_torch_s_int64_exactly(count, lib):
+    """torch's ``num_batches_tracked`` is an int64: the layer read it through float64, so
+    2**53 + 1 loaded as 2**53 and 2**63 - 2 was refused as 2**63. Now read exactly, it comes
+    back in the layer's ``state_dict()`` and into torch as it was; ``momentum=None`` then
+    moves the running statistics by torch's ``1 / float(num_batches_tracked)``."""
+    module = torch.nn.BatchNorm1d(3, momentum=None).double()
+    module.num_batches_tracked.fill_(count)
+    state = module.state_dict()
+    layer = BatchNorm(3, momentum=None)
+    layer.load_state_dict(numpy_state(module) if lib == "numpy" else state)
+    assert layer.num_batches_tracked == count
+    x = np.random.default_rng(13).standard_normal((4, 3))
+    close("output", layer(x), module(torch.tensor(x)), 1e-12)
+    compare_state(layer, module, 1e-12, 0)
+    back = torch.nn.BatchNorm1d(3).double()
+    back.load_state_dict({n: torch.as_tensor(v) for n, v in layer.state_dict().items()})
+    assert int(back.num_batches_tracked) == count + 1
+
+
+def with_metadata() -> OrderedDict:
+    """A destination as torch makes its own: an ``OrderedDict`` with a ``_metadata``."""
+    destination = OrderedDict()
+    destination._metadata = OrderedDict()
+    return destination
+
+
+@pytest.mark.parametrize("destination", [None, dict, with_metadata])
+def test_state_dict_takes_torch_s_prefix_destination_and_keep_vars(destination):
+    """torch's ``state_dict(destination=, prefix=, keep_vars=)`` (how a container gathers
+    its children's states), with its ``_metadata`` version where the destination has one
+    (which the layer's own load then reads); the layer's took no argument (TypeError)."""
+    states = []
+    for module in (BatchNorm(3), torch.nn.BatchNorm1d(3)):
+        kwargs = dict(prefix="bn1.", keep_vars=True)
+        if destination is not None:
+            kwargs["destination"] = destination()
+        states.append(module.state_dict(**kwargs))
+        assert destination is None or states[-1] is kwargs["destination"]
+    got, want = states
+    assert list(got) == list(want) and type(got) is type(want)
+    assert getattr(got, "_metadata", None) == getattr(want, "_metadata", None)
+    assert state_version(BatchNorm(3).state_dict()) == 2
 
 
 @pytest.mark.parametrize("dtype", [np.float16, ml_dtypes.bfloat16, np.int64, np.bool_])
@@ -562,6 +705,27 @@ def test_bad_input_raises_infini_error_and_changes_nothing():
         layer(x, np.ones((4, 2)))  # z unlike input, eval mode
 
 
+@pytest.mark.parametrize("dims", [1, 2, 3, 4, 5, 6])
+@pytest.mark.parametrize("name", ["BatchNorm1d", "BatchNorm2d", "BatchNorm3d"])
+def test_dimension_classes_take_torch_s_input_dimensions_alone(name, dims):
+    """``cudnn_bn.nn.BatchNorm2d`` (1d, 3d) raises where torch's does, with its message
+    (``expected 4D input (got 3D input)``) as BAD_TENSOR_SHAPE (a ValueError), changing
+    nothing; the package had only ``BatchNorm``, which takes 2 to 5 dimensions."""
+    import cudnn_bn.nn
+
+    x = np.random.default_rng(14).standard_normal((4, 3, 2, 2, 2, 2)[:dims])
+    module, layer = getattr(torch.nn, name)(3).double(), getattr(cudnn_bn.nn, name)(3)
+    try:
+        expected = module(torch.tensor(x))
+    except ValueError as error:
+        with pytest.raises(ValueError, match=re.escape(str(error))):
+            layer(x)
+        assert layer.num_batches_tracked == 0 and layer.weight is None
+    else:
+        close("output", layer(x), expected, 1e-12)
+        assert repr(layer) == repr(module)
+
+
 # --- SyncBatchNorm in a group of one ------------------------------------------------------------
 
 
@@ -612,6 +776,39 @@ def test_sync_batch_norm_in_a_group_of_one_is_batch_norm(group_of_one):
             with pytest.raises(InfiniError) as info:
                 sync.backward(dy[:1])  # would broadcast
             assert info.value.status == Status.BAD_PARAM
+
+
+def test_convert_sync_batchnorm_is_torch_s_over_the_layers_of_a_model():
+    """torch's ``SyncBatchNorm.convert_sync_batchnorm``: each batch norm becomes a
+    ``SyncBatchNorm`` with its flags, mode, count and the same arrays; the rest stays. The
+    layer had none (AttributeError). In a group of one, the converted layer trains as the
+    original would."""
+    group = pytest.importorskip("mpi4py.MPI").COMM_SELF
+    rng = np.random.default_rng(15)
+    x, dy = (rng.standard_normal((4, 3, 2, 2)) for _ in range(2))
+    layer = BatchNorm(3, momentum=None, bias=False)
+    layer(x)
+    layer.eval()
+    module = torch.nn.BatchNorm2d(3, momentum=None, bias=False).double()
+    module(torch.tensor(x))
+    module.eval()
+    untouched = object()
+    sync, kept, unmade = SyncBatchNorm.convert_sync_batchnorm(
+        (layer, untouched, BatchNorm(2)), group
+    )
+    want = torch.nn.SyncBatchNorm.convert_sync_batchnorm(module)
+    assert type(sync) is SyncBatchNorm and sync.group is group and kept is untouched
+    assert repr(sync) == repr(want) and sync.training is want.training is False
+    assert sync.running_var is layer.running_var and sync.weight is layer.weight
+    assert sync.num_batches_tracked == int(want.num_batches_tracked) == 1
+    assert type(unmade) is SyncBatchNorm and unmade.weight is None
+    original = copy.deepcopy(layer).train()
+    sync.train()
+    close("output", sync(x), original(x), 1e-12)
+    close("grad_input", sync.backward(dy), original.backward(dy), 1e-12)
+    for name in ("weight", "running_mean", "running_var"):  # shared with the converted one
+        close(name, getattr(layer, name), getattr(original, name), 1e-12)
+    assert sync.num_batches_tracked == original.num_batches_tracked == 2
 
 
 # --- on a GPU: CuPy arrays and torch CUDA tensors (cuDNN and the CuPy kernels) ----------------

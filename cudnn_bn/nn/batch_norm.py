@@ -7,7 +7,8 @@ training forward itself.
 """
 
 import sys
-from collections.abc import Callable, Mapping
+from collections import OrderedDict
+from collections.abc import Callable, Mapping, MutableMapping
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -21,6 +22,7 @@ from . import libraries
 
 _public = raises_only_infini_errors({})
 FUSIONS = (None, "relu", "add_relu")
+PER_CHANNEL = ("weight", "bias", "running_mean", "running_var")  # torch's state order
 _MOST_FEATURES = sys.maxsize // 8  # channels whose float64 arrays NumPy can make
 Backward = Callable[[Any], tuple[Any, ...]]
 
@@ -60,6 +62,12 @@ def state_version(state: Mapping) -> int:
         return 0
 
 
+def wanted(weight: Any, bias: Any) -> tuple[bool, bool, bool]:
+    """A backward's ``output_mask``: ``grad_input``, and the gradients of the parameters the
+    forward had (torch's: none for a None weight or bias)."""
+    return True, weight is not None, bias is not None
+
+
 class IncompatibleKeys(NamedTuple):
     """What ``load_state_dict`` returns, as torch's: the names it lacked and those it left."""
 
@@ -73,10 +81,13 @@ class BatchNorm:
 
     As ``torch.nn.BatchNorm2d(num_features, eps, momentum, affine, track_running_stats)``:
     ``training`` (``train()``/``eval()``) picks the batch statistics (the running ones moved
-    by ``momentum``, or by ``1/num_batches_tracked`` when ``momentum`` is None) or the running
-    statistics; ``track_running_stats=False`` keeps none and uses the batch's in eval too;
-    ``affine=False`` has no ``weight``/``bias``. ``fusion`` ``"relu"`` or ``"add_relu"``
-    makes ``forward(input, z)`` return ``relu(bn(input) [+ z])``.
+    by ``momentum``, or by ``1/num_batches_tracked`` when ``momentum`` is None, while
+    ``track_running_stats``) or the running statistics; without running statistics
+    (``track_running_stats=False``, or both set to None) eval uses the batch's too;
+    ``affine=False`` has no ``weight``/``bias``, ``bias=False`` (torch 2.13's) no ``bias``,
+    and a parameter absent has no gradient. A per-channel array set to None is gone, as
+    torch's None parameter or buffer (also before the first forward). ``fusion`` ``"relu"``
+    or ``"add_relu"`` makes ``forward(input, z)`` return ``relu(bn(input) [+ z])``.
 
     ``weight``, ``bias``, ``running_mean`` and ``running_var`` are arrays of the input's
     library on its device, float32 (float64 for float64 input): made on the first
@@ -86,6 +97,8 @@ class BatchNorm:
     ``bias_grad`` (None until a backward, and after ``zero_grad()``). A failing call
     raises ``InfiniError`` and changes nothing.
     """
+
+    DIMS: tuple[int, ...] | None = None  # the input dimensions taken; None: 2 to 5
 
     @_public
     def __init__(
@@ -97,6 +110,7 @@ class BatchNorm:
         track_running_stats: bool = True,
         fusion: str | None = None,
         *,
+        bias: bool = True,
         like: Any = None,
     ) -> None:
         if isinstance(num_features, bool) or not isinstance(num_features, int | np.integer):
@@ -117,36 +131,61 @@ class BatchNorm:
         self.eps = check_eps(eps)
         self.momentum = None if momentum is None else check_fraction("momentum", momentum)
         self.affine, self.track_running_stats = bool(affine), bool(track_running_stats)
+        self._has_bias = bool(bias)
         self.fusion = fusion
         self.training = True
         self.num_batches_tracked: int | None = 0 if self.track_running_stats else None
         self.weight_grad: Any = None
         self.bias_grad: Any = None
+        self.weight = self.bias = self.running_mean = self.running_var = None
         # Until the arrays exist: their values on the host, made in the first input's library.
         self._pending: dict[str, np.ndarray] | None = {
             name: np.full(self.num_features, value) for name, value in self.defaults().items()
         }
         self._place: tuple[str, str] | None = None
-        self.weight = self.bias = self.running_mean = self.running_var = None
         self._backward: Backward | None = None
         if like is not None:
             self._commit(*self._arrays_for("like", like))
 
     def defaults(self) -> dict[str, float]:
-        """The per-channel arrays this layer has, and their initial value (torch's)."""
+        """The per-channel arrays a new layer of these flags has, and their initial value
+        (torch's)."""
         names = {}
         if self.affine:
-            names.update(weight=1.0, bias=0.0)
+            names["weight"] = 1.0
+            if self._has_bias:  # torch's bias=False: a weight alone
+                names["bias"] = 0.0
         if self.track_running_stats:
             names.update(running_mean=0.0, running_var=1.0)
         return names
 
-    def __repr__(self) -> str:
+    def _present(self) -> list[str]:
+        """The per-channel arrays the layer has now, in torch's order: those not None (before
+        the first forward, those it will make)."""
+        if self._pending is not None:
+            return list(self._pending)
+        return [name for name in PER_CHANNEL if getattr(self, name) is not None]
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        """As torch's ``Module``: a per-channel array set to None is gone (not in the state,
+        not used); before the first forward, it is then not made."""
+        pending = self.__dict__.get("_pending")
+        if value is None and pending is not None:
+            pending.pop(name, None)
+        object.__setattr__(self, name, value)
+
+    def extra_repr(self) -> str:
+        """torch's ``extra_repr`` (``bias`` whether the layer has one), then ``fusion`` when
+        fused."""
+        fusion = f", fusion={self.fusion!r}" if self.fusion else ""
         return (
-            f"{type(self).__name__}({self.num_features}, eps={self.eps}, "
-            f"momentum={self.momentum}, affine={self.affine}, "
-            f"track_running_stats={self.track_running_stats}, fusion={self.fusion!r})"
+            f"{self.num_features}, eps={self.eps}, momentum={self.momentum}, "
+            f"affine={self.affine}, bias={'bias' in self._present()}, "
+            f"track_running_stats={self.track_running_stats}{fusion}"
         )
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.extra_repr()})"
 
     def __getstate__(self) -> dict[str, Any]:
         """The layer without its pending backward (a closure over the last forward's arrays),
@@ -190,8 +229,8 @@ class BatchNorm:
                     f"{name} is a {where[0]} array on {where[1]}, but this layer's parameters "
                     f"and statistics are {self._place[0]} arrays on {self._place[1]}",
                 )
-            return where, {n: getattr(self, n) for n in self.defaults()}
-        assigned = [n for n in self._pending if getattr(self, n) is not None]
+            return where, {n: getattr(self, n) for n in PER_CHANNEL}
+        assigned = [n for n in PER_CHANNEL if getattr(self, n) is not None]
         if assigned:  # the new arrays would replace them
             raise InfiniError(
                 Status.BAD_PARAM,
@@ -201,7 +240,11 @@ class BatchNorm:
             )
         dtype = operand(name, array).desc.dtype
         stats_dtype = "float64" if dtype == DataType.F64 else "float32"
-        return where, {n: libraries.new(v, array, stats_dtype) for n, v in self._pending.items()}
+        pending = self._pending
+        return where, {
+            n: libraries.new(pending[n], where, stats_dtype) if n in pending else None
+            for n in PER_CHANNEL
+        }
 
     def _commit(self, where: tuple[str, str], arrays: dict[str, Any]) -> None:
         """Make ``arrays`` (from ``_arrays_for``) the layer's own, kept at ``where``."""
@@ -218,25 +261,37 @@ class BatchNorm:
         if (z is not None) != (self.fusion == "add_relu"):
             wants = "needs z" if z is None else "takes no z"
             raise InfiniError(Status.BAD_PARAM, f"fusion={self.fusion!r} {wants}")
+        if self.DIMS is not None:  # torch's _check_input_dim, with its words
+            dims = len(operand("input", input).desc.shape)
+            if dims not in self.DIMS:
+                expected = " or ".join(f"{d}D" for d in self.DIMS)
+                raise InfiniError(
+                    Status.BAD_TENSOR_SHAPE, f"expected {expected} input (got {dims}D input)"
+                )
         where, arrays = self._arrays_for("input", input)
-        weight, bias = arrays.get("weight"), arrays.get("bias")
-        running = arrays.get("running_mean"), arrays.get("running_var")
-        if self.training or not self.track_running_stats:
+        weight, bias, *running = arrays.values()
+        if (running[0] is None) != (running[1] is None):
+            raise InfiniError(
+                Status.BAD_PARAM,
+                "running_mean and running_var must both be None or neither, as torch's",
+            )
+        if self.training or running[0] is None:  # torch's bn_training
             if self.eps <= 0:  # as torch's F.batch_norm with the batch's statistics
                 raise InfiniError(
                     Status.BAD_PARAM,
-                    "eps must be positive for the batch's statistics (training, or "
-                    f"track_running_stats=False), as torch's; got {self.eps}",
+                    "eps must be positive for the batch's statistics (training, or no running "
+                    f"statistics), as torch's; got {self.eps}",
                 )
-            tracking = self.training and self.track_running_stats
-            count = self.num_batches_tracked + 1 if tracking else None
-            momentum = 0.0
-            if tracking:
-                momentum = 1.0 / count if self.momentum is None else self.momentum
+            moving = self.training and self.track_running_stats
+            counting = moving and self.num_batches_tracked is not None
+            count = self.num_batches_tracked + 1 if counting else None
+            momentum = self.momentum
+            if momentum is None:  # the cumulative average (torch's factor 0 when not counting)
+                momentum = 1.0 / count if counting else 0.0
             output, backward = self._batch_pass(
-                input, z, weight, bias, *(running if tracking else (None, None)), momentum
+                input, z, weight, bias, *(running if moving else (None, None)), momentum
             )
-            if tracking:
+            if counting:
                 self.num_batches_tracked = count
         else:
             output, backward = self._eval_pass(input, z, weight, bias, *running)
@@ -266,7 +321,7 @@ class BatchNorm:
         return outputs[0], lambda grad_output: batch_norm_backward(
             input, grad_output, weight, None, None,
             eps=self.eps, mode="saved", saved_mean=outputs[1], saved_invstd=outputs[2],
-            reserve=outputs.reserve, **fused,
+            reserve=outputs.reserve, output_mask=wanted(weight, bias), **fused,
         )  # fmt: skip
 
     def _eval_pass(
@@ -283,7 +338,7 @@ class BatchNorm:
             fused = dict(fusion=self.fusion, output=output, bias=bias)
         return output, lambda grad_output: batch_norm_backward(
             input, grad_output, weight, running_mean, running_var,
-            eps=self.eps, mode="eval", **fused,
+            eps=self.eps, mode="eval", output_mask=wanted(weight, bias), **fused,
         )  # fmt: skip
 
     @_public
@@ -296,30 +351,52 @@ class BatchNorm:
             )
         grad_input, grad_weight, grad_bias, *grad_z = self._backward(grad_output)
         self._backward = None
-        if self.affine:
-            if self.weight_grad is None:
-                self.weight_grad, self.bias_grad = grad_weight, grad_bias
-            else:
-                self.weight_grad += grad_weight
-                self.bias_grad += grad_bias
+        for name, grad in (("weight_grad", grad_weight), ("bias_grad", grad_bias)):
+            total = getattr(self, name)
+            if total is None:
+                setattr(self, name, grad)
+            elif grad is not None:
+                total += grad
         return (grad_input, grad_z[0]) if grad_z else grad_input
 
     # --- state dicts -------------------------------------------------------------------------
 
     @_public
-    def state_dict(self) -> dict[str, Any]:
-        """torch's names and order: ``weight``, ``bias`` (affine), ``running_mean``,
-        ``running_var``, ``num_batches_tracked`` (tracking). The layer's own arrays (host
-        float64 copies before they exist); ``num_batches_tracked`` a 0-d int64 array."""
-        state = {n: v.copy() for n, v in self._pending.items()} if self._pending is not None else {
-            name: getattr(self, name) for name in self.defaults()
-        }  # fmt: skip
-        if self.track_running_stats:
-            like = state["running_mean"]
-            state["num_batches_tracked"] = libraries.new(
-                np.array(self.num_batches_tracked), like, "int64"
+    def state_dict(
+        self,
+        *,
+        destination: MutableMapping | None = None,
+        prefix: str = "",
+        keep_vars: bool = False,
+    ) -> MutableMapping[str, Any]:
+        """torch's names and order: ``weight``, ``bias``, ``running_mean``, ``running_var``,
+        ``num_batches_tracked``, those the layer has (not None). The layer's own arrays (host
+        float64 copies before they exist); ``num_batches_tracked`` a 0-d int64 array.
+
+        As torch's ``Module.state_dict``: each name after ``prefix``, into ``destination``
+        (returned; by default a new ``OrderedDict``), whose ``_metadata``, where it has one,
+        gets torch's version 2 under ``prefix[:-1]``; ``keep_vars`` changes nothing (no
+        autograd here)."""
+        if not isinstance(prefix, str):
+            raise InfiniError(Status.BAD_PARAM, f"prefix must be a str, got {prefix!r}")
+        if destination is None:
+            destination = OrderedDict()
+            destination._metadata = OrderedDict()  # type: ignore[attr-defined]
+        elif not isinstance(destination, MutableMapping):
+            raise InfiniError(
+                Status.BAD_PARAM, f"destination must be a mutable mapping, got {destination!r}"
             )
-        return state
+        if hasattr(destination, "_metadata"):
+            destination._metadata[prefix[:-1]] = {"version": 2}
+        state = {n: v.copy() for n, v in self._pending.items()} if self._pending is not None else {
+            name: getattr(self, name) for name in self._present()
+        }  # fmt: skip
+        if self.num_batches_tracked is not None:
+            state["num_batches_tracked"] = libraries.new(
+                np.array(self.num_batches_tracked), self._place or ("numpy", "cpu"), "int64"
+            )
+        destination.update((prefix + name, value) for name, value in state.items())
+        return destination
 
     def reset_running_stats(self) -> None:
         """torch's: ``running_mean`` 0, ``running_var`` 1 and ``num_batches_tracked`` 0 (a
@@ -348,8 +425,8 @@ class BatchNorm:
             raise InfiniError(
                 Status.BAD_PARAM, f"state must be a mapping of names to arrays, got {state!r}"
             )
-        expected = list(self.defaults())
-        if self.track_running_stats:
+        expected = self._present()
+        if self.num_batches_tracked is not None:
             expected.append("num_batches_tracked")
         kept = ("num_batches_tracked",) if state_version(state) < 2 else ()
         missing = [n for n in expected if n not in state and n not in kept]
@@ -359,7 +436,11 @@ class BatchNorm:
                 Status.BAD_PARAM,
                 f"state: missing {missing}, unexpected {unexpected} (expected {expected})",
             )
-        values = {n: libraries.host(f"state[{n!r}]", state[n]) for n in expected if n in state}
+        values = {
+            n: libraries.host(f"state[{n!r}]", state[n], integers=n == "num_batches_tracked")
+            for n in expected
+            if n in state
+        }
         for name, value in values.items():
             shape = () if name == "num_batches_tracked" else (self.num_features,)
             if value.shape != shape:
@@ -368,7 +449,9 @@ class BatchNorm:
                     f"state[{name!r}] has shape {value.shape}; expected {shape}",
                 )
         count = values.pop("num_batches_tracked", None)
-        if count is not None and not (0 <= count < 2.0**63 and count == np.floor(count)):
+        if count is not None and not (
+            0 <= count == np.floor(count) and (count.dtype == np.int64 or count < 2.0**63)
+        ):
             raise InfiniError(
                 Status.BAD_PARAM,
                 f"state['num_batches_tracked'] must be a count below 2**63 (torch's int64), "
@@ -382,3 +465,22 @@ class BatchNorm:
         if count is not None:
             self.num_batches_tracked = int(count)
         return IncompatibleKeys(missing, unexpected)
+
+
+class BatchNorm1d(BatchNorm):
+    """``BatchNorm`` for torch's ``BatchNorm1d`` input alone: ``(N, C)`` or ``(N, C, L)``
+    (anything else: BAD_TENSOR_SHAPE, a ValueError with torch's message)."""
+
+    DIMS = (2, 3)
+
+
+class BatchNorm2d(BatchNorm):
+    """``BatchNorm`` for torch's ``BatchNorm2d`` input alone: ``(N, C, H, W)``."""
+
+    DIMS = (4,)
+
+
+class BatchNorm3d(BatchNorm):
+    """``BatchNorm`` for torch's ``BatchNorm3d`` input alone: ``(N, C, D, H, W)``."""
+
+    DIMS = (5,)

@@ -38,38 +38,41 @@ def place(name: str, array: Any) -> tuple[str, str]:
     return lib, str(array.device)
 
 
-def new(values: np.ndarray, like: Any, dtype: str) -> Any:
-    """``values`` as a new array of ``like``'s library and device, of dtype ``dtype``
-    (a NumPy dtype name: ``"float32"``, ``"float64"``, ``"int64"``)."""
-    lib = library("like", like)
+def new(values: np.ndarray, where: tuple[str, str], dtype: str) -> Any:
+    """``values`` as a new array at ``where`` (``place``'s (library, device)), of dtype
+    ``dtype`` (a NumPy dtype name: ``"float32"``, ``"float64"``, ``"int64"``)."""
+    lib, device = where
     if lib == "numpy":
         with np.errstate(over="ignore"):  # beyond float32: inf, as torch's copies make it
             return np.array(values, dtype=dtype)
     if lib == "cupy":
         import cupy
 
-        with like.device:
+        with cupy.cuda.Device(int(device.removeprefix("cuda:"))):
             return cupy.array(values, dtype=dtype)
     import torch
 
-    return torch.tensor(values, dtype=getattr(torch, dtype), device=like.device)
+    return torch.tensor(values, dtype=getattr(torch, dtype), device=device)
 
 
-def host(name: str, array: Any) -> np.ndarray:
+def host(name: str, array: Any, integers: bool = False) -> np.ndarray:
     """A float64 NumPy copy of an array of any of the three libraries, or of a number, of
     real numbers (bool, integer or float, ml_dtypes' too): anything else is BAD_PARAM, as
     torch's load refuses it, where NumPy would drop imaginary parts (with a warning), read
-    None as NaN or parse strings."""
+    None as NaN or parse strings. ``integers``: integer values come back as int64, exactly
+    (a count beyond 2**53, as torch's int64 holds it)."""
     try:
         lib = type(array).__module__.partition(".")[0]
         if lib == "torch":
             values = array.detach().to("cpu", copy=True)
             if not values.is_complex():
-                return values.double().numpy()
+                exact = integers and not values.is_floating_point()
+                return (values.long() if exact else values.double()).numpy()
         else:
             values = array.get() if lib == "cupy" else np.asarray(array)
             if values.dtype.kind not in _NOT_REAL:
-                return np.array(values, dtype=np.float64)
+                exact = integers and values.dtype.kind in "biu"
+                return np.array(values, dtype=np.int64 if exact else np.float64)
     except (TypeError, ValueError) as exc:
         raise InfiniError(Status.BAD_PARAM, f"{name} is not an array of numbers: {exc}") from exc
     raise InfiniError(Status.BAD_PARAM, f"{name} has dtype {values.dtype}; expected real numbers")
@@ -77,4 +80,4 @@ def host(name: str, array: Any) -> np.ndarray:
 
 def assign(target: Any, values: np.ndarray) -> None:
     """Write host ``values`` into ``target`` in place (its dtype, library and device)."""
-    target[...] = new(values, target, str(target.dtype).removeprefix("torch."))
+    target[...] = new(values, place("target", target), str(target.dtype).removeprefix("torch."))

@@ -8,7 +8,7 @@ training forward synchronizes; eval mode is ``BatchNorm``'s, on this process's b
 from typing import Any
 
 from ..distributed import sync_batch_norm_backward, sync_batch_norm_forward_training
-from .batch_norm import Backward, BatchNorm, add_relu, check_like_input
+from .batch_norm import Backward, BatchNorm, add_relu, check_like_input, wanted
 
 
 class SyncBatchNorm(BatchNorm):
@@ -26,6 +26,27 @@ class SyncBatchNorm(BatchNorm):
     def __init__(self, num_features: int, *args: Any, group: Any, **kwargs: Any) -> None:
         super().__init__(num_features, *args, **kwargs)
         self.group = group
+
+    @classmethod
+    def convert_sync_batchnorm(cls, module: Any, group: Any) -> Any:
+        """torch's: a ``BatchNorm`` (a ``SyncBatchNorm`` too) as a new ``SyncBatchNorm`` over
+        ``group`` with its flags, mode, fusion, count (a copy: an int) and arrays (the same
+        arrays, as torch's shares its parameters and buffers; made apart if not yet made);
+        a list, tuple or dict as a new one of its items converted (the layers of a model kept
+        in one); anything else as it is."""
+        if isinstance(module, BatchNorm):
+            sync = cls.__new__(cls)
+            state = module.__getstate__()
+            if state["_pending"] is not None:
+                state["_pending"] = dict(state["_pending"])
+            sync.__dict__.update(state, group=group)
+            return sync
+        if isinstance(module, list | tuple):
+            converted = [cls.convert_sync_batchnorm(m, group) for m in module]
+            return converted if isinstance(module, list) else tuple(converted)
+        if isinstance(module, dict):
+            return {k: cls.convert_sync_batchnorm(m, group) for k, m in module.items()}
+        return module
 
     def _batch_pass(
         self,
@@ -52,8 +73,9 @@ class SyncBatchNorm(BatchNorm):
                 check_like_input("grad_output", grad_output, input)
                 grad_output = grad_output * (output > 0)
             grads = sync_batch_norm_backward(
-                input, grad_output, weight, mean, invstd, group=self.group
-            )
+                input, grad_output, weight, mean, invstd,
+                group=self.group, output_mask=wanted(weight, bias),
+            )  # fmt: skip
             return (*grads, grad_output) if self.fusion == "add_relu" else grads
 
         return output, backward
