@@ -143,7 +143,7 @@ def close(got, want, tol: float, name: str, any_shape: bool = False) -> None:
         raise violation("wrong", f"{name}: {got} differs from torch's {want}")
 
 
-GOOD_REALS = [np.float32(1e-3), np.float64(0.01)]
+GOOD_REALS = [np.float32(1e-3), np.float64(0.01), 0.0]  # eps 0: the spec's formula has none
 BAD_REALS = [-1.0, float("nan"), float("inf"), "0.1", None, True, [0.1], 10**400]
 BAD_MODES = ["training", 7, -1, 1.5, None, True]
 
@@ -182,6 +182,7 @@ MASKS = [
     (True, True, True), [True, False, True], (np.True_, np.False_, np.True_), (1, 1, 1),
     (True, True), "all", None, (False, False, False),
 ]  # fmt: skip
+FIXED_STATISTICS = ("inference", "cupyx_inference", "fold")  # running_var read as it is
 MODES = {"train": "train", "saved": "saved", "eval": "eval", 0: "train", 1: "saved", 2: "eval"}
 
 
@@ -220,6 +221,9 @@ def draw_problem(draw) -> Problem:
         values["grad_output"] = rng.standard_normal((batch, *shape))
     if values["input"].size and draw(st.integers(0, 9)) == 0:
         values["input"].flat[draw(st.integers(0, values["input"].size - 1))] = np.nan
+    if entry in FIXED_STATISTICS and draw(st.integers(0, 3)) == 0:  # var + eps = 0 where
+        # eps is 0: an infinite scale (a backward's infinities are not torch's: README)
+        values["running_var"][draw(st.integers(0, c - 1))] = 0.0
     dtype = draw(st.sampled_from([np.float32, np.float64]))
     clean = draw(st.integers(0, 3)) == 0
     broken = not clean and draw(st.integers(0, 2)) == 0  # else every array in a good form
