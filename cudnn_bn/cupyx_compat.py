@@ -72,7 +72,13 @@ from .api import (
 )
 from .arrays import TORCH, Operand, check_written, common_place, operand
 from .enums import Status
-from .errors import BadParamError, InfiniError, raises_only_infini_errors, shown
+from .errors import (
+    BadParamError,
+    InfiniError,
+    raised_by_caller,
+    raises_only_infini_errors,
+    shown,
+)
 from .ops.validation import check_fraction
 
 # cudnnTensorFormat_t
@@ -93,6 +99,19 @@ def _number(name: str, value: Any, kind: str = "a number") -> None:
     """Refuse ``value`` unless it is a real number, as CuPy 13's ``int`` did."""
     if not isinstance(value, numbers.Real):
         raise BadParamTypeError(Status.BAD_PARAM, f"{name} must be {kind}, got {shown(value)}")
+
+
+def _flag(name: str, value: Any) -> bool:
+    """``value`` as CuPy 13's Cython ``bint`` took it: its truth. An object with none (a
+    NumPy array of several elements) is a BAD_PARAM naming the flag; an exception of the
+    caller's own ``__bool__`` passes through."""
+    try:
+        return bool(value)
+    except (TypeError, ValueError) as exc:
+        if raised_by_caller(exc):
+            raise
+        error = BadParamTypeError if isinstance(exc, TypeError) else BadParamError
+        raise error(Status.BAD_PARAM, f"{name} has no truth value: {exc}") from None
 
 
 def _double(name: str, value: Any) -> float:
@@ -196,6 +215,7 @@ def _problem(x: Any, is_for_conv2d: bool, cudnn_mode: int, d_layout: int) -> _Pr
 
 
 def _view(x: Any, is_for_conv2d: bool, cudnn_mode: int, d_layout: int) -> _Problem:
+    is_for_conv2d = _flag("is_for_conv2d", is_for_conv2d)
     _number("cudnn_mode", cudnn_mode, "an integer")
     _number("d_layout", d_layout, "an integer")
     if isinstance(cudnn_mode, bool) or cudnn_mode not in BatchNormMode._value2member_map_:
@@ -277,7 +297,7 @@ def _readable(a: Any) -> Any:
 
 def _overflow_check(debug: bool, cudnn_mode: int) -> bool:
     """CuPy 13's condition for its overflow check: ``debug`` on a SPATIAL_PERSISTENT pass."""
-    return bool(debug) and cudnn_mode == CUDNN_BATCHNORM_SPATIAL_PERSISTENT
+    return _flag("debug", debug) and cudnn_mode == CUDNN_BATCHNORM_SPATIAL_PERSISTENT
 
 
 _training_api = raises_only_infini_errors(

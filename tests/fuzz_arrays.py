@@ -11,9 +11,9 @@ with the negative or conjugate bit, torch and NumPy subclasses, masked arrays); 
 two arguments are one array, the batch (N) or the batch of problems (B) is empty (a batch
 runs folded or in place, as drawn, whatever its size), weight or bias is None
 (affine=False), the input holds NaN, or ``out=`` arrays are given (good, read-only, aliased,
-of a wrong shape, dtype, byte order or kind); scalars (eps, momentum,
-decay, mode, output_mask) come as Python or NumPy values, good or bad. A "clean" problem
-(plain NumPy or torch arrays, good scalars) must be accepted; one that is clean but for a
+of a wrong shape, dtype, byte order or kind); scalars (eps, momentum, decay, mode,
+output_mask, cupyx_compat's flags) come as Python or NumPy values, good or bad. A "clean"
+problem (plain NumPy or torch arrays, good scalars) must be accepted; one that is clean but for a
 producer whose method raises (its own exception, or a library's it calls: ``json``, NumPy,
 a builtin) must let exactly that exception through, not refuse it. Some problems are called twice
 with the same signature but one property that must still be checked on the plan's hit
@@ -144,6 +144,8 @@ def close(got, want, tol: float, name: str, any_shape: bool = False) -> None:
 
 
 GOOD_REALS = [np.float32(1e-3), np.float64(0.01), 0.0]  # eps 0: the spec's formula has none
+TRUTHS, FALSITIES = [True, np.True_, 1, np.array(True)], [False, np.False_, 0, None]
+NO_TRUTH = [np.array([True, False])]  # cupyx_compat's bint flags: NumPy's ValueError
 CUPY13_DOUBLES = [np.array(1e-3), True]  # what CuPy 13's ``double eps`` took as well
 BAD_REALS = [-1.0, float("nan"), float("inf"), "0.1", None, True, [0.1], 10**400]
 BAD_MODES = ["training", 7, -1, 1.5, None, True]
@@ -274,6 +276,8 @@ def draw_problem(draw) -> Problem:
             )
         ),
         "output_mask": draw(st.sampled_from(MASKS[:3] if good else MASKS)),
+        "conv2d": draw(st.sampled_from(TRUTHS + ([] if good else NO_TRUTH))),  # cupyx's bints
+        "debug": draw(st.sampled_from(FALSITIES + ([] if good else NO_TRUTH))),
         "stream": draw(st.sampled_from(GOOD_STREAMS + ([] if good else BAD_STREAMS))),
         "batch": batch,
         "in_place": draw(st.booleans()),  # batched: at any size (else only large problems)
@@ -380,6 +384,7 @@ def call(entry: str, args: dict, s: dict, out: tuple | None) -> list:
         args[n] for n in ("running_mean", "running_var", "saved_mean", "saved_invstd")
     )
     eps, spatial, stream = s["eps"], cupyx.CUDNN_BATCHNORM_SPATIAL, s["stream"]
+    conv2d, debug = s["conv2d"], s["debug"]
     outs = {} if out is None else {"out": out}
     if entry == "backward":
         return list(
@@ -431,14 +436,16 @@ def call(entry: str, args: dict, s: dict, out: tuple | None) -> list:
         ]
     if entry == "cupyx_training":
         out = cupyx.batch_normalization_forward_training(
-            x, w, b, rm, rv, sm, si, eps, _decay(s["momentum"]), True, spatial, False
+            x, w, b, rm, rv, sm, si, eps, _decay(s["momentum"]), conv2d, spatial, debug
         )
         # CuPy 13: y alone when mean/inv_std are given (and filled), else all three
         return [*out, rm, rv] if sm is None and si is None else [out, sm, si, rm, rv]
     if entry == "cupyx_inference":
-        return [cupyx.batch_normalization_forward_inference(x, w, b, rm, rv, eps, True, spatial)]
+        return [cupyx.batch_normalization_forward_inference(x, w, b, rm, rv, eps, conv2d, spatial)]
     if entry == "cupyx_backward":
-        return list(cupyx.batch_normalization_backward(x, w, dy, sm, si, eps, True, spatial, False))
+        return list(
+            cupyx.batch_normalization_backward(x, w, dy, sm, si, eps, conv2d, spatial, debug)
+        )
     return list(cudnn_bn.fold_conv_bn(dy, sm, w, b, rm, rv, eps, transpose=True))
 
 

@@ -641,6 +641,42 @@ def test_eps_cupy_13s_double_refused_is_refused(form):
     assert isinstance(e.value, InfiniError) and e.value.status == Status.BAD_PARAM
 
 
+class _OwnTruth:
+    def __bool__(self) -> bool:
+        raise KeyError("the caller's own")
+
+
+@pytest.mark.parametrize("name", ["is_for_conv2d", "debug"])
+def test_a_flag_without_a_truth_value_is_bad_param_naming_it(name):
+    """CuPy 13's ``bint`` took any object's truth; NumPy's ValueError for an array of
+    several elements is a BAD_PARAM naming the flag (a ValueError, as there), and the
+    caller's own ``__bool__`` error passes through."""
+    x, gy, gamma, beta, rm, rv = make(CASES["2d"])
+    flags = {"is_for_conv2d": False, "debug": False}
+    calls = {
+        "training": lambda f: cudnn.batch_normalization_forward_training(
+            x, gamma, beta, rm, rv, None, None, EPS, DECAY, f["is_for_conv2d"], SPATIAL,
+            f["debug"],
+        ),
+        "backward": lambda f: cudnn.batch_normalization_backward(
+            x, gamma, gy, rm, rv, EPS, f["is_for_conv2d"], SPATIAL, f["debug"]
+        ),
+    }  # fmt: skip
+    if name == "is_for_conv2d":
+        calls["inference"] = lambda f: cudnn.batch_normalization_forward_inference(
+            x, gamma, beta, rm, rv, EPS, f["is_for_conv2d"], SPATIAL
+        )
+    before = rm.copy(), rv.copy()
+    for call in calls.values():
+        with pytest.raises(ValueError, match=name) as e:
+            call(flags | {name: np.array([True, False])})
+        assert isinstance(e.value, InfiniError) and e.value.status == Status.BAD_PARAM
+        with pytest.raises(KeyError, match="the caller's own"):
+            call(flags | {name: _OwnTruth()})
+    np.testing.assert_array_equal(rm, before[0])
+    np.testing.assert_array_equal(rv, before[1])
+
+
 def test_a_decay_of_a_wrong_type_is_a_type_error():
     x, _, gamma, beta, rm, rv = make(CASES["2d"])
     with pytest.raises(TypeError, match=r"decay must be a number, got None"):
