@@ -33,7 +33,9 @@ What CuPy 13 meant by its arguments, and how it maps onto ``cudnn_bn``'s ``(N, C
 - An empty batch (N = 0, or any size of x but its channels 0) gives what torch gives: an
   empty ``y``/``gx``, zero ``ggamma``/``gbeta``, the running statistics unchanged, and
   ``mean``/``inv_std`` not written (torch's saved statistics are uninitialized there).
-- ``decay`` is Chainer's: the running update uses ``momentum = 1 - decay``.
+- ``decay`` is Chainer's: the running update uses ``momentum = 1 - decay``. ``eps`` and
+  ``decay`` take what CuPy 13's ``double`` took (anything with ``__float__`` or
+  ``__index__``: a 0-d array, True as 1.0).
 - ``debug=True`` with ``CUDNN_BATCHNORM_SPATIAL_PERSISTENT`` does what CuPy 13 did: after a
   cuDNN pass, wait for it (``cudnnQueryRuntimeError``, blocking) and warn if cuDNN reports
   a numerical overflow (``check_overflow=True`` of the array API).
@@ -54,6 +56,7 @@ Differences from CuPy 13:
   device, and share no memory with each other or with ``x``, ``gamma``, ``beta``.
 """
 
+import ctypes
 import math
 import numbers
 from collections.abc import Callable
@@ -69,7 +72,13 @@ from .api import (
 )
 from .arrays import TORCH, Operand, check_written, common_place, operand
 from .enums import Status
-from .errors import BadParamError, InfiniError, raises_only_infini_errors, shown
+from .errors import (
+    BadParamError,
+    InfiniError,
+    raised_by_caller,
+    raises_only_infini_errors,
+    shown,
+)
 from .ops.validation import check_fraction
 
 # cudnnTensorFormat_t
@@ -87,9 +96,38 @@ class BadParamTypeError(BadParamError, TypeError):
 
 
 def _number(name: str, value: Any, kind: str = "a number") -> None:
-    """Refuse ``value`` unless it is a real number, as CuPy 13's ``double``/``int`` did."""
+    """Refuse ``value`` unless it is a real number, as CuPy 13's ``int`` did."""
     if not isinstance(value, numbers.Real):
         raise BadParamTypeError(Status.BAD_PARAM, f"{name} must be {kind}, got {shown(value)}")
+
+
+def _flag(name: str, value: Any) -> bool:
+    """``value`` as CuPy 13's Cython ``bint`` took it: its truth. An object with none (a
+    NumPy array of several elements) is a BAD_PARAM naming the flag; an exception of the
+    caller's own ``__bool__`` passes through."""
+    try:
+        return bool(value)
+    except (TypeError, ValueError) as exc:
+        if raised_by_caller(exc):
+            raise
+        error = BadParamTypeError if isinstance(exc, TypeError) else BadParamError
+        raise error(Status.BAD_PARAM, f"{name} has no truth value: {exc}") from None
+
+
+def _double(name: str, value: Any) -> float:
+    """``value`` as CuPy 13's Cython ``double`` argument took it: ``PyFloat_AsDouble``,
+    which ``ctypes.c_double`` calls too (``__float__``, else ``__index__``: True is 1.0, a
+    0-d array its value); what it refuses is refused here (TypeError, OverflowError)."""
+    try:
+        return ctypes.c_double(value).value
+    except TypeError:
+        raise BadParamTypeError(
+            Status.BAD_PARAM, f"{name} must be a number, got {shown(value)}"
+        ) from None
+    except OverflowError:
+        raise InfiniError(
+            Status.BAD_PARAM, f"{name} is {shown(value)}, outside the range of double"
+        ) from None
 
 
 class _Problem(NamedTuple):
@@ -177,6 +215,7 @@ def _problem(x: Any, is_for_conv2d: bool, cudnn_mode: int, d_layout: int) -> _Pr
 
 
 def _view(x: Any, is_for_conv2d: bool, cudnn_mode: int, d_layout: int) -> _Problem:
+    is_for_conv2d = _flag("is_for_conv2d", is_for_conv2d)
     _number("cudnn_mode", cudnn_mode, "an integer")
     _number("d_layout", d_layout, "an integer")
     if isinstance(cudnn_mode, bool) or cudnn_mode not in BatchNormMode._value2member_map_:
@@ -258,7 +297,7 @@ def _readable(a: Any) -> Any:
 
 def _overflow_check(debug: bool, cudnn_mode: int) -> bool:
     """CuPy 13's condition for its overflow check: ``debug`` on a SPATIAL_PERSISTENT pass."""
-    return bool(debug) and cudnn_mode == CUDNN_BATCHNORM_SPATIAL_PERSISTENT
+    return _flag("debug", debug) and cudnn_mode == CUDNN_BATCHNORM_SPATIAL_PERSISTENT
 
 
 _training_api = raises_only_infini_errors(
@@ -300,9 +339,8 @@ def _forward_training(
     when those are given (and filled). Everything is checked before anything is written."""
     if (mean is None) != (inv_std is None):
         raise InfiniError(Status.BAD_PARAM, "Both mean and inv_std must be None if one is.")
-    _number("eps", eps)
-    _number("decay", decay)
-    momentum = 1.0 - check_fraction("decay", decay)
+    eps = _double("eps", eps)
+    momentum = 1.0 - check_fraction("decay", _double("decay", decay))
     ops = _arrays(
         ("running_mean", "running_var", "mean", "inv_std"),
         x=x, gamma=gamma, beta=beta, running_mean=running_mean, running_var=running_var,
@@ -407,7 +445,7 @@ def batch_normalization_forward_inference(
     d_layout: int = CUDNN_TENSOR_NCHW,
 ) -> Any:
     """Inference-mode batch norm with the fixed statistics ``mean``/``var``: ``y``."""
-    _number("eps", eps)
+    eps = _double("eps", eps)
     _arrays(x=x, gamma=gamma, beta=beta, mean=mean, var=var)
     problem = _problem(x, is_for_conv2d, cudnn_mode, d_layout)
     y = batch_norm_forward_inference(
@@ -435,7 +473,7 @@ def batch_normalization_backward(
 ) -> tuple[Any, Any, Any]:
     """``(gx, ggamma, gbeta)`` of training-mode batch norm from the ``mean``/``inv_std`` its
     forward saved; ``reserve_space`` is what ``_ex`` returned (None, or its array)."""
-    _number("eps", eps)
+    eps = _double("eps", eps)
     _arrays(x=x, gamma=gamma, gy=gy, mean=mean, inv_std=inv_std)
     problem = _problem(x, is_for_conv2d, cudnn_mode, d_layout)
     if tuple(gy.shape) != tuple(x.shape):

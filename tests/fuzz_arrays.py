@@ -11,9 +11,9 @@ with the negative or conjugate bit, torch and NumPy subclasses, masked arrays); 
 two arguments are one array, the batch (N) or the batch of problems (B) is empty (a batch
 runs folded or in place, as drawn, whatever its size), weight or bias is None
 (affine=False), the input holds NaN, or ``out=`` arrays are given (good, read-only, aliased,
-of a wrong shape, dtype, byte order or kind); scalars (eps, momentum,
-decay, mode, output_mask) come as Python or NumPy values, good or bad. A "clean" problem
-(plain NumPy or torch arrays, good scalars) must be accepted; one that is clean but for a
+of a wrong shape, dtype, byte order or kind); scalars (eps, momentum, decay, mode,
+output_mask, cupyx_compat's flags) come as Python or NumPy values, good or bad. A "clean"
+problem (plain NumPy or torch arrays, good scalars) must be accepted; one that is clean but for a
 producer whose method raises (its own exception, or a library's it calls: ``json``, NumPy,
 a builtin) must let exactly that exception through, not refuse it. Some problems are called twice
 with the same signature but one property that must still be checked on the plan's hit
@@ -143,7 +143,10 @@ def close(got, want, tol: float, name: str, any_shape: bool = False) -> None:
         raise violation("wrong", f"{name}: {got} differs from torch's {want}")
 
 
-GOOD_REALS = [np.float32(1e-3), np.float64(0.01)]
+GOOD_REALS = [np.float32(1e-3), np.float64(0.01), 0.0]  # eps 0: the spec's formula has none
+TRUTHS, FALSITIES = [True, np.True_, 1, np.array(True)], [False, np.False_, 0, None]
+NO_TRUTH = [np.array([True, False])]  # cupyx_compat's bint flags: NumPy's ValueError
+CUPY13_DOUBLES = [np.array(1e-3), True]  # what CuPy 13's ``double eps`` took as well
 BAD_REALS = [-1.0, float("nan"), float("inf"), "0.1", None, True, [0.1], 10**400]
 BAD_MODES = ["training", 7, -1, 1.5, None, True]
 
@@ -182,6 +185,7 @@ MASKS = [
     (True, True, True), [True, False, True], (np.True_, np.False_, np.True_), (1, 1, 1),
     (True, True), "all", None, (False, False, False),
 ]  # fmt: skip
+FIXED_STATISTICS = ("inference", "cupyx_inference", "fold")  # running_var read as it is
 MODES = {"train": "train", "saved": "saved", "eval": "eval", 0: "train", 1: "saved", 2: "eval"}
 
 
@@ -220,6 +224,9 @@ def draw_problem(draw) -> Problem:
         values["grad_output"] = rng.standard_normal((batch, *shape))
     if values["input"].size and draw(st.integers(0, 9)) == 0:
         values["input"].flat[draw(st.integers(0, values["input"].size - 1))] = np.nan
+    if entry in FIXED_STATISTICS and draw(st.integers(0, 3)) == 0:  # var + eps = 0 where
+        # eps is 0: an infinite scale (a backward's infinities are not torch's: README)
+        values["running_var"][draw(st.integers(0, c - 1))] = 0.0
     dtype = draw(st.sampled_from([np.float32, np.float64]))
     clean = draw(st.integers(0, 3)) == 0
     broken = not clean and draw(st.integers(0, 2)) == 0  # else every array in a good form
@@ -255,8 +262,11 @@ def draw_problem(draw) -> Problem:
         else:
             marks.pop(second, None)
     good = clean or draw(st.integers(0, 3)) > 0
+    doubles = CUPY13_DOUBLES if entry.startswith("cupyx") else []
     scalars = {
-        "eps": draw(st.sampled_from([1e-5, 1e-3, 0.1, *GOOD_REALS] + ([] if good else BAD_REALS))),
+        "eps": draw(
+            st.sampled_from([1e-5, 1e-3, 0.1, *GOOD_REALS, *doubles] + ([] if good else BAD_REALS))
+        ),
         "momentum": draw(
             st.sampled_from([0.0, 0.1, 1.0, np.float32(0.5)] + ([] if good else BAD_REALS))
         ),
@@ -266,6 +276,8 @@ def draw_problem(draw) -> Problem:
             )
         ),
         "output_mask": draw(st.sampled_from(MASKS[:3] if good else MASKS)),
+        "conv2d": draw(st.sampled_from(TRUTHS + ([] if good else NO_TRUTH))),  # cupyx's bints
+        "debug": draw(st.sampled_from(FALSITIES + ([] if good else NO_TRUTH))),
         "stream": draw(st.sampled_from(GOOD_STREAMS + ([] if good else BAD_STREAMS))),
         "batch": batch,
         "in_place": draw(st.booleans()),  # batched: at any size (else only large problems)
@@ -372,6 +384,7 @@ def call(entry: str, args: dict, s: dict, out: tuple | None) -> list:
         args[n] for n in ("running_mean", "running_var", "saved_mean", "saved_invstd")
     )
     eps, spatial, stream = s["eps"], cupyx.CUDNN_BATCHNORM_SPATIAL, s["stream"]
+    conv2d, debug = s["conv2d"], s["debug"]
     outs = {} if out is None else {"out": out}
     if entry == "backward":
         return list(
@@ -423,14 +436,16 @@ def call(entry: str, args: dict, s: dict, out: tuple | None) -> list:
         ]
     if entry == "cupyx_training":
         out = cupyx.batch_normalization_forward_training(
-            x, w, b, rm, rv, sm, si, eps, _decay(s["momentum"]), True, spatial, False
+            x, w, b, rm, rv, sm, si, eps, _decay(s["momentum"]), conv2d, spatial, debug
         )
         # CuPy 13: y alone when mean/inv_std are given (and filled), else all three
         return [*out, rm, rv] if sm is None and si is None else [out, sm, si, rm, rv]
     if entry == "cupyx_inference":
-        return [cupyx.batch_normalization_forward_inference(x, w, b, rm, rv, eps, True, spatial)]
+        return [cupyx.batch_normalization_forward_inference(x, w, b, rm, rv, eps, conv2d, spatial)]
     if entry == "cupyx_backward":
-        return list(cupyx.batch_normalization_backward(x, w, dy, sm, si, eps, True, spatial, False))
+        return list(
+            cupyx.batch_normalization_backward(x, w, dy, sm, si, eps, conv2d, spatial, debug)
+        )
     return list(cudnn_bn.fold_conv_bn(dy, sm, w, b, rm, rv, eps, transpose=True))
 
 
@@ -734,7 +749,8 @@ def _needs_weight(p: Problem) -> bool:
 def twin(p: Problem, draw) -> str:
     """``p`` made into a call with the same signature as the one just made, but for one
     property every call must still check: a read-only written operand, a misaligned one,
-    overlapping written operands, True for a number. Returns what must be refused."""
+    overlapping written operands, True for a number (but for ``cupyx_compat``'s eps, 1.0
+    there). Returns what must be refused."""
     names = [n for n in USES[p.entry] if type(p.args[n]) is np.ndarray and p.args[n].size]
     if p.twin == "misaligned" and names:
         name = draw(st.sampled_from(names))
@@ -764,7 +780,7 @@ def twin(p: Problem, draw) -> str:
     if p.twin == "bool_option":
         key = {"training": "momentum", "backward": "mode"}.get(p.entry, "eps")
         p.scalars[key] = True
-        return f"{key}=True"
+        return "" if p.entry.startswith("cupyx") else f"{key}=True"  # CuPy 13's double: 1.0
     return ""
 
 

@@ -9,10 +9,11 @@ aliases another argument or views the input, too many channels, a bad eps, momen
 output_mask.
 
 Two modes. Alone, ``python fuzz_distributed.py SECONDS`` is a group of one (mpi4py's
-``COMM_SELF``) and hypothesis draws the seeds. Under ``mpiexec -n R``, ``... SECONDS``
-runs in lockstep: rank 0 draws each seed and says when time is up, every rank builds the
-same case, and the faulty rank's arguments differ; the group is, by the seed, MPI's world
-or a torch.distributed gloo group over 127.0.0.1 (MPI keeps the ranks in step).
+``COMM_SELF``, now and then ``COMM_NULL``, which must be refused) and hypothesis draws the
+seeds. Under ``mpiexec -n R``, ``... SECONDS`` runs in lockstep: rank 0 draws each seed and
+says when time is up, every rank builds the same case, and the faulty rank's arguments
+differ; the group is, by the seed, MPI's world or a torch.distributed gloo group over
+127.0.0.1 (MPI keeps the ranks in step).
 
 Invariants: every rank returns, or every rank raises an ``InfiniError`` of one status that
 is not INTERNAL_ERROR; when any rank fails, no rank changed any argument; results equal
@@ -208,7 +209,8 @@ def run_case(seed: int, comm, group) -> None:
 @SETTINGS
 @given(st.integers(0, 2**32 - 1))
 def fuzz_alone(seed: int) -> None:
-    run_case(seed, MPI.COMM_SELF, MPI.COMM_SELF)
+    null = seed % 16 == 0  # a null (or freed) communicator: refused as a bad group
+    run_case(seed, MPI.COMM_SELF, MPI.COMM_NULL if null else MPI.COMM_SELF)
 
 
 def _gloo(comm) -> object:

@@ -5,6 +5,8 @@ it to torch's ``(N, C, ...)`` by hand (``Case.view``) and compares in float64 wi
 ``helpers.assert_close``: InfiniCore's tolerances, atol = rtol = 2e-5 for F32 and 1e-2 for F16.
 """
 
+import ctypes
+import decimal
 import math
 from dataclasses import dataclass
 
@@ -581,6 +583,98 @@ def test_an_argument_of_a_wrong_type_is_a_type_error(position, value, words):
     with pytest.raises(TypeError, match=words) as e:
         cudnn.batch_normalization_forward_inference(*args)
     assert isinstance(e.value, InfiniError) and e.value.status == Status.BAD_PARAM
+
+
+class _Index:
+    def __index__(self) -> int:
+        return 0
+
+
+# CuPy 13's ``double eps, double decay`` took what ``PyFloat_AsDouble`` takes: ``__float__``
+# (a 0-d array, Decimal), else ``__index__`` (True is 1.0).
+DOUBLES = {
+    "True": (True, 1.0),
+    "np.True_": (np.True_, 1.0),
+    "0-d array": (np.array(1e-3), 1e-3),
+    "0-d float32 array": (np.array(1e-3, np.float32), float(np.float32(1e-3))),
+    "Decimal": (decimal.Decimal("0.001"), 1e-3),
+    "__index__": (_Index(), 0.0),
+}
+
+
+@pytest.mark.parametrize("form", list(DOUBLES))
+def test_eps_and_decay_take_what_cupy_13s_double_took(form):
+    value, number = DOUBLES[form]
+    x, gy, gamma, beta, rm, rv = make(CASES["2d"])
+    tail = (False, SPATIAL)
+    got = cudnn.batch_normalization_forward_inference(x, gamma, beta, rm, rv, value, *tail)
+    want = cudnn.batch_normalization_forward_inference(x, gamma, beta, rm, rv, number, *tail)
+    np.testing.assert_array_equal(got, want)
+    got = cudnn.batch_normalization_backward(x, gamma, gy, rm, rv, value, *tail, False)
+    want = cudnn.batch_normalization_backward(x, gamma, gy, rm, rv, number, *tail, False)
+    for g, w in zip(got, want, strict=True):
+        np.testing.assert_array_equal(g, w)
+    runs = [(rm.copy(), rv.copy()) for _ in range(2)]
+    outs = [  # each is a fraction: a decay too
+        cudnn.batch_normalization_forward_training(
+            x, gamma, beta, *run, None, None, e, e, *tail, False
+        )
+        for run, e in zip(runs, (value, number), strict=True)
+    ]
+    for g, w in zip((*outs[0], *runs[0]), (*outs[1], *runs[1]), strict=True):
+        np.testing.assert_array_equal(g, w)
+
+
+NOT_DOUBLES = {  # and what PyFloat_AsDouble raised for each
+    "complex": (1j, TypeError),
+    "c_double": (ctypes.c_double(1e-3), TypeError),
+    "huge int": (10**400, ValueError),  # OverflowError there; BAD_PARAM is a ValueError
+}
+
+
+@pytest.mark.parametrize("form", list(NOT_DOUBLES))
+def test_eps_cupy_13s_double_refused_is_refused(form):
+    value, error = NOT_DOUBLES[form]
+    x, _, gamma, beta, rm, rv = make(CASES["2d"])
+    with pytest.raises(error, match="eps") as e:
+        cudnn.batch_normalization_forward_inference(x, gamma, beta, rm, rv, value, False, SPATIAL)
+    assert isinstance(e.value, InfiniError) and e.value.status == Status.BAD_PARAM
+
+
+class _OwnTruth:
+    def __bool__(self) -> bool:
+        raise KeyError("the caller's own")
+
+
+@pytest.mark.parametrize("name", ["is_for_conv2d", "debug"])
+def test_a_flag_without_a_truth_value_is_bad_param_naming_it(name):
+    """CuPy 13's ``bint`` took any object's truth; NumPy's ValueError for an array of
+    several elements is a BAD_PARAM naming the flag (a ValueError, as there), and the
+    caller's own ``__bool__`` error passes through."""
+    x, gy, gamma, beta, rm, rv = make(CASES["2d"])
+    flags = {"is_for_conv2d": False, "debug": False}
+    calls = {
+        "training": lambda f: cudnn.batch_normalization_forward_training(
+            x, gamma, beta, rm, rv, None, None, EPS, DECAY, f["is_for_conv2d"], SPATIAL,
+            f["debug"],
+        ),
+        "backward": lambda f: cudnn.batch_normalization_backward(
+            x, gamma, gy, rm, rv, EPS, f["is_for_conv2d"], SPATIAL, f["debug"]
+        ),
+    }  # fmt: skip
+    if name == "is_for_conv2d":
+        calls["inference"] = lambda f: cudnn.batch_normalization_forward_inference(
+            x, gamma, beta, rm, rv, EPS, f["is_for_conv2d"], SPATIAL
+        )
+    before = rm.copy(), rv.copy()
+    for call in calls.values():
+        with pytest.raises(ValueError, match=name) as e:
+            call(flags | {name: np.array([True, False])})
+        assert isinstance(e.value, InfiniError) and e.value.status == Status.BAD_PARAM
+        with pytest.raises(KeyError, match="the caller's own"):
+            call(flags | {name: _OwnTruth()})
+    np.testing.assert_array_equal(rm, before[0])
+    np.testing.assert_array_equal(rv, before[1])
 
 
 def test_a_decay_of_a_wrong_type_is_a_type_error():

@@ -65,6 +65,25 @@ def test_a_read_only_running_statistic_is_refused():
     _refused(lambda: _forward(p), Status.BAD_PARAM, "running_var is read-only")
 
 
+def _freed() -> MPI.Comm:
+    comm = SELF.Dup()
+    comm.Free()  # mpi4py makes it MPI.COMM_NULL
+    return comm
+
+
+@pytest.mark.parametrize("null", [lambda: MPI.COMM_NULL, _freed], ids=["COMM_NULL", "freed"])
+def test_a_null_communicator_is_bad_param_naming_the_group(null):
+    p = _problem()
+    before = {n: p[n].copy() for n in NAMES}
+    _refused(lambda: sync_batch_norm_forward_training(*(p[n] for n in NAMES), group=null()),
+             Status.BAD_PARAM, "group", "COMM_NULL")  # fmt: skip
+    x, w = p["input"], p["weight"]
+    _refused(lambda: sync_batch_norm_backward(x, x, w, p["bias"], p["running_var"], group=null()),
+             Status.BAD_PARAM, "group", "COMM_NULL")  # fmt: skip
+    for name in NAMES:
+        np.testing.assert_array_equal(p[name], before[name], err_msg=f"{name} was written")
+
+
 # --- issue 16 #9: float64 statistics normalize F32 data ------------------------------------------
 
 

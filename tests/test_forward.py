@@ -201,6 +201,29 @@ def test_inference_against_torch(data, channel, shape, eps):
         np.testing.assert_array_equal(f64(after).numpy(), f64(before).numpy())  # not updated
 
 
+@pytest.mark.parametrize("channels_last", [False, True], ids=["nchw", "nhwc"])
+@pytest.mark.parametrize(("data", "channel"), DTYPES, ids=str)
+def test_inference_with_zero_variance_and_eps_is_torchs(data, channel, channels_last):
+    """var + eps = 0 makes the scale infinite; torch CPU computes ``x*scale + (bias -
+    mean*scale)``, NaN unless x and the mean have opposite signs, where ``(x - mean)*scale``
+    is infinite for every x but the mean."""
+    values = np.array([-2.0, -1.0, 0.0, 1.0, 2.0, 3.0])
+    x = np.stack([values, values, -values, values], axis=1).reshape(6, 4, 1, 1)
+    if channels_last:
+        x = x.transpose(0, 2, 3, 1).copy().transpose(0, 3, 1, 2)
+    p = {
+        "input": convert(x, data),
+        "weight": convert(np.array([1.0, -2.0, 0.5, 0.0]), channel),
+        "bias": convert(np.array([0.5, -1.0, 2.0, 1.0]), channel),
+        "running_mean": convert(np.array([1.0, -1.0, 0.0, 2.0]), channel),
+        "running_var": convert(np.zeros(4), channel),
+    }
+    output = batch_norm_forward_inference(
+        p["input"], p["weight"], p["bias"], p["running_mean"], p["running_var"], eps=0.0
+    )
+    np.testing.assert_array_equal(f64(output).numpy(), torch_inference(p, 0.0).numpy())
+
+
 # --- forward -> backward ---------------------------------------------------------------------
 
 

@@ -1280,7 +1280,12 @@ def channel_results(kind, sums, shift, values, count, eps, momentum, mode, narro
             var = 0.0
         invstd = 1.0 / np.sqrt(var + eps)
         if kind == INFERENCE:
-            k = (values[2, c], w[c] / np.sqrt(values[3, c] + eps), values[1, c])
+            scale = w[c] / np.sqrt(values[3, c] + eps)
+            k = (values[2, c], scale, values[1, c])
+            if scale - scale != 0.0:  # var + eps = 0 (or not finite): torch CPU's
+                # ``x*scale + (bias - mean*scale)``, whose NaNs (x beside the mean, or on
+                # its side of 0) ``(x - mean)*scale`` would give as infinities
+                k = (0.0, scale, values[1, c] - values[2, c] * scale)
         elif kind == TRAINING:  # a constant channel (every x - k is 0) has (x - mean)*0:
             # ``_crossing`` then gives the bias exactly; times 0, an infinite scale is NaN.
             # (F64 data takes no ``_crossing``: its float64 pass gives the bias as it is.)

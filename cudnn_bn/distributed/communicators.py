@@ -64,6 +64,8 @@ class MpiCommunicator:
         from mpi4py import MPI
 
         self._comm, self._mpi = comm, MPI
+        if comm == MPI.COMM_NULL:  # MPI's own error for it would be an INTERNAL_ERROR
+            raise InfiniError(Status.BAD_PARAM, "group is MPI.COMM_NULL (a null or freed comm)")
         with self._errors("Comm.Get_rank/Get_size"):
             self.rank, self.size = comm.Get_rank(), comm.Get_size()
 

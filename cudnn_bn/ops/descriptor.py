@@ -10,6 +10,7 @@ snippet that reproduces the problem.
 import dataclasses
 import enum
 import operator
+import os
 import struct
 import threading
 import weakref
@@ -19,7 +20,7 @@ from typing import Any, ClassVar, NamedTuple, Self
 import numpy as np
 
 from ..enums import Device, Status
-from ..errors import InfiniError
+from ..errors import InfiniError, raised_by_caller
 from ..runtime import Handle
 from .empty import EmptyProblem
 
@@ -32,12 +33,31 @@ WORKSPACE_ALIGNMENT = 16
 def backend_class(device: Device, op_name: str) -> Any:
     """The class implementing operator ``op_name`` on ``device``'s backend."""
     if device == Device.CPU:
-        from ..backends import cpu as backend
+        backend = _cpu_backend()
     elif device == Device.NVIDIA:
         from ..backends import nvidia as backend
     else:
         raise InfiniError(Status.DEVICE_TYPE_NOT_SUPPORTED, f"no backend for device {device!r}")
     return getattr(backend, op_name)
+
+
+def _cpu_backend() -> Any:
+    """``backends.cpu``, which imports numba: numba's own refusal of its settings at import
+    (``NUMBA_NUM_THREADS=0``: a ValueError naming no variable) is NOT_IMPLEMENTED naming the
+    ``NUMBA_`` variables set, as ``NUMBA_DISABLE_JIT`` is; a failed import is tried again
+    at the next call."""
+    try:
+        from ..backends import cpu
+    except Exception as exc:
+        if raised_by_caller(exc):
+            raise
+        settings = ", ".join(f"{k}={v}" for k, v in os.environ.items() if k.startswith("NUMBA_"))
+        raise InfiniError(
+            Status.NOT_IMPLEMENTED,
+            f"the CPU engine needs numba, whose import failed ({type(exc).__name__}: {exc}); "
+            f"numba's settings: {settings or 'none set'}",
+        ) from exc
+    return cpu
 
 
 _WORDS = 1 << 64
