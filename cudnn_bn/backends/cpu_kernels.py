@@ -1160,38 +1160,29 @@ def item_backward_along(x, dy, y, gi, gz, geometry, strides, k_dy, k_x, k_c, fla
     masked) over each work item of ``items`` (``_next_item``; the coefficients tiled) where
     runs stay in one channel. ``flags``: use x (all but eval), mask, write gi, write gz.
     Data slots: x, dy, y, gi, gz."""
-    # A channel's runs in two rows at once, offsets ``o`` and ``p``, as ``item_sums_along``
-    # (backward of 49-value runs 2x faster); ``p`` is ``o`` for a lone row, which the plain
-    # loop then writes twice: it reads both values before writing either, so that is
-    # right in place too.
+    # One run per loop, in row order. A loop over two rows' runs at once (as
+    # ``item_sums_along``'s, for the fixed costs of short runs) had six streams for LLVM's
+    # vectorizer to check for overlap at run time, past its limit, and ran scalar: 4-5x
+    # slower at 4096-value runs, 1.3x at 49 (F32, saved statistics, session 12).
     use_x, masked, write_gi, write_gz = flags
     plain = write_gi and not (masked or write_gz)
     cs = _column(strides, CHANNEL)
     i = _next_item(state, NO_ITEM, items)
     while i >= 0:
         c0, c1, r0, r1, _, n, s = _walk(items[i], geometry, strides)
-        h = (r1 - r0) // 2
-        for j in range(r0, r1 - h):
-            lone = j >= r0 + h
-            r = j + h if lone else j  # rows r and r + h; the last of an odd count alone
+        for r in range(r0, r1):
             o = _row_offsets(r, geometry, strides)
-            p = o if lone else _row_offsets(r + h, geometry, strides)
             for c in range(c0, c1):
-                oc, pc = _channel_offsets(o, c, cs), _channel_offsets(p, c, cs)
+                oc = _channel_offsets(o, c, cs)
                 a, b, k = k_dy[c], k_x[c], k_c[c]
                 if plain:
                     for e in range(n):
                         u = _fma(b, decode(x[_at(oc[0], e, s[0])]), k) if use_x else k
-                        v = _fma(b, decode(x[_at(pc[0], e, s[0])]), k) if use_x else k
                         u = _fma(a, decode(dy[_at(oc[1], e, s[1])]), u)
-                        v = _fma(a, decode(dy[_at(pc[1], e, s[1])]), v)
                         gi[_at(oc[3], e, s[3])] = encode(u, gi.dtype)
-                        gi[_at(pc[3], e, s[3])] = encode(v, gi.dtype)
                     continue
                 for e in range(n):
                     _backward_element(x, dy, y, gi, gz, oc, s, e, a, b, k, flags)
-                    if not lone:
-                        _backward_element(x, dy, y, gi, gz, pc, s, e, a, b, k, flags)
         i = _next_item(state, i, items)
 
 
