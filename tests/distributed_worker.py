@@ -490,19 +490,33 @@ def case_layer_without_affine(me: Rank) -> None:
     _check_layer(me, "relu", 0.1, False)
 
 
+class _FailingComm:
+    """An mpi4py communicator whose collectives fail as MPI reports a failure: the engine's
+    own error, raised where the communicator's Allgather runs."""
+
+    def __init__(self, comm: Any) -> None:
+        self._comm = comm
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._comm, name)
+
+    def Allgather(self, *args: Any) -> None:  # noqa: N802 (mpi4py's name)
+        from mpi4py import MPI
+
+        raise MPI.Exception(MPI.ERR_OTHER)
+
+
 def case_engine_error(me: Rank) -> None:
     """An engine's own failure surfaces as InfiniError with the engine's message."""
     p = _problem(me)
     args = (p["input"], p["weight"], p["bias"], None, None)
     if me.engine.startswith("mpi"):
-        from mpi4py import MPI
-
         message = _expect(
             me,
             Status.INTERNAL_ERROR,
-            lambda: sync_batch_norm_forward_training(*args, group=MPI.COMM_NULL),
+            lambda: sync_batch_norm_forward_training(*args, group=_FailingComm(me.group)),
         )
-        assert message.startswith("INTERNAL_ERROR: MPI"), message
+        assert message.startswith("INTERNAL_ERROR: MPI Allgather failed"), message
     elif me.engine == "gloo" and me.rank == 0:  # the last case: the other ranks have left
         message = _expect(
             me,
