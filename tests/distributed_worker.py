@@ -490,6 +490,34 @@ def case_layer_without_affine(me: Rank) -> None:
     _check_layer(me, "relu", 0.1, False)
 
 
+def case_an_intercommunicator_is_refused(me: Rank) -> None:
+    """An MPI intercommunicator (two halves of the ranks) as group is BAD_PARAM naming the
+    group on every rank, nothing written: its Allreduce would give each half the other's
+    sums (with the refusal removed, each half normalizes by the other half's statistics)."""
+    if not me.engine.startswith("mpi"):
+        return
+    from mpi4py import MPI
+
+    color = me.rank % 2  # world ranks 0 and 1 lead the halves
+    half = MPI.COMM_WORLD.Split(color, me.rank)
+    inter = half.Create_intercomm(0, MPI.COMM_WORLD, 1 - color, tag=17)
+    try:
+        p = _problem(me)
+        names = ("input", "weight", "bias", "running_mean", "running_var")
+        before = [me.host(p[n]).copy() for n in ("running_mean", "running_var")]
+        message = _expect(
+            me,
+            Status.BAD_PARAM,
+            lambda: sync_batch_norm_forward_training(*(p[n] for n in names), group=inter),
+        )
+        assert "group" in message and "intercommunicator" in message, message
+        after = [me.host(p[n]) for n in ("running_mean", "running_var")]
+        assert all(map(np.array_equal, before, after)), "running statistics written"
+    finally:
+        inter.Free()
+        half.Free()
+
+
 class _FailingComm:
     """An mpi4py communicator whose collectives fail as MPI reports a failure: the engine's
     own error, raised where the communicator's Allgather runs."""
