@@ -528,7 +528,7 @@ class _FailingComm:
     def __getattr__(self, name: str) -> Any:
         return getattr(self._comm, name)
 
-    def Allgather(self, *args: Any) -> None:  # noqa: N802 (mpi4py's name)
+    def Allgather(self, *args: Any) -> None:  # mpi4py's name
         from mpi4py import MPI
 
         raise MPI.Exception(MPI.ERR_OTHER)
