@@ -201,10 +201,12 @@ def test_absent_weight_or_bias_is_one_or_zero_as_in_torch(absent):
     saved = dict(mode="saved", mean=mean, invstd=invstd)
     want_grads = reference(p["input"], p["grad_output"], w, **saved)
     np.testing.assert_allclose(grads[0], want_grads[0].numpy(), rtol=1e-10, atol=1e-12)
-    if p["weight"] is None:  # no parameters, no parameter gradients (PyTorch SyncBatchNorm)
-        assert grads[1] is None and grads[2] is None
+    if p["weight"] is None:  # no weight, no weight gradient; a bias's still (torch's)
+        assert grads[1] is None
     else:
         np.testing.assert_allclose(grads[1], want_grads[1].numpy(), rtol=1e-10, atol=1e-12)
+    np.testing.assert_allclose(grads[2], want_grads[2].numpy(), rtol=1e-10, atol=1e-12)
+    assert grads[2].dtype == mean.dtype
 
 
 # --- issue 19 #4: the torch stream object of the tensor's own device ---------------------------

@@ -826,3 +826,57 @@ def test_gpu_arrays_match_torch(lib, dtype, shape, channels_last, fusion):
         shape, lib=lib, dtype=dtype, fusion=fusion, channels_last=channels_last, momentum=None
     )
     assert all(type(a) is type(layer.weight) for a in layer.state_dict().values())
+
+
+@pytest.mark.parametrize("absent", ["bias=False", "weight=None", "bias=None"])
+def test_zero_grad_in_place_with_a_parameter_absent_is_torch_s(absent):
+    """``zero_grad(set_to_none=False)`` zeros the gradient of the parameter the layer has and
+    leaves the absent one's None, as torch's ``Module.zero_grad``; ``bias=False`` raised a
+    raw TypeError, and ``weight=None`` set the bias's gradient to None (review of session 12)."""
+    x = np.random.default_rng(16).standard_normal((4, 3, 5))
+    layer = BatchNorm(3, bias=absent != "bias=False")
+    module = torch.nn.BatchNorm1d(3, bias=absent != "bias=False").double()
+    if absent != "bias=False":
+        name = absent.partition("=")[0]
+        setattr(layer, name, None)
+        setattr(module, name, None)
+    layer(x)
+    layer.backward(np.ones_like(x))
+    module(torch.tensor(x)).sum().backward()
+    layer.zero_grad(set_to_none=False)
+    module.zero_grad(set_to_none=False)
+    for ours, theirs in ((layer.weight_grad, module.weight), (layer.bias_grad, module.bias)):
+        if theirs is None:
+            assert ours is None
+        else:
+            np.testing.assert_array_equal(ours, theirs.grad.numpy())
+
+
+def test_sync_batch_norm_with_weight_none_has_the_bias_gradient(group_of_one):
+    """A ``SyncBatchNorm`` whose weight is set to None still has its bias's gradient, as
+    ``BatchNorm`` and torch's ``SyncBatchNorm`` have (it was None: the sync backward gave no
+    gradient without a weight; review of session 12)."""
+    group, lib = group_of_one
+    rng = np.random.default_rng(17)
+    x, dy = (rng.standard_normal((4, 3, 5)) for _ in range(2))
+    sync, plain = SyncBatchNorm(3, group=group), BatchNorm(3)
+    sync.weight = plain.weight = None
+    sync(make(x, lib, "f64"))
+    sync.backward(make(dy, lib, "f64"))
+    plain(x)
+    plain.backward(dy)
+    module = torch.nn.BatchNorm1d(3).double()
+    module.weight = None
+    module(torch.tensor(x)).backward(torch.tensor(dy))
+    assert sync.weight_grad is None
+    close("bias_grad", sync.bias_grad, module.bias.grad.numpy(), 1e-12)
+    close("bias_grad", plain.bias_grad, module.bias.grad.numpy(), 1e-12)
+
+
+def test_convert_sync_batchnorm_keeps_a_mapping_s_type():
+    """An ``OrderedDict`` of layers comes back an ``OrderedDict`` (it came back a dict)."""
+    group = pytest.importorskip("mpi4py.MPI").COMM_SELF
+    layers = OrderedDict(a=BatchNorm(2), b=BatchNorm(3))
+    converted = SyncBatchNorm.convert_sync_batchnorm(layers, group)
+    assert type(converted) is OrderedDict and list(converted) == ["a", "b"]
+    assert all(type(v) is SyncBatchNorm for v in converted.values())

@@ -169,8 +169,9 @@ def sync_batch_norm_backward(
     rank, after a header of 80), in float64 until rounded to the input's dtype;
     ``grad_weight = sum(dy * xhat)`` and ``grad_bias = sum(dy)`` are this rank's own, in the
     weight's dtype, as in PyTorch ``SyncBatchNorm``: the data-parallel wrapper reduces
-    parameter gradients. ``weight=None`` means 1 and, as in PyTorch, no ``grad_weight`` or
-    ``grad_bias`` (None). A rank with N = 0 gets an empty ``grad_input`` and zero
+    parameter gradients. ``weight=None`` means 1 and no ``grad_weight`` (None); ``grad_bias``
+    is still ``sum(dy)`` (for a bias without a weight, as PyTorch's), in the saved
+    statistics' dtype. A rank with N = 0 gets an empty ``grad_input`` and zero
     ``grad_weight``/``grad_bias``. ``output_mask`` asks only for some gradients (the others
     are None); without ``grad_input`` the ranks only exchange the header. Faults raise on
     every rank, as in the forward.
@@ -211,10 +212,11 @@ def sync_batch_norm_backward(
             terms = (mean, invstd * reduced[channels:] / n, reduced[:channels] / n, w * invstd)
         with scope(input, checked.stream, checked.device_id):
             grads[0] = checked.kind.grad_input(input, grad_output, terms)
-    if weight is not None:
-        weight_kind = kind_of("weight", weight)
-        with scope(weight, checked.stream, checked.device_id), np.errstate(over="ignore"):
-            for i, total in ((1, sum_dy_xhat), (2, sum_dy)):
-                if mask[i]:
-                    grads[i] = weight_kind.like(total, weight)
+    # a parameter's dtype and place: the weight's, else the saved statistics' (grad_bias)
+    like, name = (weight, "weight") if weight is not None else (saved_mean, "saved_mean")
+    like_kind = kind_of(name, like)
+    with scope(like, checked.stream, checked.device_id), np.errstate(over="ignore"):
+        for i, total in ((1, sum_dy_xhat), (2, sum_dy)):
+            if mask[i] and (i == 2 or weight is not None):
+                grads[i] = like_kind.like(total, like)
     return tuple(grads)

@@ -210,11 +210,12 @@ class BatchNorm:
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Forget the accumulated ``weight_grad``/``bias_grad``: None (torch's default) or,
         with ``set_to_none=False``, zeros in place (torch's too)."""
-        if set_to_none or self.weight_grad is None:
+        if set_to_none:
             self.weight_grad = self.bias_grad = None
-        else:
-            self.weight_grad[...] = 0
-            self.bias_grad[...] = 0
+            return
+        for grad in (self.weight_grad, self.bias_grad):  # either may be absent
+            if grad is not None:
+                grad[...] = 0
 
     # --- the arrays --------------------------------------------------------------------------
 

@@ -71,8 +71,10 @@ def host(name: str, array: Any, integers: bool = False) -> np.ndarray:
         else:
             values = array.get() if lib == "cupy" else np.asarray(array)
             if values.dtype.kind not in _NOT_REAL:
-                exact = integers and values.dtype.kind in "biu"
-                return np.array(values, dtype=np.int64 if exact else np.float64)
+                if integers and values.dtype.kind in "biu":  # beyond int64: its own value
+                    wide = values.dtype.kind == "u" and (values > np.iinfo(np.int64).max).any()
+                    return np.array(values, dtype=np.float64 if wide else np.int64)
+                return np.array(values, dtype=np.float64)
     except (TypeError, ValueError) as exc:
         raise InfiniError(Status.BAD_PARAM, f"{name} is not an array of numbers: {exc}") from exc
     raise InfiniError(Status.BAD_PARAM, f"{name} has dtype {values.dtype}; expected real numbers")

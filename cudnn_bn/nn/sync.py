@@ -44,8 +44,9 @@ class SyncBatchNorm(BatchNorm):
         if isinstance(module, list | tuple):
             converted = [cls.convert_sync_batchnorm(m, group) for m in module]
             return converted if isinstance(module, list) else tuple(converted)
-        if isinstance(module, dict):
-            return {k: cls.convert_sync_batchnorm(m, group) for k, m in module.items()}
+        if isinstance(module, dict):  # its own type: an OrderedDict stays one
+            items = ((k, cls.convert_sync_batchnorm(m, group)) for k, m in module.items())
+            return type(module)(items)
         return module
 
     def _batch_pass(
