@@ -95,8 +95,8 @@ class BadParamTypeError(BadParamError, TypeError):
     ``TypeError`` (an array that is none, a ``double`` or ``int`` that is no number)."""
 
 
-def _number(name: str, value: Any, kind: str = "a number") -> None:
-    """Refuse ``value`` unless it is a real number, as CuPy 13's ``int`` did."""
+def _number(name: str, value: Any, kind: str) -> None:
+    """Refuse ``value`` unless it is a real number (``kind`` says which the argument takes)."""
     if not isinstance(value, numbers.Real):
         raise BadParamTypeError(Status.BAD_PARAM, f"{name} must be {kind}, got {shown(value)}")
 
@@ -120,7 +120,9 @@ def _double(name: str, value: Any) -> float:
     0-d array its value); what it refuses is refused here (TypeError, OverflowError)."""
     try:
         return ctypes.c_double(value).value
-    except TypeError:
+    except TypeError as exc:
+        if raised_by_caller(exc):  # the caller's own __float__ or __index__
+            raise
         raise BadParamTypeError(
             Status.BAD_PARAM, f"{name} must be a number, got {shown(value)}"
         ) from None

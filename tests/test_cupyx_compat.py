@@ -641,6 +641,22 @@ def test_eps_cupy_13s_double_refused_is_refused(form):
     assert isinstance(e.value, InfiniError) and e.value.status == Status.BAD_PARAM
 
 
+class _OwnFloat:
+    def __float__(self) -> float:
+        raise TypeError("the caller's own")
+
+
+def test_an_eps_whose_own_float_raises_passes_that_exception_through():
+    """A TypeError of the caller's own ``__float__`` is the caller's, not a BAD_PARAM (as the
+    flags' own ``__bool__`` errors; it became "eps must be a number", review of session 12)."""
+    x, _, gamma, beta, rm, rv = make(CASES["2d"])
+    with pytest.raises(TypeError, match="the caller's own") as e:
+        cudnn.batch_normalization_forward_inference(
+            x, gamma, beta, rm, rv, _OwnFloat(), False, SPATIAL
+        )
+    assert not isinstance(e.value, InfiniError)
+
+
 class _OwnTruth:
     def __bool__(self) -> bool:
         raise KeyError("the caller's own")

@@ -66,7 +66,9 @@ class MpiCommunicator:
         self._comm, self._mpi = comm, MPI
         if comm == MPI.COMM_NULL:  # MPI's own error for it would be an INTERNAL_ERROR
             raise InfiniError(Status.BAD_PARAM, "group is MPI.COMM_NULL (a null or freed comm)")
-        if comm.Is_inter():  # its collectives would give each group the other's sums
+        with self._errors("Comm.Is_inter"):
+            inter = comm.Is_inter()
+        if inter:  # its collectives would give each group the other's sums
             raise InfiniError(
                 Status.BAD_PARAM,
                 "group is an MPI intercommunicator, whose collectives reduce the remote "

@@ -45,9 +45,10 @@ def _cpu_backend() -> Any:
     """``backends.cpu``, which imports numba: numba's own refusal of its settings at import
     (``NUMBA_NUM_THREADS=0``: a ValueError naming no variable) is NOT_IMPLEMENTED naming the
     ``NUMBA_`` variables set, as ``NUMBA_DISABLE_JIT`` is; a failed import is tried again
-    at the next call."""
+    at the next call. Only numba's import is taken for numba's: any other failure is raised
+    as it is."""
     try:
-        from ..backends import cpu
+        import numba  # noqa: F401 (its import alone, which checks its settings)
     except Exception as exc:
         if raised_by_caller(exc):
             raise
@@ -57,6 +58,8 @@ def _cpu_backend() -> Any:
             f"the CPU engine needs numba, whose import failed ({type(exc).__name__}: {exc}); "
             f"numba's settings: {settings or 'none set'}",
         ) from exc
+    from ..backends import cpu
+
     return cpu
 
 
