@@ -120,53 +120,34 @@ print(os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]))
     assert_printed(run_child(script), "0")
 
 
-def test_numba_disable_jit_is_named_by_the_error():
-    """With ``NUMBA_DISABLE_JIT=1`` the CPU engine cannot run (its kernels are numba
-    intrinsics): a call, and a C-API descriptor's creation, fail with NOT_IMPLEMENTED naming
-    the variable; it was INTERNAL_ERROR "'function' object has no attribute 'compile'"
-    (found by an outsider's attack)."""
+@pytest.mark.parametrize("setting", ["NUMBA_DISABLE_JIT=1", "NUMBA_NUM_THREADS=0"])
+def test_a_numba_setting_the_engine_cannot_run_under_is_named_by_the_error(setting):
+    """Under ``NUMBA_DISABLE_JIT=1`` the CPU engine cannot run (its kernels are numba
+    intrinsics), and ``NUMBA_NUM_THREADS=0`` makes ``import numba`` raise its own ValueError
+    (which names no variable): a call (twice: the import is tried again, and fails alike),
+    and a C-API descriptor's creation, fail with NOT_IMPLEMENTED naming the setting; they
+    were INTERNAL_ERROR ("'function' object has no attribute 'compile'", "unexpected
+    ValueError"; found by outsiders' attacks)."""
     script = """
 import ctypes, numpy as np, cudnn_bn
 from cudnn_bn import InfiniError, capi
 x, ones = np.ones((2, 3, 4), np.float32), np.ones(3, np.float32)
-try:
-    cudnn_bn.batch_norm_forward_inference(x, ones, ones, ones, ones)
-except InfiniError as exc:
-    print(exc.status.name, "NUMBA_DISABLE_JIT=1" in str(exc))
-handle, desc, data = ctypes.c_void_p(), ctypes.c_void_p(), ctypes.c_void_p()
-capi.infiniopCreateHandle(ctypes.byref(handle))
-capi.infiniopCreateTensorDescriptor(ctypes.byref(desc), 1, (ctypes.c_size_t * 1)(3), None, 13)
-capi.infiniopCreateTensorDescriptor(ctypes.byref(data), 2, (ctypes.c_size_t * 2)(2, 3), None, 13)
-status = capi.infiniopCreateBatchNormForwardInferenceDescriptor(
-    handle, ctypes.byref(ctypes.c_void_p()), data, data, desc, desc, desc, desc)
-print(status, "NUMBA_DISABLE_JIT=1" in capi.last_error())
-"""
-    assert_printed(run_child(script, NUMBA_DISABLE_JIT="1"), "NOT_IMPLEMENTED True 2 True")
-
-
-def test_a_numba_setting_numba_refuses_is_named_by_the_error():
-    """``NUMBA_NUM_THREADS=0`` makes ``import numba`` raise its own ValueError (which names
-    no variable): a call, and a C-API descriptor's creation, fail with NOT_IMPLEMENTED naming
-    the NUMBA_ variables set; it was INTERNAL_ERROR "unexpected ValueError"."""
-    script = """
-import ctypes, numpy as np, cudnn_bn
-from cudnn_bn import InfiniError, capi
-x, ones = np.ones((2, 3, 4), np.float32), np.ones(3, np.float32)
-for _ in range(2):  # the import is tried again, and fails alike
+for _ in range(2):
     try:
         cudnn_bn.batch_norm_forward_inference(x, ones, ones, ones, ones)
     except InfiniError as exc:
-        print(exc.status.name, "NUMBA_NUM_THREADS=0" in str(exc))
+        print(exc.status.name, SETTING in str(exc))
 handle, desc, data = ctypes.c_void_p(), ctypes.c_void_p(), ctypes.c_void_p()
 capi.infiniopCreateHandle(ctypes.byref(handle))
 capi.infiniopCreateTensorDescriptor(ctypes.byref(desc), 1, (ctypes.c_size_t * 1)(3), None, 13)
 capi.infiniopCreateTensorDescriptor(ctypes.byref(data), 2, (ctypes.c_size_t * 2)(2, 3), None, 13)
 status = capi.infiniopCreateBatchNormForwardInferenceDescriptor(
     handle, ctypes.byref(ctypes.c_void_p()), data, data, desc, desc, desc, desc)
-print(status, "NUMBA_NUM_THREADS=0" in capi.last_error())
-"""
+print(status, SETTING in capi.last_error())
+""".replace("SETTING", repr(setting))
+    name, _, value = setting.partition("=")
     printed = "NOT_IMPLEMENTED True NOT_IMPLEMENTED True 2 True"
-    assert_printed(run_child(script, NUMBA_NUM_THREADS="0"), printed)
+    assert_printed(run_child(script, **{name: value}), printed)
 
 
 def test_multiprocessing_pool_with_fork_after_a_parallel_call():
