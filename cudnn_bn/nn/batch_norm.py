@@ -262,14 +262,13 @@ class BatchNorm:
         if (z is not None) != (self.fusion == "add_relu"):
             wants = "needs z" if z is None else "takes no z"
             raise InfiniError(Status.BAD_PARAM, f"fusion={self.fusion!r} {wants}")
-        if self.DIMS is not None:  # torch's _check_input_dim, with its words
-            dims = len(operand("input", input).desc.shape)
-            if dims not in self.DIMS:
-                expected = " or ".join(f"{d}D" for d in self.DIMS)
-                raise InfiniError(
-                    Status.BAD_TENSOR_SHAPE, f"expected {expected} input (got {dims}D input)"
-                )
-        where, arrays = self._arrays_for("input", input)
+        where, arrays = self._arrays_for("input", input)  # input: an array of the three's
+        if self.DIMS is not None and len(input.shape) not in self.DIMS:  # torch's words
+            expected = " or ".join(f"{d}D" for d in self.DIMS)
+            raise InfiniError(
+                Status.BAD_TENSOR_SHAPE,
+                f"expected {expected} input (got {len(input.shape)}D input)",
+            )
         weight, bias, *running = arrays.values()
         if (running[0] is None) != (running[1] is None):
             raise InfiniError(
