@@ -150,6 +150,11 @@ class _Problem(NamedTuple):
     shape: tuple[int, ...]  # x's
     param_dtype: np.dtype  # cuDNN's parameter dtype: float64 for float64 x, else float32
 
+    def input(self, a: Any) -> Any:
+        """``data(a)`` of an input, copied C-contiguous first where it has a negative stride:
+        CuPy 13 read its inputs C-contiguous, and cudnn_bn reads no array backwards."""
+        return self.data(a.copy() if any(s < 0 for s in a.strides) else a)
+
     def result(self, a: Any) -> Any:
         """``undo_data(a)``, C-contiguous as CuPy 13 made its results (a copy only where x's
         memory order is not its shape's)."""
@@ -291,12 +296,6 @@ def _view(x: Any, is_for_conv2d: bool, cudnn_mode: int, d_layout: int) -> _Probl
     )
 
 
-def _readable(a: Any) -> Any:
-    """``a``, or a C-contiguous copy where it has a negative stride: CuPy 13 read its inputs
-    C-contiguous, and cudnn_bn reads no array backwards."""
-    return a.copy() if any(s < 0 for s in a.strides) else a
-
-
 def _overflow_check(debug: bool, cudnn_mode: int) -> bool:
     """CuPy 13's condition for its overflow check: ``debug`` on a SPATIAL_PERSISTENT pass."""
     return _flag("debug", debug) and cudnn_mode == CUDNN_BATCHNORM_SPATIAL_PERSISTENT
@@ -358,7 +357,7 @@ def _forward_training(
         gamma=gamma, beta=beta, running_mean=running_mean, running_var=running_var
     )
     outputs = batch_norm_forward_training(
-        problem.data(_readable(x)),
+        problem.input(x),
         weight,
         bias,
         *running,
@@ -451,7 +450,7 @@ def batch_normalization_forward_inference(
     _arrays(x=x, gamma=gamma, beta=beta, mean=mean, var=var)
     problem = _problem(x, is_for_conv2d, cudnn_mode, d_layout)
     y = batch_norm_forward_inference(
-        problem.data(_readable(x)),
+        problem.input(x),
         *problem.params(gamma=gamma, beta=beta, mean=mean, var=var),
         eps=eps,
     )
@@ -488,8 +487,8 @@ def batch_normalization_backward(
         )
     weight, saved_mean, saved_invstd = problem.params(gamma=gamma, mean=mean, inv_std=inv_std)
     gx, ggamma, gbeta = batch_norm_backward(
-        problem.data(_readable(x)),
-        problem.data(_readable(gy)),
+        problem.input(x),
+        problem.input(gy),
         weight,
         None,
         None,
