@@ -880,3 +880,24 @@ def test_convert_sync_batchnorm_keeps_a_mapping_s_type():
     converted = SyncBatchNorm.convert_sync_batchnorm(layers, group)
     assert type(converted) is OrderedDict and list(converted) == ["a", "b"]
     assert all(type(v) is SyncBatchNorm for v in converted.values())
+
+
+@pytest.mark.gpu
+def test_gpu_sync_batch_norm_with_weight_none_has_the_bias_gradient():
+    """On a GPU (MPI's ``COMM_SELF``, CuPy arrays, their per-channel values staged through
+    the host): a ``SyncBatchNorm`` whose weight is None has its bias's gradient, on the input's
+    device in the saved statistics' dtype, as torch's; verified on the host (NumPy, torch
+    CPU) only, by ``test_sync_batch_norm_with_weight_none_has_the_bias_gradient``."""
+    group = pytest.importorskip("mpi4py.MPI").COMM_SELF
+    rng = np.random.default_rng(18)
+    x, dy = (rng.standard_normal((4, 3, 5)) for _ in range(2))
+    sync = SyncBatchNorm(3, group=group)
+    sync.weight = None
+    sync(make(x, "cupy", "f32"))
+    sync.backward(make(dy, "cupy", "f32"))
+    module = torch.nn.BatchNorm1d(3).double()
+    module.weight = None
+    module(torch.tensor(x)).backward(torch.tensor(dy))
+    assert sync.weight_grad is None
+    assert type(sync.bias_grad) is type(sync.bias)
+    close("bias_grad", sync.bias_grad, module.bias.grad.numpy(), 1e-5)
