@@ -558,3 +558,47 @@ def test_a_cuda_error_is_an_infini_error_where_every_array_claims_cuda():
     with pytest.raises(InfiniError) as caught:
         cudnn_bn.batch_norm_forward_inference(OnDevice(), None, None, None, None)
     assert caught.value.status in (Status.DEVICE_NOT_INITIALIZED, Status.DEVICE_NOT_FOUND)
+
+
+class _LyingArray(np.ndarray):
+    """An ndarray subclass whose ``shape`` and ``strides`` say 1000 times its memory."""
+
+    @property
+    def shape(self):
+        return (*np.ndarray.shape.__get__(self), 1000)
+
+    @property
+    def strides(self):
+        return (*(s * 1000 for s in np.ndarray.strides.__get__(self)), self.itemsize)
+
+
+class _LyingTensor(torch.Tensor):
+    """A tensor subclass whose ``shape`` and ``stride()`` say 1000 times its memory."""
+
+    @property
+    def shape(self):
+        return torch.Size((*torch.Tensor.size(self), 1000))
+
+    def stride(self, *dim):
+        return (*(s * 1000 for s in torch.Tensor.stride(self)), 1)
+
+
+@pytest.mark.parametrize("producer", ["numpy", "torch"])
+def test_a_subclass_whose_attributes_lie_is_read_as_its_memory_is(producer):
+    """An ndarray or tensor subclass whose ``shape``/``strides`` claim 1000 times its memory
+    is read as its memory is: the door took the claimed layout and read (and, written in
+    place, would write) past the buffer; the outputs had the claimed shape (an outsider's
+    attack, session 12)."""
+    rng = np.random.default_rng(19)
+    x = rng.standard_normal((4, 3, 5))
+    w, zero = np.ones(3), np.zeros(3)
+    if producer == "numpy":
+        lying, args = x.view(_LyingArray), (w, zero, zero, w)
+    else:
+        lying = torch.from_numpy(x).as_subclass(_LyingTensor)
+        args = tuple(map(torch.from_numpy, (w, zero, zero, w)))
+    assert len(lying.shape) == 4
+    got = cudnn_bn.batch_norm_forward_inference(lying, *args)
+    want = cudnn_bn.batch_norm_forward_inference(x, w, zero, zero, w)
+    assert tuple(got.shape) == x.shape
+    np.testing.assert_array_equal(np.asarray(got), want)

@@ -54,13 +54,18 @@ def ndarray_data(array: np.ndarray) -> int:
 
 
 def from_ndarray(name: str, array: np.ndarray, kind: Any) -> Operand:
-    """An ndarray (or subclass) from its attributes."""
+    """An ndarray (or subclass) from its attributes: a subclass's through a plain ndarray
+    view of it, since a subclass may define ``shape``, ``strides``, ``dtype`` or ``flags``
+    as properties that say other than its memory holds (a larger shape would be read and
+    written past its buffer)."""
     if isinstance(array, np.ma.MaskedArray):
         raise InfiniError(
             Status.BAD_PARAM,
             f"{name} is a masked array; batch norm would read its masked values: pass "
             f"{name}.filled(...) or {name}.data",
         )
+    if type(array) is not np.ndarray:
+        array = np.ndarray.view(array, np.ndarray)  # NumPy's own method, not the subclass's
     dtype = numpy_data_type(name, array.dtype)
     strides = (
         contiguous_strides(array.shape)

@@ -74,8 +74,28 @@ def _lazy_bits(tensor: Any) -> str:
     return " and ".join(bits)
 
 
+def _plain(name: str, tensor: Any) -> Any:
+    """``tensor``, or for a subclass a plain ``torch.Tensor`` over the same memory, made with
+    its ``__torch_function__`` off: a subclass may define ``shape``, ``stride()``, ``dtype``
+    ... that say other than its memory holds (a larger shape would be read and written past
+    its storage). A subclass without strided storage is BAD_PARAM."""
+    import torch
+
+    if type(tensor) in (torch.Tensor, torch.nn.Parameter) or not isinstance(tensor, torch.Tensor):
+        return tensor  # a plain tensor (or the tests' stand-in for a CUDA one)
+    try:
+        with torch._C.DisableTorchFunctionSubclass():
+            return torch.Tensor.as_subclass(tensor, torch.Tensor)
+    except (RuntimeError, NotImplementedError, TypeError) as exc:
+        raise InfiniError(
+            Status.BAD_PARAM, f"{name} is a tensor without strided storage ({exc})"
+        ) from None
+
+
 def from_torch(name: str, tensor: Any, kind: Any) -> Operand:
-    """A torch tensor, with torch's dtype, shape, strides, device and data pointer."""
+    """A torch tensor, with torch's dtype, shape, strides, device and data pointer (a
+    subclass's as ``_plain`` reads them)."""
+    tensor = _plain(name, tensor)
     dtypes = _from_torch_dtypes()
     if tensor.dtype not in dtypes:
         raise InfiniError(Status.BAD_TENSOR_DTYPE, f"{name} has dtype {tensor.dtype}; {EXPECTED}")
