@@ -6,7 +6,8 @@ bytes reached, or None for the object's own buffer), the CUDA array interface (v
 host memory), DLPack (1.0 versioned and legacy capsules laid out as ``dlpack.h`` v1.0 says,
 producers with and without the 1.0 keywords), byte-swapped dtypes, ml_dtypes' bfloat16,
 torch views with the negative or conjugate bit, torch and NumPy subclasses (a memmap, a
-matrix), masked arrays, NumPy 2's own ``__dlpack__`` wrapped in another object.
+matrix, ones whose shape and strides properties lie), masked arrays, NumPy 2's own
+``__dlpack__`` wrapped in another object.
 
 Every form comes with ``Marks``, what a correct reader must do with it: ``truth``, the float64
 values it holds (None: it lies detectably, or its memory is no host call's, so it must be
@@ -499,8 +500,32 @@ class UserTensor(torch.Tensor):
     """A user's subclass of torch.Tensor."""
 
 
+class LyingArray(np.ndarray):
+    """An ndarray subclass whose ``shape`` and ``strides`` say 1000 times its memory."""
+
+    @property
+    def shape(self):
+        return (*np.ndarray.shape.__get__(self), 1000)
+
+    @property
+    def strides(self):
+        return (*(s * 1000 for s in np.ndarray.strides.__get__(self)), self.itemsize)
+
+
+class LyingTensor(torch.Tensor):
+    """A tensor subclass whose ``shape`` and ``stride()`` say 1000 times its memory."""
+
+    @property
+    def shape(self):
+        return torch.Size((*torch.Tensor.size(self), 1000))
+
+    def stride(self, *dim):
+        return (*(s * 1000 for s in torch.Tensor.stride(self)), 1)
+
+
 ODDITIES = ("swapped", "bfloat16", "negative_view", "conjugate_view", "torch_subclass",
-            "requires_grad", "matrix", "memmap", "masked", "numpy_dlpack")  # fmt: skip
+            "requires_grad", "matrix", "memmap", "masked", "numpy_dlpack", "lying_ndarray",
+            "lying_tensor")  # fmt: skip
 
 
 def oddity(draw, a: np.ndarray) -> Any:
@@ -523,6 +548,13 @@ def oddity(draw, a: np.ndarray) -> Any:
         view = z.conj().imag if kind == "negative_view" else z.conj()
         truth = _f64(a) if kind == "negative_view" else None  # complex: no float operand
         return mark(view, torch.view_as_real(z).numpy(), truth, kind, writable=False)
+    if kind == "lying_ndarray":  # read as its memory is, whatever its properties say
+        m = np.array(a).view(LyingArray)
+        plain = np.ndarray.view(m, np.ndarray)
+        return mark(m, plain, _f64(a), kind, view=plain)
+    if kind == "lying_tensor":
+        t = torch.from_numpy(np.array(a))
+        return mark(t.as_subclass(LyingTensor), t.numpy(), _f64(a), kind, view=t)
     if kind in ("torch_subclass", "requires_grad"):
         t = torch.from_numpy(np.array(a))
         t = t.as_subclass(UserTensor) if kind == "torch_subclass" else t.requires_grad_()

@@ -24,6 +24,8 @@ from producers import (  # DLPack structs written out from dlpack.h v1.0; produc
     DLDevice,
     DLManagedTensorVersioned,
     DLTensor,
+    LyingArray,
+    LyingTensor,
     NumpyDLPack,
     new_capsule,
 )
@@ -560,29 +562,6 @@ def test_a_cuda_error_is_an_infini_error_where_every_array_claims_cuda():
     assert caught.value.status in (Status.DEVICE_NOT_INITIALIZED, Status.DEVICE_NOT_FOUND)
 
 
-class _LyingArray(np.ndarray):
-    """An ndarray subclass whose ``shape`` and ``strides`` say 1000 times its memory."""
-
-    @property
-    def shape(self):
-        return (*np.ndarray.shape.__get__(self), 1000)
-
-    @property
-    def strides(self):
-        return (*(s * 1000 for s in np.ndarray.strides.__get__(self)), self.itemsize)
-
-
-class _LyingTensor(torch.Tensor):
-    """A tensor subclass whose ``shape`` and ``stride()`` say 1000 times its memory."""
-
-    @property
-    def shape(self):
-        return torch.Size((*torch.Tensor.size(self), 1000))
-
-    def stride(self, *dim):
-        return (*(s * 1000 for s in torch.Tensor.stride(self)), 1)
-
-
 @pytest.mark.parametrize("producer", ["numpy", "torch"])
 def test_a_subclass_whose_attributes_lie_is_read_as_its_memory_is(producer):
     """An ndarray or tensor subclass whose ``shape``/``strides`` claim 1000 times its memory
@@ -593,9 +572,9 @@ def test_a_subclass_whose_attributes_lie_is_read_as_its_memory_is(producer):
     x = rng.standard_normal((4, 3, 5))
     w, zero = np.ones(3), np.zeros(3)
     if producer == "numpy":
-        lying, args = x.view(_LyingArray), (w, zero, zero, w)
+        lying, args = x.view(LyingArray), (w, zero, zero, w)
     else:
-        lying = torch.from_numpy(x).as_subclass(_LyingTensor)
+        lying = torch.from_numpy(x).as_subclass(LyingTensor)
         args = tuple(map(torch.from_numpy, (w, zero, zero, w)))
     assert len(lying.shape) == 4
     got = cudnn_bn.batch_norm_forward_inference(lying, *args)
