@@ -256,6 +256,45 @@ def test_sums_over_an_odd_number_of_rows(shape):
     assert_backwards_as_torch(x, dy, w, mean, invstd, 1e-10)
 
 
+@pytest.mark.parametrize("strided", ["x", "dy", "output"])
+@pytest.mark.parametrize("shape", [(3, 4, 49), (2, 3, 5, 16)], ids=str)
+def test_one_operand_strided_along_its_runs(strided, shape):
+    """The channel-outer walks have a loop of their own where every operand they read or
+    write is packed along a run (``cpu_kernels.UNIT_RUNS``): one operand with every other
+    element (the rest packed) takes the general loop, in each pass, as torch in float64."""
+    rng = np.random.default_rng(4)
+    x, dy = (rng.standard_normal(shape).astype(np.float32) for _ in range(2))
+    x = x * 3 + 100
+    if strided == "x":
+        x = np.repeat(x, 2, axis=-1)[..., ::2]
+    if strided == "dy":
+        dy = np.repeat(dy, 2, axis=-1)[..., ::2]
+    wide = np.full((*shape[:-1], 2 * shape[-1]), np.nan, np.float32)
+    output = wide[..., ::2] if strided == "output" else None
+    w, b = rng.uniform(0.5, 1.5, shape[1]).astype(np.float32), np.ones(shape[1], np.float32)
+    axes = (0, *range(2, len(shape)))
+    mean = x.mean(axis=axes, dtype=np.float64).astype(np.float32)
+    var = x.var(axis=axes, dtype=np.float64).astype(np.float32)
+    invstd = (1 / np.sqrt(var.astype(np.float64) + EPS)).astype(np.float32)
+    named = dict(x=x, dy=dy, w=w, b=b, mean=mean, var=var, invstd=invstd)
+    t = {k: f64(v) for k, v in named.items()}
+    got = cudnn_bn.batch_norm_backward(
+        x, dy, w, None, None, mode="saved", saved_mean=mean, saved_invstd=invstd,
+        out=(output, None, None),
+    )  # fmt: skip
+    want = torch.ops.aten.native_batch_norm_backward(
+        t["dy"], t["x"], t["w"], None, None, t["mean"], t["invstd"], True, EPS, [True] * 3
+    )
+    for g, v in zip(got, want, strict=True):
+        assert_close(g, v)
+    if output is not None:
+        assert got[0] is output
+    assert_backwards_as_torch(x, dy, w, mean, invstd)
+    y = cudnn_bn.batch_norm_forward_inference(x, w, b, mean, var, out=output)
+    want_y = F.batch_norm(t["x"], t["mean"], t["var"], t["w"], t["b"], training=False, eps=EPS)
+    assert_close(y, want_y)
+
+
 @pytest.mark.parametrize("rows", [1, 2, 5], ids=lambda r: f"{r}_rows")
 def test_channels_last_rows_of_two_dimensions(rows):
     """Channels-last data whose rows do not merge into one dimension (a gap after each image

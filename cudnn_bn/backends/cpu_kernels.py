@@ -558,6 +558,14 @@ def _at(typingctx, offset, i, stride):
     return types.uint64(offset, i, stride), codegen
 
 
+# The channel-outer walks' main loops are written twice: with each operand's stride along a
+# run, and with the stride ``PACKED`` as a constant, taken where every operand the loop reads
+# or writes is packed along its runs (every dense layout). LLVM does not version a loop on
+# its strides itself, and the constant stride lets it vectorize short runs better: F32
+# (8, 2048, 49) backward sums 1.1x and its elementwise pass 1.2x faster (session 13).
+PACKED = 1
+
+
 # --- work items shared by threads ------------------------------------------------------------
 # Every thread of a threaded step runs the same item kernel over one table of work items
 # (``Layout.items``) and one ``state`` (int64: items handed out, items done): it claims
@@ -719,6 +727,7 @@ def item_sums_along(x, dy, y, geometry, strides, shift, out, first, items, state
     while i >= 0:
         c0, c1, r0, r1, _, n, s = _walk(items[i], geometry, strides)
         sx, sd, sy = s[0], s[1], s[2]
+        unit = sx == 1 and sd == 1  # see PACKED
         h = 0 if masked else (r1 - r0) // 2
         for j in range(r0, r1 - h):
             pair = j < r0 + h  # rows r and r + h together; the last of an odd count alone
@@ -746,10 +755,24 @@ def item_sums_along(x, dy, y, geometry, strides, shift, out, first, items, state
                         a, b = decode(x[_at(a0, e, sx)]) - k, decode(x[_at(b0, e, sx)]) - k
                         s0 += a + b
                         s1 += a * a + b * b
-                elif not x_sums:  # given statistics: dy's two sums alone
+                elif not x_sums and unit:  # given statistics: dy's two sums alone
+                    for e in range(n):
+                        a, b = decode(x[_at(a0, e, PACKED)]) - k, decode(x[_at(b0, e, PACKED)]) - k
+                        da, db = decode(dy[_at(a1, e, PACKED)]), decode(dy[_at(b1, e, PACKED)])
+                        s2 += da + db
+                        s3 += da * a + db * b
+                elif not x_sums:
                     for e in range(n):
                         a, da = decode(x[_at(a0, e, sx)]) - k, decode(dy[_at(a1, e, sd)])
                         b, db = decode(x[_at(b0, e, sx)]) - k, decode(dy[_at(b1, e, sd)])
+                        s2 += da + db
+                        s3 += da * a + db * b
+                elif unit:
+                    for e in range(n):
+                        a, b = decode(x[_at(a0, e, PACKED)]) - k, decode(x[_at(b0, e, PACKED)]) - k
+                        da, db = decode(dy[_at(a1, e, PACKED)]), decode(dy[_at(b1, e, PACKED)])
+                        s0 += a + b
+                        s1 += a * a + b * b
                         s2 += da + db
                         s3 += da * a + db * b
                 else:
@@ -1032,6 +1055,7 @@ def item_forward_along(x, z, y, geometry, strides, mean, scale, shift, flags, it
     while i >= 0:
         c0, c1, r0, r1, _, n, s = _walk(items[i], geometry, strides)
         sx, sz, sy = s[0], s[1], s[2]
+        unit = sx == 1 and sy == 1  # see PACKED
         plain = not (add_z or relu or _needs_float64(y, (mean, scale, c0, c1)))
         if plain and _runs_by_crossing(
             y, (x, geometry, strides, c0, c1, r0, r1, n, s, mean, scale, shift)
@@ -1045,6 +1069,11 @@ def item_forward_along(x, z, y, geometry, strides, mean, scale, shift, flags, it
                 bx, bz, by = ox + c * strides[0, 0], oz + c * strides[1, 0], oy + c * strides[2, 0]
                 if plain:
                     k = _working(mean[c], scale[c], shift[c], y)
+                    if unit:
+                        for e in range(n):
+                            v = normalize(x[_at(bx, e, PACKED)], k)
+                            y[_at(by, e, PACKED)] = encode(v, y.dtype)
+                        continue
                     for e in range(n):
                         y[_at(by, e, sy)] = encode(normalize(x[_at(bx, e, sx)], k), y.dtype)
                     continue
@@ -1170,11 +1199,18 @@ def item_backward_along(x, dy, y, gi, gz, geometry, strides, k_dy, k_x, k_c, fla
     i = _next_item(state, NO_ITEM, items)
     while i >= 0:
         c0, c1, r0, r1, _, n, s = _walk(items[i], geometry, strides)
+        unit = s[0] == 1 and s[1] == 1 and s[3] == 1  # see PACKED
         for r in range(r0, r1):
             o = _row_offsets(r, geometry, strides)
             for c in range(c0, c1):
                 oc = _channel_offsets(o, c, cs)
                 a, b, k = k_dy[c], k_x[c], k_c[c]
+                if plain and unit:
+                    for e in range(n):
+                        u = _fma(b, decode(x[_at(oc[0], e, PACKED)]), k) if use_x else k
+                        u = _fma(a, decode(dy[_at(oc[1], e, PACKED)]), u)
+                        gi[_at(oc[3], e, PACKED)] = encode(u, gi.dtype)
+                    continue
                 if plain:
                     for e in range(n):
                         u = _fma(b, decode(x[_at(oc[0], e, s[0])]), k) if use_x else k
