@@ -25,6 +25,7 @@ from ..errors import InfiniError, raised_by_caller
 from ..runtime import Handle
 from ..tensor import ITEMSIZE, byte_extent, overlap
 from .empty import EmptyProblem
+from .validation import converted
 
 # The workspace holds F64 scratch, cuDNN's own and staged per-channel slices at 256-byte
 # offsets, the reserve cuDNN's own: each refused unless 16-byte aligned where it is used
@@ -79,7 +80,7 @@ def word(name: str, value: Any) -> int:
     if isinstance(value, bool | np.bool_) or not hasattr(type(value), "__index__"):
         kind = type(value).__name__
         raise InfiniError(Status.BAD_PARAM, f"{name} must be an int (0 to 2**64 - 1); got {kind}")
-    number = operator.index(value)
+    number = converted(name, operator.index, value)
     if not 0 <= number < _WORDS:
         raise InfiniError(Status.BAD_PARAM, f"{name} is {number}, not in 0 to 2**64 - 1")
     return number
