@@ -355,7 +355,8 @@ SPOILERS = [
     "overlapping_output", "negative_stride", "null_desc", "handle_as_tensor", "tensor_as_handle",
     "destroyed_tensor", "destroyed_handle", "null_data", "bad_eps", "bad_mode_or_momentum",
     "bad_scalar", "workspace_size", "arg_count", "keyword", "wrong_kind_op", "double_destroy",
-    "use_after_destroy", "size_out", "concurrent_attributes",
+    "use_after_destroy", "size_out", "concurrent_attributes", "misaligned_data",
+    "aliased_output",
 ]  # fmt: skip
 RACES = 100  # computes racing attribute changes in a "concurrent_attributes" example
 
@@ -523,6 +524,7 @@ def fuzz_cycle(data) -> None:
             pointers[tensors.index(target)] = data.draw(
                 st.sampled_from([None, 0, ctypes.c_void_p()])
             )
+        misplaced = _misplaced(data, spoiler, tensors[:outputs], buffers, pointers, shape)
         buffer_args = []
         for value in size_values:
             buffer_args += [None, value]
@@ -547,6 +549,8 @@ def fuzz_cycle(data) -> None:
                 b.restore()
         status = call(compute, *args, **kwargs)
         computed = status == S.SUCCESS
+        if misplaced and status != S.BAD_PARAM:
+            raise violation("wrong", f"{misplaced} gave {S(status).name}, not BAD_PARAM")
         if spoiler == "double_destroy" and op_desc is not None:
             call(getattr(capi, f"infiniopDestroy{op}Descriptor"), op_desc)
             handles.remove((f"{op}Descriptor", op_desc))
@@ -561,6 +565,27 @@ def fuzz_cycle(data) -> None:
     if spoiler == "none" and not computed:
         raise violation("wrong", f"a good {op} problem failed: {capi.last_error()}")
     _destroy(handles)
+
+
+def _misplaced(data, spoiler: str, outputs: tuple, buffers: dict, pointers: list, shape) -> str:
+    """For the "misaligned_data" and "aliased_output" spoilers, an output's pointer (one
+    with elements) one byte past its start, or another output's or the input's: what the
+    compute must refuse (BAD_PARAM), as said; "" where nothing was spoiled."""
+    if spoiler not in ("misaligned_data", "aliased_output"):
+        return ""
+    names = [*outputs, "input"]
+    if 0 in shape:  # the data tensors have no elements: any address is theirs
+        names = [n for n in names if n not in DATA_TENSORS]
+    if len(names) < 2:
+        return ""
+    written = data.draw(st.sampled_from([n for n in names if n in outputs]))
+    at = list(buffers).index(written)
+    if spoiler == "misaligned_data":
+        pointers[at] = buffers[written].view.ctypes.data + 1
+        return f"{written} one byte off"
+    other = data.draw(st.sampled_from([n for n in names if n != written]))
+    pointers[at] = buffers[other].view.ctypes.data
+    return f"{written} at {other}'s address"
 
 
 def _race(setter, op_desc: int, names: tuple, values: list, p: dict, compute, args: list) -> None:

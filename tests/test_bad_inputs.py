@@ -10,6 +10,7 @@ with a margin around them, are untouched), or for both.
 
 import ctypes
 import math
+import numbers
 import re
 import subprocess
 import sys
@@ -890,6 +891,60 @@ def test_a_compute_given_numpy_integers_near_their_range_warns_nothing(kind, siz
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         _compute_with(kind, kind(0), kind(size))
+
+
+class _Lying(numbers.Real):
+    """A real number whose ``__float__`` and ``__index__`` return other types: Python's own
+    conversion then raises a TypeError, which escaped as INTERNAL_ERROR."""
+
+    __float__ = __index__ = lambda self: "1"
+    locals().update(dict.fromkeys(numbers.Real.__abstractmethods__ - {"__float__"}, None))
+
+
+class _Stream:
+    """A stream object whose address is such a number."""
+
+    ptr = _Lying()
+
+
+@pytest.mark.parametrize(
+    "call",
+    [
+        lambda x: cudnn_bn.batch_norm_forward_training(x, None, None, None, None, eps=_Lying()),
+        lambda x: cudnn_bn.batch_norm_forward_inference(x, None, None, x[0], x[0], eps=_Lying()),
+        lambda x: cudnn_bn.batch_norm_backward(x, x, None, None, None, stream=_Stream()),
+        lambda x: BatchNorm(C, momentum=_Lying()),
+    ],
+    ids=["eps", "inference eps", "stream", "layer momentum"],
+)
+def test_a_scalar_whose_conversion_returns_another_type_is_bad_param(call):
+    x = np.ones((N, C), np.float32)
+    with pytest.raises(InfiniError, match=r"(eps|stream|momentum) is .*returned non-") as caught:
+        call(x)
+    assert caught.value.status == Status.BAD_PARAM
+
+
+def test_a_compute_address_whose_index_returns_another_type_is_bad_param():
+    args = array_args()
+    call_array(args)
+    (cached,) = cudnn_bn.descriptor_cache.descriptors()
+    with type(cached)(cached.handle, *cached.tensors[:8]) as op, pytest.raises(InfiniError) as c:
+        op.compute(_Lying(), 0, *[0] * 8, 0)
+    assert c.value.status == Status.BAD_PARAM and "workspace is" in str(c.value)
+
+
+def test_a_scalar_conversion_the_caller_raises_passes_through():
+    class Mine(TypeError):
+        pass
+
+    class Raising(_Lying):
+        def __float__(self):
+            raise Mine
+
+    with pytest.raises(Mine):
+        cudnn_bn.batch_norm_forward_training(
+            np.ones((N, C), np.float32), None, None, None, None, eps=Raising()
+        )
 
 
 _ADDRESS_SCRIPT = """

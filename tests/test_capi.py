@@ -231,6 +231,44 @@ def test_one_descriptor_many_computes_and_modes():
         ok(capi.infiniopDestroyHandle(handle))
 
 
+# Pointers a compute must refuse (BAD_PARAM), writing nothing, as the array API does: one
+# misaligned to its elements, a written one over another argument's memory (results in the
+# same place, or an input the second walk reads over-written by the first's grad_weight).
+SPOILED = {
+    "grad_input misaligned": {"grad_input": ("grad_input", 2)},
+    "input misaligned": {"input": ("input", 1)},
+    "grad_weight at grad_bias": {"grad_weight": ("grad_bias", 0)},
+    "grad_weight inside input": {"grad_weight": ("input", 8)},
+    "grad_input at grad_output": {"grad_input": ("grad_output", 0)},
+}
+
+
+@pytest.mark.parametrize("spoiled", SPOILED.values(), ids=SPOILED)
+def test_misaligned_or_overlapping_pointers_are_refused(spoiled):
+    arrays = make_problem((3, 2, 7), np.float32, np.float32, seed=5)
+    handle, op = ctypes.c_void_p(), ctypes.c_void_p()
+    ok(capi.infiniopCreateHandle(ctypes.byref(handle)))
+    descs = [tensor_desc(arrays[n]) for n in BACKWARD_ORDER]
+    ok(capi.infiniopCreateBatchNormBackwardDescriptor(handle, ctypes.byref(op), *descs))
+    address = {n: layout(a)[2] for n, a in arrays.items()}
+    pointers = [
+        address[spoiled[n][0]] + spoiled[n][1] if n in spoiled else address[n]
+        for n in BACKWARD_ORDER
+    ]
+    before = {n: a.copy() for n, a in arrays.items()}
+    try:
+        status = capi.infiniopBatchNormBackward(op, 0, 0, *pointers, 0)
+        assert status == Status.BAD_PARAM, (Status(status).name, capi.last_error())
+        assert set(spoiled) <= set(capi.last_error().split())
+        for name, values in before.items():
+            np.testing.assert_array_equal(arrays[name], values, err_msg=name)
+    finally:
+        ok(capi.infiniopDestroyBatchNormBackwardDescriptor(op))
+        for desc in descs:
+            ok(capi.infiniopDestroyTensorDescriptor(desc))
+        ok(capi.infiniopDestroyHandle(handle))
+
+
 def test_last_error_is_cleared_by_a_success():
     size = ctypes.c_size_t()
     status = capi.infiniopGetBatchNormBackwardWorkspaceSize(12345, ctypes.byref(size))

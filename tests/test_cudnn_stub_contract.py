@@ -24,6 +24,7 @@ from cudnn_bn._cudnn.tensor import TensorDescriptor
 from cudnn_bn.backends import cudnn_engines, nvidia
 from cudnn_bn.enums import DataType
 from cudnn_bn.errors import InfiniError
+from cudnn_bn.problems import BackwardPointers
 
 F16, F32 = DataType.F16, DataType.F32
 SHAPE = (2, 8, 3, 5)
@@ -97,8 +98,17 @@ def test_a_small_reserve_is_refused(stub):
 
 
 def test_a_misaligned_pointer_is_refused(stub):
+    """By the descriptor's compute, before cuDNN (BAD_PARAM, as the C API documents); and by
+    the stub, for a kernel handed one anyway."""
     with persistent_backward() as desc:
-        refused(desc, "aligned", Status.BAD_TENSOR_STRIDES, input=POINTERS["input"] + 1)
+        with pytest.raises(InfiniError, match=r"input 0x[0-9a-f]+ is not aligned") as caught:
+            compute(desc, input=POINTERS["input"] + 1)
+        assert caught.value.status == Status.BAD_PARAM and stub.backward.calls == 0
+        given = {**POINTERS, "input": POINTERS["input"] + 1}
+        ptrs = BackwardPointers(*(given[name] for name in BACKWARD_ORDER))
+        with pytest.raises(InfiniError, match=r"broke rule aligned\b") as caught:
+            desc._kernel.run(ptrs, WORKSPACE, STREAM)
+        assert caught.value.status == Status.BAD_TENSOR_STRIDES
 
 
 def test_a_handle_off_its_device_is_refused(stub):

@@ -370,6 +370,16 @@ def test_state_dict_before_any_forward_is_torch_initial_state():
         (lambda s: s.update(weight=[None] * 3), Status.BAD_PARAM),
         (lambda s: s.update(running_var=np.array(["1", "2", "3"])), Status.BAD_PARAM),
         (lambda s: s.update(num_batches_tracked="7"), Status.BAD_PARAM),
+        # Tensors torch cannot copy to host values (a RuntimeError from torch): INTERNAL_ERROR.
+        (lambda s: s.update(weight=torch.ones(3, device="meta")), Status.BAD_PARAM),
+        (
+            lambda s: s.update(bias=torch.quantize_per_tensor(torch.ones(3), 0.1, 0, torch.quint8)),
+            Status.BAD_PARAM,
+        ),
+        (
+            lambda s: s.update(running_mean=torch.nested.as_nested_tensor([torch.ones(3)])),
+            Status.BAD_PARAM,
+        ),
     ],
 )
 def test_bad_state_raises_and_changes_nothing(change, status):

@@ -9,6 +9,7 @@ from ..arrays.kinds import CUPY, TORCH
 from ..arrays.torch_tensors import is_torch
 from ..enums import Device, Status
 from ..errors import InfiniError, shown
+from ..ops.validation import converted
 
 _ON_HOST = nullcontext()
 
@@ -91,7 +92,7 @@ def _address(stream: Any, ptr: Any) -> int:
         raise InfiniError(
             Status.BAD_PARAM, f"stream {shown(stream)} has address {shown(ptr)}, not an int"
         )
-    number = operator.index(ptr)
+    number = converted("stream", operator.index, ptr)
     if not 0 <= number < 1 << 64:
         what = f"stream {number}" if ptr is stream else f"stream {shown(stream)}'s address {number}"
         raise InfiniError(Status.BAD_PARAM, f"{what} is not a cudaStream_t (0 to 2**64 - 1)")

@@ -1,13 +1,12 @@
 """``Operand``: one array argument as the door (``door.operand``) describes it, and the rules
 for arrays a call writes in place."""
 
-import functools
 from dataclasses import dataclass, field
 from typing import Any
 
 from ..enums import Device, Status
 from ..errors import InfiniError
-from ..tensor import ITEMSIZE, TensorDesc
+from ..tensor import TensorDesc, byte_extent, overlap
 
 
 @dataclass(frozen=True)
@@ -36,37 +35,6 @@ class Operand:
         """``[first, end)`` bytes its elements lie in (empty for no elements)."""
         low, high = byte_extent(self.desc)
         return self.ptr + low, self.ptr + high
-
-
-@functools.lru_cache(maxsize=4096)
-def byte_extent(desc: TensorDesc) -> tuple[int, int]:
-    """``[low, high)``: the bytes a tensor of ``desc`` touches, relative to its pointer."""
-    if desc.numel == 0:
-        return 0, 0
-    itemsize = ITEMSIZE[desc.dtype]
-    low = sum(min(0, (n - 1) * s) for n, s in zip(desc.shape, desc.strides, strict=True))
-    high = sum(max(0, (n - 1) * s) for n, s in zip(desc.shape, desc.strides, strict=True))
-    return low * itemsize, (high + 1) * itemsize
-
-
-def overlap(a: TensorDesc, a_ptr: int, b: TensorDesc, b_ptr: int) -> bool:
-    """Whether tensors ``a`` at ``a_ptr`` and ``b`` at ``b_ptr`` (one device) may have a byte
-    in common: their byte ranges meet, except for two vectors of one stride whose elements
-    interleave without touching (``buf[0::2]`` and ``buf[1::2]``). Conservative on other
-    interleavings. A tensor with no elements has no byte: it overlaps nothing, wherever its
-    pointer lies (as PyTorch's ``get_overlap_status``)."""
-    (a_low, a_high), (b_low, b_high) = byte_extent(a), byte_extent(b)
-    if a_low == a_high or b_low == b_high:
-        return False
-    if a_ptr + a_low >= b_ptr + b_high or b_ptr + b_low >= a_ptr + a_high:
-        return False
-    a_size, b_size = ITEMSIZE[a.dtype], ITEMSIZE[b.dtype]
-    if a.ndim == b.ndim == 1:
-        step = abs(a.strides[0]) * a_size
-        if step and step == abs(b.strides[0]) * b_size:
-            offset = (b_ptr - a_ptr) % step  # where b's elements start within a's steps
-            return offset < a_size or step - offset < b_size
-    return True
 
 
 def shares_memory(a: Operand, b: Operand) -> bool:

@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 
 from ..enums import Status
-from ..errors import InfiniError
+from ..errors import InfiniError, raised_by_caller
 
 _NOT_REAL = "cOSUmM"  # NumPy's kinds of complex, object, string, date and duration dtypes
 
@@ -59,8 +59,10 @@ def host(name: str, array: Any, integers: bool = False) -> np.ndarray:
     """A float64 NumPy copy of an array of any of the three libraries, or of a number, of
     real numbers (bool, integer or float, ml_dtypes' too): anything else is BAD_PARAM, as
     torch's load refuses it, where NumPy would drop imaginary parts (with a warning), read
-    None as NaN or parse strings. ``integers``: integer values come back as int64, exactly
-    (a count beyond 2**53, as torch's int64 holds it)."""
+    None as NaN or parse strings; so is a tensor torch cannot copy to host values (meta,
+    quantized, nested: a RuntimeError). An exception the caller's own method raises passes.
+    ``integers``: integer values come back as int64, exactly (a count beyond 2**53, as
+    torch's int64 holds it)."""
     try:
         lib = type(array).__module__.partition(".")[0]
         if lib == "torch":
@@ -75,7 +77,9 @@ def host(name: str, array: Any, integers: bool = False) -> np.ndarray:
                     wide = values.dtype.kind == "u" and (values > np.iinfo(np.int64).max).any()
                     return np.array(values, dtype=np.float64 if wide else np.int64)
                 return np.array(values, dtype=np.float64)
-    except (TypeError, ValueError) as exc:
+    except (TypeError, ValueError, RuntimeError) as exc:
+        if raised_by_caller(exc):
+            raise
         raise InfiniError(Status.BAD_PARAM, f"{name} is not an array of numbers: {exc}") from exc
     raise InfiniError(Status.BAD_PARAM, f"{name} has dtype {values.dtype}; expected real numbers")
 

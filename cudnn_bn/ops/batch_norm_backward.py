@@ -63,6 +63,7 @@ class BatchNormBackwardDescriptor(OperatorDescriptor):
 
     op_name = "BatchNormBackward"
     pointers = BackwardPointers
+    written = frozenset((*OUTPUTS, "grad_z"))
     zeroed_when_empty = ("grad_weight", "grad_bias")
 
     def __init__(

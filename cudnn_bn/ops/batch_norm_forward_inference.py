@@ -22,6 +22,7 @@ class BatchNormForwardInferenceDescriptor(OperatorDescriptor):
 
     op_name = "BatchNormForwardInference"
     pointers = ForwardInferencePointers
+    written = frozenset(("output",))
 
     def __init__(
         self,

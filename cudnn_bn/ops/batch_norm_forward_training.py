@@ -53,6 +53,7 @@ class BatchNormForwardTrainingDescriptor(OperatorDescriptor):
 
     op_name = "BatchNormForwardTraining"
     pointers = ForwardTrainingPointers
+    written = frozenset(("output", "saved_mean", "saved_invstd", "running_mean", "running_var"))
 
     def __init__(
         self,

@@ -14,15 +14,18 @@ import os
 import struct
 import threading
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, ClassVar, NamedTuple, Self
 
 import numpy as np
 
+from ..address_tests import compiled_test, meeting, misplaced
 from ..enums import Device, Status
 from ..errors import InfiniError, raised_by_caller
 from ..runtime import Handle
+from ..tensor import ITEMSIZE, byte_extent, overlap
 from .empty import EmptyProblem
+from .validation import converted
 
 # The workspace holds F64 scratch, cuDNN's own and staged per-channel slices at 256-byte
 # offsets, the reserve cuDNN's own: each refused unless 16-byte aligned where it is used
@@ -77,7 +80,7 @@ def word(name: str, value: Any) -> int:
     if isinstance(value, bool | np.bool_) or not hasattr(type(value), "__index__"):
         kind = type(value).__name__
         raise InfiniError(Status.BAD_PARAM, f"{name} must be an int (0 to 2**64 - 1); got {kind}")
-    number = operator.index(value)
+    number = converted(name, operator.index, value)
     if not 0 <= number < _WORDS:
         raise InfiniError(Status.BAD_PARAM, f"{name} is {number}, not in 0 to 2**64 - 1")
     return number
@@ -129,12 +132,23 @@ class Build:
 
     A compute holds the build it read (``users``); a retired build (replaced by
     ``set_attributes`` or destroyed) closes its kernel when its last user lets go.
+    ``written``: those of ``needed`` the kernel writes; ``suspect``: a test over a compute's
+    pointers, true where the ``needed`` ones may be misaligned or a written one may overlap
+    another (``OperatorDescriptor._suspect``).
     """
 
-    __slots__ = ("attributes", "kernel", "needed", "retired", "users")
+    __slots__ = ("attributes", "kernel", "needed", "retired", "suspect", "users", "written")
 
-    def __init__(self, attributes: Any, kernel: Any, needed: tuple[str, ...]) -> None:
+    def __init__(
+        self,
+        attributes: Any,
+        kernel: Any,
+        needed: tuple[str, ...],
+        written: frozenset[str],
+        suspect: Callable[[Sequence[int]], bool],
+    ) -> None:
         self.attributes, self.kernel, self.needed = attributes, kernel, needed
+        self.written, self.suspect = written, suspect
         self.users, self.retired = 0, False
 
     def close_if_free(self) -> None:
@@ -154,6 +168,7 @@ class OperatorDescriptor:
     _owner: str | None = None  # who runs it through ``launcher``, if anyone
     pointers: ClassVar[type]  # the NamedTuple of pointers a launch takes
     zeroed_when_empty: ClassVar[tuple[str, ...]] = ()  # outputs a problem with no values zeroes
+    written: ClassVar[frozenset[str]]  # the tensors a compute writes (in place or not)
 
     def __init__(self, handle: Handle, tensors: NamedTuple, attributes: Any) -> None:
         # packs a compute's pointers and sizes as uint64s: refuses any that is not one
@@ -190,13 +205,73 @@ class OperatorDescriptor:
         needed = self.needed_pointers(attributes)
         if self.tensors.input.numel:
             kernel = self._backend_type(self.tensors, attributes, self.handle.device_id)
-            return Build(attributes, kernel, needed)
+            return Build(
+                attributes, kernel, needed, self.written, self._suspect(needed, self.written)
+            )
         zeroed = {n: getattr(self.tensors, n) for n in self.zeroed_when_empty if n in needed}
         kernel = EmptyProblem(zeroed, self.handle.device, self.handle.device_id)
         empty = {
             n for n, d in zip(self.tensors._fields, self.tensors, strict=True) if d and not d.numel
         }
-        return Build(attributes, kernel, tuple(n for n in needed if n not in empty))
+        needed = tuple(n for n in needed if n not in empty)
+        written = frozenset(zeroed)
+        return Build(attributes, kernel, needed, written, self._suspect(needed, written))
+
+    def _with_elements(self, needed: tuple[str, ...]) -> dict[int, str]:
+        """The tensors of ``needed`` that have elements, by their index in ``pointers``."""
+        fields = self.pointers._fields
+        return {
+            fields.index(n): n
+            for n in needed
+            if (d := getattr(self.tensors, n, None)) is not None and d.numel
+        }
+
+    def _suspect(
+        self, needed: tuple[str, ...], written: frozenset[str]
+    ) -> Callable[[Sequence[int]], bool]:
+        """A build's ``suspect``: a test over a compute's pointers (``pointers`` order), true
+        where a tensor of ``needed`` may be misaligned to its elements or one of ``written``
+        may meet another's bytes (``_check_addresses`` then looks closer): what the array
+        API's plans test (``api.call``), so that the C API holds a caller to the same rules."""
+        tensors = self._with_elements(needed)
+        groups: dict[int, list[int]] = {}
+        for at, name in tensors.items():
+            groups.setdefault(ITEMSIZE[getattr(self.tensors, name).dtype], []).append(at)
+        extents = {at: byte_extent(getattr(self.tensors, n)) for at, n in tensors.items()}
+        pairs = [
+            (w, o, extents[o][0] - extents[w][1], extents[o][1] - extents[w][0])
+            for w in tensors
+            if tensors[w] in written
+            for o in tensors
+            if o != w and not (tensors[o] in written and o < w)  # each pair once
+        ]
+        return compiled_test(" or ".join(filter(None, (misplaced(groups), meeting(pairs)))))
+
+    def _check_addresses(self, build: Build, ptrs: NamedTuple) -> None:
+        """BAD_PARAM naming the first tensor of ``build.needed`` misaligned to its elements,
+        or the first written one that overlaps another (in ``pointers`` order): a kernel
+        would read it wrongly, or write over what it still reads."""
+        if not build.suspect(ptrs):
+            return
+        tensors = self._with_elements(build.needed)
+        for name in tensors.values():
+            size = ITEMSIZE[getattr(self.tensors, name).dtype]
+            if getattr(ptrs, name) % size:
+                raise InfiniError(
+                    Status.BAD_PARAM,
+                    f"{name} {getattr(ptrs, name):#x} is not aligned to its {size}-byte elements",
+                )
+        for w in (n for n in tensors.values() if n in build.written):
+            for o in (n for n in tensors.values() if n != w):
+                if overlap(
+                    getattr(self.tensors, w), getattr(ptrs, w), getattr(self.tensors, o),
+                    getattr(ptrs, o),
+                ):  # fmt: skip
+                    raise InfiniError(
+                        Status.BAD_PARAM,
+                        f"{w} and {o} share memory; {w} is written and must not overlap "
+                        "any other argument",
+                    )
 
     def needed_pointers(self, attributes: Any) -> tuple[str, ...]:
         """The pointers a compute with ``attributes`` reads or writes, each required to be
@@ -273,6 +348,7 @@ class OperatorDescriptor:
             for name in needed:
                 if not getattr(ptrs, name):
                     raise InfiniError(Status.NULL_POINTER, f"{name} is NULL")
+            self._check_addresses(build, ptrs)
             if "reserve" in needed and ptrs.reserve % WORKSPACE_ALIGNMENT:
                 raise InfiniError(
                     Status.BAD_PARAM,
