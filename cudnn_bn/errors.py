@@ -18,7 +18,7 @@ import site
 import sysconfig
 import threading
 from collections.abc import Callable, Mapping
-from typing import ClassVar, NoReturn, ParamSpec, TypeVar
+from typing import Any, ClassVar, NoReturn, ParamSpec, TypeVar
 
 from .enums import Status
 
@@ -109,6 +109,19 @@ def shown(value: object) -> str:
     """``value`` for a message: its repr cut short (a huge int's digits are no help)."""
     text = repr(value)
     return text if len(text) <= 80 else f"{text[:60]}... ({len(text)} characters)"
+
+
+def converted(name: str, convert: Callable[[Any], R], value: Any) -> R:
+    """``convert(value)`` (``float``, ``operator.index``) for argument ``name``: the
+    conversion's own TypeError (a ``__float__`` or ``__index__`` that returns another type,
+    a ``numbers.Real`` registered without ``__float__``) is BAD_PARAM naming ``name``, where
+    it would be an unexpected error of the package; one the caller's method raised passes."""
+    try:
+        return convert(value)
+    except TypeError as exc:
+        if raised_by_caller(exc):
+            raise
+        raise InfiniError(Status.BAD_PARAM, f"{name} is {shown(value)}: {exc}") from None
 
 
 def respelled(exc: InfiniError, spelling: Mapping[str, str]) -> InfiniError:

@@ -346,8 +346,15 @@ def test_a_handlers_exception_as_signals_are_held_back_leaves_none_held(two_thre
     assert isinstance(raised, KeyboardInterrupt) and left == before
 
 
+class _FloatIndex:
+    """An ``__index__`` that returns a float (Python's TypeError: a raw error before)."""
+
+    def __index__(self):
+        return 2.0
+
+
 @pytest.mark.parametrize(
-    "count", ["a", None, 2.5, True, float("nan"), float("inf"), 10**30, 1 << 20]
+    "count", ["a", None, 2.5, True, float("nan"), float("inf"), 10**30, 1 << 20, _FloatIndex()]
 )
 def test_a_thread_count_that_is_none_is_bad_param_naming_it(count):
     """``set_thread_count`` (a public name of the README) takes an integer (torch's and

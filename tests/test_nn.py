@@ -380,6 +380,8 @@ def test_state_dict_before_any_forward_is_torch_initial_state():
             lambda s: s.update(running_mean=torch.nested.as_nested_tensor([torch.ones(3)])),
             Status.BAD_PARAM,
         ),
+        # A masked array: its masked values were loaded (the array API refuses masks).
+        (lambda s: s.update(weight=np.ma.masked_array(np.ones(3), [0, 1, 0])), Status.BAD_PARAM),
     ],
 )
 def test_bad_state_raises_and_changes_nothing(change, status):

@@ -8,8 +8,7 @@ from ..arrays import common_place
 from ..arrays.kinds import CUPY, TORCH
 from ..arrays.torch_tensors import is_torch
 from ..enums import Device, Status
-from ..errors import InfiniError, shown
-from ..ops.validation import converted
+from ..errors import InfiniError, converted, shown
 
 _ON_HOST = nullcontext()
 

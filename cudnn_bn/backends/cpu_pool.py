@@ -30,7 +30,7 @@ import numpy as np
 from numba.core.compiler_lock import global_compiler_lock
 
 from ..enums import Status
-from ..errors import InfiniError, shown
+from ..errors import InfiniError, converted, shown
 from .cpu_kernels import _atomic_read, jit
 
 SPINS = 1 << 18  # reads of a word before a waiting thread sleeps: about 0.15 ms here
@@ -231,7 +231,7 @@ def set_thread_count(count: int) -> None:
     global _count
     if isinstance(count, bool | np.bool_) or not hasattr(type(count), "__index__"):
         raise InfiniError(Status.BAD_PARAM, f"count must be an integer, got {shown(count)}")
-    number = operator.index(count)
+    number = converted("count", operator.index, count)
     if number > MOST_THREADS:
         raise InfiniError(
             Status.BAD_PARAM, f"count is {shown(number)}; at most {MOST_THREADS} threads"

@@ -60,9 +60,12 @@ def host(name: str, array: Any, integers: bool = False) -> np.ndarray:
     real numbers (bool, integer or float, ml_dtypes' too): anything else is BAD_PARAM, as
     torch's load refuses it, where NumPy would drop imaginary parts (with a warning), read
     None as NaN or parse strings; so is a tensor torch cannot copy to host values (meta,
-    quantized, nested: a RuntimeError). An exception the caller's own method raises passes.
+    quantized, nested: a RuntimeError) and a masked array (its masked values would be read,
+    as the array API refuses them). An exception the caller's own method raises passes.
     ``integers``: integer values come back as int64, exactly (a count beyond 2**53, as
     torch's int64 holds it)."""
+    if isinstance(array, np.ma.MaskedArray):  # np.asarray would drop its mask
+        raise InfiniError(Status.BAD_PARAM, f"{name} is a masked array; masked arrays are refused")
     try:
         lib = type(array).__module__.partition(".")[0]
         if lib == "torch":

@@ -21,11 +21,10 @@ import numpy as np
 
 from ..address_tests import compiled_test, meeting, misplaced
 from ..enums import Device, Status
-from ..errors import InfiniError, raised_by_caller
+from ..errors import InfiniError, converted, raised_by_caller
 from ..runtime import Handle
 from ..tensor import ITEMSIZE, byte_extent, overlap
 from .empty import EmptyProblem
-from .validation import converted
 
 # The workspace holds F64 scratch, cuDNN's own and staged per-channel slices at 256-byte
 # offsets, the reserve cuDNN's own: each refused unless 16-byte aligned where it is used

@@ -4,13 +4,13 @@ import enum
 import math
 import numbers
 import operator
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any, NamedTuple, TypeVar
 
 import numpy as np
 
 from ..enums import DataType, Status
-from ..errors import InfiniError, raised_by_caller, shown
+from ..errors import InfiniError, converted, shown
 from ..tensor import TensorDesc
 
 FLOAT_DTYPES = (DataType.F16, DataType.BF16, DataType.F32, DataType.F64)
@@ -87,22 +87,6 @@ def check_channel_tensor(name: str, desc: TensorDesc, channels: int, data_dtype:
             f"{name} has dtype {_name(desc.dtype)}; with {_name(data_dtype)} input expected "
             + " or ".join(_name(d) for d in allowed),
         )
-
-
-R = TypeVar("R")
-
-
-def converted(name: str, convert: Callable[[Any], R], value: Any) -> R:
-    """``convert(value)`` (``float``, ``operator.index``) for argument ``name``: the
-    conversion's own TypeError (a ``__float__`` or ``__index__`` that returns another type,
-    a ``numbers.Real`` registered without ``__float__``) is BAD_PARAM naming ``name``, where
-    it would be an unexpected error of the package; one the caller's method raised passes."""
-    try:
-        return convert(value)
-    except TypeError as exc:
-        if raised_by_caller(exc):
-            raise
-        raise InfiniError(Status.BAD_PARAM, f"{name} is {shown(value)}: {exc}") from None
 
 
 def _number(name: str, value: object) -> float:
