@@ -125,6 +125,7 @@ def test_bad_mask_is_bad_param(mask):
         cudnn_bn.batch_norm_backward(*inputs(p), output_mask=mask)
     assert error.value.status == Status.BAD_PARAM
     assert "output_mask" in str(error.value)
+    assert "out[" not in str(error.value)  # the gradients are no out= entries here
     with pytest.raises(InfiniError) as error:
         descriptor_for(p, "train", mask)
     assert error.value.status == Status.BAD_PARAM

@@ -191,8 +191,8 @@ def check_output_mask(mask: object) -> tuple[bool, bool, bool]:
     if len(values) != 3 or None in values:
         raise InfiniError(
             Status.BAD_PARAM,
-            "output_mask must be three booleans (grad_input, grad_weight, grad_bias), "
-            f"got {mask!r}",
+            "output_mask must be three booleans (whether to compute the input's, the weight's "
+            f"and the bias's gradients), got {mask!r}",
         )
     return values  # type: ignore[return-value]
 
