@@ -897,3 +897,45 @@ def test_a_repeated_batched_problem_checks_addresses_on_the_device_too(fake, stu
     with pytest.raises(InfiniError, match=name):
         batch_norm_backward_batched(bad["input"], good["input"], bad["weight"], None, None)
     assert len(fake.log) == log and len(fake.cudnn.calls) == calls  # no copy, no launch
+
+
+class Shifting:
+    """A CUDA-array-interface producer whose interface names ``first``'s memory on its first
+    ``reads`` reads (``hasattr`` reads it too) and ``then``'s after: an attacker's, or one
+    racing a writer."""
+
+    def __init__(self, first: FakeArray, then: FakeArray, reads: int) -> None:
+        self.first, self.then, self.reads = first, then, reads
+
+    @property
+    def __cuda_array_interface__(self) -> dict:
+        self.reads -= 1
+        return (self.first if self.reads >= 0 else self.then).__cuda_array_interface__
+
+
+@pytest.mark.parametrize("planned", [False, True], ids=["new", "planned"])
+@pytest.mark.parametrize("reads", range(1, 8))
+@pytest.mark.parametrize("moved", ["input", "weight"])
+def test_an_interface_that_moves_to_another_device_between_reads(fake, stub, moved, reads, planned):
+    """The door finds the call's device (``common_place``) and then describes each operand's
+    memory, reading an interface several times: one that names another device's memory
+    from some read on (an attacker's; found attacking the door) must not have the call run
+    on one device with the other's pointer (on a GPU, an illegal address). Whatever the
+    read it moves at, new problem or planned (a plan's key holds each operand's own
+    device): refused, BAD_PARAM naming it, before anything is allocated or launched, or run
+    with the memory of one device."""
+    names = ("input", "weight", "bias", "mean", "var")
+    p = problem(fake.array, 1)
+    if planned:
+        batch_norm_forward_inference(*(p[n] for n in names))
+    elsewhere = fake.array(p[moved].shape, device=0)
+    p[moved] = Shifting(p[moved], elsewhere, reads)
+    before, calls = len(fake.allocations()), stub.forward_inference.calls
+    try:
+        batch_norm_forward_inference(*(p[n] for n in names))
+    except InfiniError as error:
+        assert error.status == Status.BAD_PARAM and f"{moved} on NVIDIA:0" in str(error)
+        assert len(fake.allocations()) == before and stub.forward_inference.calls == calls
+        return
+    read = stub.forward_inference.x if moved == "input" else stub.forward_inference.scale
+    assert stub.forward_inference.calls == calls + 1 and read != elsewhere.data.ptr
