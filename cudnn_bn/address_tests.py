@@ -2,16 +2,22 @@
 call has them inline (``api.call``), a CPU kernel evaluates them compiled (``backends.cpu``).
 Chained comparisons over the pointers themselves cost less than any loop over pairs."""
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Sequence, Set
 from typing import Any
 
 
-def meeting(pairs: list[tuple[int, int, int, int]]) -> str:
+def meeting(
+    pairs: list[tuple[int, int, int, int]], in_place: Set[tuple[int, int]] = frozenset()
+) -> str:
     """The source of a test over a call's pointers ``ptrs``: true where, for some pair
     ``(a, b, low, high)``, ``low < ptrs[a] - ptrs[b] < high``: where the bytes of tensors at
     those pointers may meet (bounds from their byte extents), for an exact check to decide;
-    empty for no pairs."""
-    return " or ".join(f"{low} < ptrs[{a}] - ptrs[{b}] < {high}" for a, b, low, high in pairs)
+    for a pair ``(a, b)`` of ``in_place``, other than at one address. Empty for no pairs."""
+    return " or ".join(
+        f"{low} < ptrs[{a}] - ptrs[{b}] < {high}"
+        + (f" and ptrs[{a}] != ptrs[{b}]" if (a, b) in in_place else "")
+        for a, b, low, high in pairs
+    )
 
 
 OUT_OF_RANGE = -1 << 64  # the bits of an int no address in [0, 2**64) has (all: negative)

@@ -234,12 +234,15 @@ def test_one_descriptor_many_computes_and_modes():
 # Pointers a compute must refuse (BAD_PARAM), writing nothing, as the array API does: one
 # misaligned to its elements, a written one over another argument's memory (results in the
 # same place, or an input the second walk reads over-written by the first's grad_weight).
+# A data output over a read data tensor is in place instead: exactly, on any engine
+# (``test_in_place_as_infinicore``), or anyhow on the CPU engine, which writes it through
+# scratch (``test_cpu_engine.py``'s overlap tests).
 SPOILED = {
     "grad_input misaligned": {"grad_input": ("grad_input", 2)},
     "input misaligned": {"input": ("input", 1)},
     "grad_weight at grad_bias": {"grad_weight": ("grad_bias", 0)},
     "grad_weight inside input": {"grad_weight": ("input", 8)},
-    "grad_input at grad_output": {"grad_input": ("grad_output", 0)},
+    "grad_bias inside grad_output": {"grad_bias": ("grad_output", 12)},
 }
 
 
@@ -262,6 +265,30 @@ def test_misaligned_or_overlapping_pointers_are_refused(spoiled):
         assert set(spoiled) <= set(capi.last_error().split())
         for name, values in before.items():
             np.testing.assert_array_equal(arrays[name], values, err_msg=name)
+    finally:
+        ok(capi.infiniopDestroyBatchNormBackwardDescriptor(op))
+        for desc in descs:
+            ok(capi.infiniopDestroyTensorDescriptor(desc))
+        ok(capi.infiniopDestroyHandle(handle))
+
+
+@pytest.mark.parametrize("over", ["grad_output", "input"])
+def test_in_place_as_infinicore(over):
+    """InfiniCore's own batch_norm_backward tests (test/infiniop, ``Inplace.INPLACE_GRAD_INPUT``)
+    pass grad_input at grad_output's address: a data tensor exactly on a read one of its
+    layout is in place, element for element, and gives torch's results (the check above
+    refused it at first)."""
+    arrays = make_problem((3, 2, 7), np.float64, np.float64, seed=6)
+    want = expected(arrays, 0)
+    handle, op = ctypes.c_void_p(), ctypes.c_void_p()
+    ok(capi.infiniopCreateHandle(ctypes.byref(handle)))
+    descs = [tensor_desc(arrays[n]) for n in BACKWARD_ORDER]
+    ok(capi.infiniopCreateBatchNormBackwardDescriptor(handle, ctypes.byref(op), *descs))
+    address = {n: layout(a)[2] for n, a in arrays.items()}
+    address["grad_input"] = address[over]
+    try:
+        ok(capi.infiniopBatchNormBackward(op, 0, 0, *(address[n] for n in BACKWARD_ORDER), 0))
+        check(arrays | {"grad_input": arrays[over]}, want, np.float64)
     finally:
         ok(capi.infiniopDestroyBatchNormBackwardDescriptor(op))
         for desc in descs:

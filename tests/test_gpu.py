@@ -274,12 +274,15 @@ def capi_tensor(a) -> ctypes.c_void_p:
     return out
 
 
-def test_capi_with_device_pointers():
+@pytest.mark.parametrize("in_place", [False, True], ids=["apart", "in_place"])
+def test_capi_with_device_pointers(in_place):
+    """``in_place``: grad_input at grad_output's address, as InfiniCore's own tests run the
+    backward (the C API takes that; cuDNN's result in place is proven only on a GPU)."""
     shape = (2, 3, 4, 5)
     p = make_gpu_problem(shape, None, F32, F32, "saved")
     inputs = [cupy.asarray(t) for t in (p.x, p.dy, p.w, *p.stats.values())]
-    grads = [cupy.full(shape, cupy.nan, cupy.float32), cupy.full(3, cupy.nan, cupy.float32),
-             cupy.full(3, cupy.nan, cupy.float32)]  # fmt: skip
+    grad_input = inputs[1] if in_place else cupy.full(shape, cupy.nan, cupy.float32)
+    grads = [grad_input, cupy.full(3, cupy.nan, cupy.float32), cupy.full(3, cupy.nan, cupy.float32)]
     cupy.cuda.Device().synchronize()  # the compute stream below does not wait for the default
 
     assert capi.infinirtSetDevice(Device.NVIDIA, 0) == Status.SUCCESS

@@ -345,6 +345,38 @@ def test_null_data_pointer_is_refused_before_cudnn(stub, name):
     assert (stub.backward.calls, stub.set_stream.calls) == (0, 0)
 
 
+@pytest.mark.parametrize("over", ["grad_output", "input"])
+def test_grad_input_exactly_on_a_read_data_tensor_reaches_cudnn(stub, over):
+    """In place as InfiniCore's own tests run the backward: grad_input at the address of a
+    read data tensor of its layout is handed to cuDNN as it is (whether cuDNN's result is
+    right in place only a GPU shows: ``test_gpu.py::test_capi_with_device_pointers``)."""
+    with descriptor((2, 3, 4, 5), mode="saved_invstd") as desc:
+        compute(desc, grad_input=POINTERS[over])
+    call, field = stub.backward, {"grad_output": "dy", "input": "x"}[over]
+    assert call.calls == 1 and call.dx == POINTERS[over] == getattr(call, field)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "dy_strides"),
+    [
+        ({"grad_input": POINTERS["grad_output"] + 4}, None),  # one element along
+        ({"grad_input": POINTERS["grad_output"]}, channels_last((2, 3, 4, 5))),  # other layout
+        ({"grad_weight": POINTERS["input"] + 8}, None),  # a per-channel result in the data
+    ],
+    ids=["shifted", "other layout", "per-channel"],
+)
+def test_other_overlaps_are_refused_before_cudnn(stub, overrides, dy_strides):
+    """A written tensor over another argument other than exactly in place is BAD_PARAM on
+    the NVIDIA engine, which cuDNN would read as it writes it (the CPU engine writes such a
+    data output through scratch instead)."""
+    with (
+        descriptor((2, 3, 4, 5), mode="saved_invstd", dy_strides=dy_strides) as desc,
+        pytest.raises(BadParamError, match="share memory"),
+    ):
+        compute(desc, **overrides)
+    assert stub.backward.calls == 0
+
+
 # --- which engine ---------------------------------------------------------------------------
 
 BIG = 2**31  # elements: cuDNN indexes with 32 bits

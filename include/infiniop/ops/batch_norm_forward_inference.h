@@ -137,8 +137,9 @@ infiniStatus_t infiniopGetBatchNormForwardInferenceWorkspaceSize(
  *         INFINI_STATUS_NULL_POINTER if desc or a data pointer is NULL, or workspace is NULL
  *         while the required size is not 0;
  *         INFINI_STATUS_BAD_PARAM if desc is unknown or destroyed, a data pointer is not
- *         aligned to its elements, or an output overlaps another argument (nothing is
- *         written);
+ *         aligned to its elements, or an output overlaps another argument other than
+ *         in place (a data output exactly on a read data tensor of its layout, or on the
+ *         CPU over one in any way); nothing is written;
  *         INFINI_STATUS_INSUFFICIENT_WORKSPACE if workspace_size is smaller than the
  *         reported size (nothing is written);
  *         INFINI_STATUS_BAD_TENSOR_DTYPE if cuDNN rejects a dtype;

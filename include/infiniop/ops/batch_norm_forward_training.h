@@ -189,8 +189,9 @@ infiniStatus_t infiniopGetBatchNormForwardTrainingReserveSize(
  *         INFINI_STATUS_NULL_POINTER if desc is NULL, a data pointer the descriptor reads or
  *         writes is NULL, or workspace or reserve is NULL while its required size is not 0;
  *         INFINI_STATUS_BAD_PARAM if desc is unknown or destroyed, a data pointer is not
- *         aligned to its elements, or an output overlaps another argument (nothing is
- *         written);
+ *         aligned to its elements, or an output overlaps another argument other than
+ *         in place (a data output exactly on a read data tensor of its layout, or on the
+ *         CPU over one in any way); nothing is written;
  *         INFINI_STATUS_INSUFFICIENT_WORKSPACE if workspace_size or reserve_size is smaller
  *         than the reported size (nothing is written);
  *         INFINI_STATUS_BAD_TENSOR_DTYPE if cuDNN rejects a dtype;
