@@ -397,6 +397,48 @@ def test_bad_state_raises_and_changes_nothing(change, status):
         np.testing.assert_array_equal(np.asarray(value), before[name])
 
 
+def _inference_tensor(array: torch.Tensor) -> torch.Tensor:
+    with torch.inference_mode():
+        return array.clone()
+
+
+@pytest.mark.parametrize(
+    "made",
+    [
+        torch.nn.Parameter,  # a torch optimizer's parameter
+        _inference_tensor,
+    ],
+    ids=["Parameter", "inference_mode"],
+)
+def test_torch_arrays_of_any_autograd_state_load_as_the_forward_writes_them(made):
+    """A layer's tensors set to a ``Parameter`` or an inference tensor, which the forward
+    reads and moves through their pointers: ``load_state_dict`` (``reset_parameters()``
+    too) wrote weight with ``[...] =`` then hit torch's refusal (a leaf that requires grad,
+    an inference tensor outside inference mode), INTERNAL_ERROR with half the state loaded."""
+    layer = BatchNorm(3, like=torch.zeros(1, dtype=torch.float64))
+    layer.bias, layer.running_var = made(layer.bias), made(layer.running_var)
+    layer(torch.arange(12.0, dtype=torch.float64).reshape(4, 3))
+    module = trained_module()
+    layer.load_state_dict(module.state_dict())
+    compare_state(layer, module, 0, 0)
+    layer.reset_parameters()
+    compare_state(layer, torch.nn.BatchNorm1d(3).double(), 0, 0)
+
+
+def test_an_unwritable_array_of_the_layer_is_refused_before_any_is_loaded():
+    """A read-only running_var (which the forward refuses, BAD_PARAM): load_state_dict wrote
+    weight, bias and running_mean, then raised INTERNAL_ERROR (NumPy's ValueError)."""
+    layer = BatchNorm(3)
+    layer(np.arange(12.0).reshape(4, 3))
+    layer.running_var.flags.writeable = False
+    before = {n: np.array(v) for n, v in layer.state_dict().items()}
+    with pytest.raises(InfiniError, match="running_var is read-only") as info:
+        layer.load_state_dict(numpy_state(trained_module()))
+    assert info.value.status == Status.BAD_PARAM
+    for name, value in layer.state_dict().items():
+        np.testing.assert_array_equal(np.asarray(value), before[name])
+
+
 @pytest.mark.parametrize("lib", ["numpy", "torch"])
 @pytest.mark.parametrize("count", [2**53 + 1, 2**63 - 2])
 def test_num_batches_tracked_round_trips_torch_s_int64_exactly(count, lib):
