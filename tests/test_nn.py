@@ -14,6 +14,7 @@ import itertools
 import pickle
 import re
 import socket
+import threading
 import warnings
 from collections import OrderedDict
 
@@ -828,8 +829,73 @@ def test_sync_batch_norm_in_a_group_of_one_is_batch_norm(group_of_one):
                 np.testing.assert_array_equal(host(value), before[name])
             sync(x, z)
             with pytest.raises(InfiniError) as info:
-                sync.backward(dy[:1])  # would broadcast
-            assert info.value.status == Status.BAD_PARAM
+                sync.backward(dy[:1])  # would broadcast; refused by the pass, on every rank
+            assert info.value.status == Status.BAD_TENSOR_SHAPE
+
+
+class ThreadRanks:
+    """An mpi4py-like intracommunicator whose ranks are threads: buffer collectives between
+    barriers that time out (a rank that never joins breaks them, as MPI would hang)."""
+
+    def __init__(self, world: "ThreadWorld", rank: int) -> None:
+        self.world, self.rank = world, rank
+
+    def Get_rank(self) -> int:  # mpi4py's names
+        return self.rank
+
+    def Get_size(self) -> int:
+        return len(self.world.slots)
+
+    def Is_inter(self) -> bool:
+        return False
+
+    def _everyone(self, values: np.ndarray) -> list[np.ndarray]:
+        self.world.slots[self.rank] = np.array(values)
+        self.world.barrier.wait()
+        everyone = list(self.world.slots)
+        self.world.barrier.wait()
+        return everyone
+
+    def Allgather(self, send: np.ndarray, recv: np.ndarray) -> None:
+        recv[...] = np.stack(self._everyone(send))
+
+    def Allreduce(self, send: np.ndarray, recv: np.ndarray, op: object = None) -> None:
+        recv[...] = np.sum(self._everyone(send), axis=0)
+
+
+class ThreadWorld:
+    def __init__(self, size: int) -> None:
+        self.slots: list = [None] * size
+        self.barrier = threading.Barrier(size, timeout=5)
+
+
+@pytest.mark.parametrize("fusion", ["relu", "add_relu"])
+def test_a_fused_sync_backward_with_a_bad_grad_output_on_one_rank_raises_on_every_rank(fusion):
+    """A fused ``SyncBatchNorm``'s backward checked ``grad_output`` on its rank alone and
+    raised there, before the collective the other ranks then waited in for ever (here:
+    their barrier timed out). Unmasked, the synchronized pass refuses it on every rank."""
+    pytest.importorskip("mpi4py")
+    world, results = ThreadWorld(2), [None, None]
+
+    def rank(r: int) -> None:
+        layer = SyncBatchNorm(3, fusion=fusion, group=ThreadRanks(world, r))
+        x = np.random.default_rng(r).standard_normal((4, 3, 2))
+        z = np.zeros_like(x) if fusion == "add_relu" else None
+        y = layer(x, z)
+        dy = np.ones_like(y) if r == 0 else np.ones(y.shape, np.float32)  # F32 on rank 1
+        try:
+            layer.backward(dy)
+        except Exception as exc:
+            results[r] = exc
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=30)
+    assert all(isinstance(e, InfiniError) for e in results), results
+    assert [e.status for e in results] == [Status.BAD_TENSOR_DTYPE] * 2, results
+    assert "grad_output" in str(results[1]) and "rank 1" in str(results[0]), results
 
 
 def test_convert_sync_batchnorm_is_torch_s_over_the_layers_of_a_model():

@@ -8,6 +8,7 @@ training forward synchronizes; eval mode is ``BatchNorm``'s, on this process's b
 from typing import Any
 
 from ..distributed import sync_batch_norm_backward, sync_batch_norm_forward_training
+from ..errors import InfiniError
 from .batch_norm import Backward, BatchNorm, add_relu, check_like_input, wanted
 
 
@@ -21,7 +22,9 @@ class SyncBatchNorm(BatchNorm):
     the global batch's, identically on every process. A fused training forward applies
     ``relu(... [+ z])`` to the synchronized output, and its backward masks ``grad_output``
     by it (``cudnn_bn.distributed`` has no fused pass); ``z`` is checked on each rank alone,
-    so a bad ``z`` on one rank raises there while the others wait in the collective."""
+    so a bad ``z`` on one rank raises there while the others wait in the collective (a bad
+    ``grad_output`` goes to the synchronized backward unmasked, which refuses it on every
+    rank)."""
 
     def __init__(self, num_features: int, *args: Any, group: Any, **kwargs: Any) -> None:
         super().__init__(num_features, *args, **kwargs)
@@ -70,13 +73,20 @@ class SyncBatchNorm(BatchNorm):
             output = add_relu(output, z)
 
         def backward(grad_output: Any) -> tuple[Any, ...]:
+            refused = None
             if self.fusion:
-                check_like_input("grad_output", grad_output, input)
-                grad_output = grad_output * (output > 0)
+                try:
+                    check_like_input("grad_output", grad_output, input)
+                except InfiniError as exc:  # unmasked, the pass refuses it on every rank
+                    refused = exc
+                else:
+                    grad_output = grad_output * (output > 0)
             grads = sync_batch_norm_backward(
                 input, grad_output, weight, mean, invstd,
                 group=self.group, output_mask=wanted(weight, bias),
             )  # fmt: skip
+            if refused is not None:
+                raise refused
             return (*grads, grad_output) if self.fusion == "add_relu" else grads
 
         return output, backward
