@@ -898,6 +898,57 @@ def test_a_fused_sync_backward_with_a_bad_grad_output_on_one_rank_raises_on_ever
     assert "grad_output" in str(results[1]) and "rank 1" in str(results[0]), results
 
 
+ONE_RANK_REFUSALS = {  # what rank 1's layer refuses itself, before the synchronized pass
+    "input a list": dict(input=lambda x: x.tolist()),
+    "input of another library": dict(input=torch.from_numpy),
+    "z unlike input": dict(fusion="add_relu", z=lambda x: x[:, :2]),
+    "z missing": dict(fusion="add_relu", z=lambda _: None),
+    "eps 0": dict(eps=0.0),
+}
+
+
+@pytest.mark.parametrize("case", list(ONE_RANK_REFUSALS))
+def test_a_training_forward_refused_by_one_rank_s_layer_raises_on_every_rank(case):
+    """What ``SyncBatchNorm.forward`` refuses before the synchronized pass (its input's
+    library, ``z``, ``eps``) raised on that rank alone, while the others waited in the pass's
+    header exchange for ever (here: their barrier timed out). Now every rank raises, and
+    none moves its running statistics."""
+    pytest.importorskip("mpi4py")
+    change = ONE_RANK_REFUSALS[case]
+    world, results, states = ThreadWorld(2), [None, None], [None, None]
+
+    def rank(r: int) -> None:
+        mine = change if r == 1 else {}
+        fusion = change.get("fusion")
+        eps, group = mine.get("eps", 1e-5), ThreadRanks(world, r)
+        layer = SyncBatchNorm(3, eps=eps, fusion=fusion, group=group, like=np.zeros(1))
+        x = np.random.default_rng(r).standard_normal((4, 3, 2))
+        z = mine["z"](x) if "z" in mine else np.zeros_like(x) if fusion else None
+        before = numpy_like_state(layer)
+        try:
+            layer(mine.get("input", np.asarray)(x), z)
+        except Exception as exc:
+            results[r] = exc
+        states[r] = (before, numpy_like_state(layer), layer.num_batches_tracked)
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=30)
+    assert all(isinstance(e, InfiniError) for e in results), results
+    assert results[0].status == results[1].status, results
+    assert "rank 1" in str(results[0]), results
+    for before, after, count in states:
+        assert count == 0
+        for name, value in before.items():
+            np.testing.assert_array_equal(after[name], value)
+
+
+def numpy_like_state(layer: BatchNorm) -> dict[str, np.ndarray]:
+    return {n: np.array(host(v)) for n, v in layer.state_dict().items()}
+
+
 def test_convert_sync_batchnorm_is_torch_s_over_the_layers_of_a_model():
     """torch's ``SyncBatchNorm.convert_sync_batchnorm``: each batch norm becomes a
     ``SyncBatchNorm`` with its flags, mode, count and the same arrays; the rest stays. The
