@@ -1,7 +1,8 @@
 """Fuzz target: the synchronized passes (``test_fuzz_distributed.py`` runs it).
 
 Every case is drawn from one seed: a global batch split unevenly over the ranks (a rank may
-have N = 0 or one value per channel), NumPy or torch arrays of F32/F64, forward or backward,
+have N = 0 or one value per channel), NumPy or torch arrays of F32/F64 (torch running
+statistics sometimes made under ``torch.inference_mode()``), forward or backward,
 weight/bias sometimes None, and, on one rank only (drawn too), one fault: an argument in a
 form of ``fuzz_arrays.FORMS`` (a list, None, an integer or F16 array, a read-only,
 reversed or broadcast view...), an argument of another kind, a running statistic that
@@ -27,6 +28,7 @@ import time
 import warnings
 
 import numpy as np
+import torch
 from fuzz_arrays import FORMS, _torch_training, arrange, f64, snapshot
 from fuzzing import COUNTS, SETTINGS, child_main, problem_values, violation
 from helpers import TOL, reference
@@ -67,12 +69,16 @@ def draw_case(seed: int, ranks: int, rank: int) -> dict:
     alias = str(rng.choice(["running_var", "weight", "bias", "input"]))
     bad_scalar = str(rng.choice(list(BAD_SCALARS)))
     bad_value = BAD_SCALARS[bad_scalar][int(rng.integers(0, len(BAD_SCALARS[bad_scalar])))]
+    inference = kind == "torch" and rng.integers(0, 4) == 0  # statistics of inference_mode
 
     lo = sum(sizes[:rank])
     mine = {n: v[lo : lo + sizes[rank]] if v.ndim > 1 else v for n, v in values.items()}
     args = {n: arrange(mine[n], kind, dtype) for n in set(FORWARD) | set(BACKWARD)}
     for name in absent:
         args[name] = None
+    if inference:  # running statistics made under torch.inference_mode(): moved all the same
+        with torch.inference_mode():
+            args.update((n, args[n].clone()) for n in ("running_mean", "running_var"))
     if rank == bad_rank and fault == "form":
         args[target] = arrange(mine[target], form, dtype)
     elif rank == bad_rank and fault == "kind":

@@ -164,6 +164,28 @@ def test_per_channel_arrays_of_another_kind_are_updated_and_checked_alike():
     _refused(lambda: _forward(p), Status.BAD_TENSOR_SHAPE, "running_mean")
 
 
+@pytest.mark.parametrize("made", ["inference_mode", "Parameter"])
+def test_torch_running_statistics_of_any_autograd_state_are_moved(made):
+    """Running statistics made under ``torch.inference_mode()`` (or a ``Parameter``) are
+    moved as the array API moves them: torch refuses an inference tensor's in-place update
+    outside inference mode, and only after writing it, so the update once raised
+    INTERNAL_ERROR past the collectives with both statistics written."""
+    p = _problem()
+    want = {n: torch.from_numpy(p[n].copy()) for n in ("running_mean", "running_var")}
+    for name in want:
+        if made == "inference_mode":
+            with torch.inference_mode():
+                p[name] = torch.from_numpy(p[name].copy())
+        else:
+            p[name] = torch.nn.Parameter(torch.from_numpy(p[name].copy()))
+    y, _, _ = _forward(p)
+    x, w, b = (torch.from_numpy(p[n]) for n in ("input", "weight", "bias"))
+    want_y = F.batch_norm(x, want["running_mean"], want["running_var"], w, b, True, eps=EPS)
+    np.testing.assert_allclose(y, want_y.numpy(), rtol=1e-12, atol=1e-12)
+    for name, values in want.items():
+        np.testing.assert_allclose(p[name].detach().numpy(), values.numpy(), rtol=1e-12)
+
+
 # --- issue 16 #14: N = 0, weight/bias None ----------------------------------------------------
 
 

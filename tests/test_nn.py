@@ -14,6 +14,7 @@ import itertools
 import pickle
 import re
 import socket
+import threading
 import warnings
 from collections import OrderedDict
 
@@ -393,6 +394,48 @@ def test_bad_state_raises_and_changes_nothing(change, status):
     with pytest.raises(InfiniError) as info:
         layer.load_state_dict(state)
     assert info.value.status == status
+    for name, value in layer.state_dict().items():
+        np.testing.assert_array_equal(np.asarray(value), before[name])
+
+
+def _inference_tensor(array: torch.Tensor) -> torch.Tensor:
+    with torch.inference_mode():
+        return array.clone()
+
+
+@pytest.mark.parametrize(
+    "made",
+    [
+        torch.nn.Parameter,  # a torch optimizer's parameter
+        _inference_tensor,
+    ],
+    ids=["Parameter", "inference_mode"],
+)
+def test_torch_arrays_of_any_autograd_state_load_as_the_forward_writes_them(made):
+    """A layer's tensors set to a ``Parameter`` or an inference tensor, which the forward
+    reads and moves through their pointers: ``load_state_dict`` (``reset_parameters()``
+    too) wrote weight with ``[...] =`` then hit torch's refusal (a leaf that requires grad,
+    an inference tensor outside inference mode), INTERNAL_ERROR with half the state loaded."""
+    layer = BatchNorm(3, like=torch.zeros(1, dtype=torch.float64))
+    layer.bias, layer.running_var = made(layer.bias), made(layer.running_var)
+    layer(torch.arange(12.0, dtype=torch.float64).reshape(4, 3))
+    module = trained_module()
+    layer.load_state_dict(module.state_dict())
+    compare_state(layer, module, 0, 0)
+    layer.reset_parameters()
+    compare_state(layer, torch.nn.BatchNorm1d(3).double(), 0, 0)
+
+
+def test_an_unwritable_array_of_the_layer_is_refused_before_any_is_loaded():
+    """A read-only running_var (which the forward refuses, BAD_PARAM): load_state_dict wrote
+    weight, bias and running_mean, then raised INTERNAL_ERROR (NumPy's ValueError)."""
+    layer = BatchNorm(3)
+    layer(np.arange(12.0).reshape(4, 3))
+    layer.running_var.flags.writeable = False
+    before = {n: np.array(v) for n, v in layer.state_dict().items()}
+    with pytest.raises(InfiniError, match="running_var is read-only") as info:
+        layer.load_state_dict(numpy_state(trained_module()))
+    assert info.value.status == Status.BAD_PARAM
     for name, value in layer.state_dict().items():
         np.testing.assert_array_equal(np.asarray(value), before[name])
 
@@ -786,8 +829,124 @@ def test_sync_batch_norm_in_a_group_of_one_is_batch_norm(group_of_one):
                 np.testing.assert_array_equal(host(value), before[name])
             sync(x, z)
             with pytest.raises(InfiniError) as info:
-                sync.backward(dy[:1])  # would broadcast
-            assert info.value.status == Status.BAD_PARAM
+                sync.backward(dy[:1])  # would broadcast; refused by the pass, on every rank
+            assert info.value.status == Status.BAD_TENSOR_SHAPE
+
+
+class ThreadRanks:
+    """An mpi4py-like intracommunicator whose ranks are threads: buffer collectives between
+    barriers that time out (a rank that never joins breaks them, as MPI would hang)."""
+
+    def __init__(self, world: "ThreadWorld", rank: int) -> None:
+        self.world, self.rank = world, rank
+
+    def Get_rank(self) -> int:  # mpi4py's names
+        return self.rank
+
+    def Get_size(self) -> int:
+        return len(self.world.slots)
+
+    def Is_inter(self) -> bool:
+        return False
+
+    def _everyone(self, values: np.ndarray) -> list[np.ndarray]:
+        self.world.slots[self.rank] = np.array(values)
+        self.world.barrier.wait()
+        everyone = list(self.world.slots)
+        self.world.barrier.wait()
+        return everyone
+
+    def Allgather(self, send: np.ndarray, recv: np.ndarray) -> None:
+        recv[...] = np.stack(self._everyone(send))
+
+    def Allreduce(self, send: np.ndarray, recv: np.ndarray, op: object = None) -> None:
+        recv[...] = np.sum(self._everyone(send), axis=0)
+
+
+class ThreadWorld:
+    def __init__(self, size: int) -> None:
+        self.slots: list = [None] * size
+        self.barrier = threading.Barrier(size, timeout=5)
+
+
+@pytest.mark.parametrize("fusion", ["relu", "add_relu"])
+def test_a_fused_sync_backward_with_a_bad_grad_output_on_one_rank_raises_on_every_rank(fusion):
+    """A fused ``SyncBatchNorm``'s backward checked ``grad_output`` on its rank alone and
+    raised there, before the collective the other ranks then waited in for ever (here:
+    their barrier timed out). Unmasked, the synchronized pass refuses it on every rank."""
+    pytest.importorskip("mpi4py")
+    world, results = ThreadWorld(2), [None, None]
+
+    def rank(r: int) -> None:
+        layer = SyncBatchNorm(3, fusion=fusion, group=ThreadRanks(world, r))
+        x = np.random.default_rng(r).standard_normal((4, 3, 2))
+        z = np.zeros_like(x) if fusion == "add_relu" else None
+        y = layer(x, z)
+        dy = np.ones_like(y) if r == 0 else np.ones(y.shape, np.float32)  # F32 on rank 1
+        try:
+            layer.backward(dy)
+        except Exception as exc:
+            results[r] = exc
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=30)
+    assert all(isinstance(e, InfiniError) for e in results), results
+    assert [e.status for e in results] == [Status.BAD_TENSOR_DTYPE] * 2, results
+    assert "grad_output" in str(results[1]) and "rank 1" in str(results[0]), results
+
+
+ONE_RANK_REFUSALS = {  # what rank 1's layer refuses itself, before the synchronized pass
+    "input a list": dict(input=lambda x: x.tolist()),
+    "input of another library": dict(input=torch.from_numpy),
+    "z unlike input": dict(fusion="add_relu", z=lambda x: x[:, :2]),
+    "z missing": dict(fusion="add_relu", z=lambda _: None),
+    "eps 0": dict(eps=0.0),
+}
+
+
+@pytest.mark.parametrize("case", list(ONE_RANK_REFUSALS))
+def test_a_training_forward_refused_by_one_rank_s_layer_raises_on_every_rank(case):
+    """What ``SyncBatchNorm.forward`` refuses before the synchronized pass (its input's
+    library, ``z``, ``eps``) raised on that rank alone, while the others waited in the pass's
+    header exchange for ever (here: their barrier timed out). Now every rank raises, and
+    none moves its running statistics."""
+    pytest.importorskip("mpi4py")
+    change = ONE_RANK_REFUSALS[case]
+    world, results, states = ThreadWorld(2), [None, None], [None, None]
+
+    def rank(r: int) -> None:
+        mine = change if r == 1 else {}
+        fusion = change.get("fusion")
+        eps, group = mine.get("eps", 1e-5), ThreadRanks(world, r)
+        layer = SyncBatchNorm(3, eps=eps, fusion=fusion, group=group, like=np.zeros(1))
+        x = np.random.default_rng(r).standard_normal((4, 3, 2))
+        z = mine["z"](x) if "z" in mine else np.zeros_like(x) if fusion else None
+        before = numpy_like_state(layer)
+        try:
+            layer(mine.get("input", np.asarray)(x), z)
+        except Exception as exc:
+            results[r] = exc
+        states[r] = (before, numpy_like_state(layer), layer.num_batches_tracked)
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=30)
+    assert all(isinstance(e, InfiniError) for e in results), results
+    assert results[0].status == results[1].status, results
+    assert "rank 1" in str(results[0]), results
+    for before, after, count in states:
+        assert count == 0
+        for name, value in before.items():
+            np.testing.assert_array_equal(after[name], value)
+
+
+def numpy_like_state(layer: BatchNorm) -> dict[str, np.ndarray]:
+    return {n: np.array(host(v)) for n, v in layer.state_dict().items()}
 
 
 def test_convert_sync_batchnorm_is_torch_s_over_the_layers_of_a_model():

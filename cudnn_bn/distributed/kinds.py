@@ -120,7 +120,11 @@ class TorchKind:
         return self.like(values, like, self.torch.float32 if like.dtype.itemsize == 2 else None)
 
     def assign(self, target: Any, values: np.ndarray) -> None:
-        with self.torch.no_grad():
+        """Write ``values`` into ``target`` whatever its autograd or inference state (a
+        ``Parameter``, a tensor made under ``inference_mode``), as the array API writes it:
+        outside inference mode torch refuses an inference tensor's in-place update, and only
+        once it has written it, after the collectives."""
+        with self.torch.inference_mode():
             target.copy_(self.torch.as_tensor(values, dtype=target.dtype))
 
     def _float64(self, array: Any) -> Any:

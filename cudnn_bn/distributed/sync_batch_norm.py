@@ -16,7 +16,7 @@ variance) and ``batch_norm_backward_elemt``.
 """
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NoReturn
 
 import numpy as np
 
@@ -63,6 +63,15 @@ def _run(
     if error is not None:
         raise error
     return checked, result, headers
+
+
+def refuse_on_every_rank(group: Any, error: InfiniError) -> NoReturn:
+    """Raise ``error``, this rank's refusal of a synchronized pass it never started (a layer's
+    own check), once every rank of ``group`` has it in the pass's header exchange, where the
+    others wait: they raise too, instead of waiting for ever."""
+    comm = communicator(group, _Stream())
+    comm.allgather(header(error.status))
+    raise error
 
 
 def _host(array: Any, default: float, channels: int) -> np.ndarray:

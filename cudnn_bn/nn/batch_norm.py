@@ -15,6 +15,7 @@ import numpy as np
 
 from ..api import batch_norm_backward, batch_norm_forward_inference, batch_norm_forward_training
 from ..arrays import common_place, operand
+from ..arrays.operand import refuse_unwritable
 from ..enums import DataType, Status
 from ..errors import InfiniError, raises_only_infini_errors
 from ..ops.validation import check_eps, check_fraction
@@ -457,6 +458,9 @@ class BatchNorm:
                 f"state['num_batches_tracked'] must be a count below 2**63 (torch's int64), "
                 f"got {count}",
             )
+        if self._pending is None:  # as the array API refuses them, before anything is written
+            for name in values:
+                refuse_unwritable(name, operand(name, getattr(self, name)))
         for name, value in values.items():
             if self._pending is not None:
                 self._pending[name] = value

@@ -88,5 +88,16 @@ def host(name: str, array: Any, integers: bool = False) -> np.ndarray:
 
 
 def assign(target: Any, values: np.ndarray) -> None:
-    """Write host ``values`` into ``target`` in place (its dtype, library and device)."""
-    target[...] = new(values, place("target", target), str(target.dtype).removeprefix("torch."))
+    """Write host ``values`` into ``target`` in place (its dtype, library and device); a
+    torch tensor under ``inference_mode``, whatever its autograd state (a ``Parameter``, an
+    inference tensor), as torch's ``load_state_dict`` writes its parameters and the array API
+    writes such tensors through their pointers (torch refuses both otherwise)."""
+    where = place("target", target)
+    values = new(values, where, str(target.dtype).removeprefix("torch."))
+    if where[0] != "torch":
+        target[...] = values
+        return
+    import torch
+
+    with torch.inference_mode():
+        target[...] = values

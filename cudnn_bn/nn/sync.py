@@ -8,7 +8,9 @@ training forward synchronizes; eval mode is ``BatchNorm``'s, on this process's b
 from typing import Any
 
 from ..distributed import sync_batch_norm_backward, sync_batch_norm_forward_training
-from .batch_norm import Backward, BatchNorm, add_relu, check_like_input, wanted
+from ..distributed.sync_batch_norm import refuse_on_every_rank
+from ..errors import InfiniError
+from .batch_norm import Backward, BatchNorm, _public, add_relu, check_like_input, wanted
 
 
 class SyncBatchNorm(BatchNorm):
@@ -20,12 +22,30 @@ class SyncBatchNorm(BatchNorm):
     gradients (as torch's data-parallel wrapper does); the running statistics move towards
     the global batch's, identically on every process. A fused training forward applies
     ``relu(... [+ z])`` to the synchronized output, and its backward masks ``grad_output``
-    by it (``cudnn_bn.distributed`` has no fused pass); ``z`` is checked on each rank alone,
-    so a bad ``z`` on one rank raises there while the others wait in the collective."""
+    by it (``cudnn_bn.distributed`` has no fused pass). What the layer refuses itself on one
+    rank (an input of another library, a bad ``z``, ``eps=0``) raises on every rank, as the
+    synchronized passes' own refusals do."""
 
     def __init__(self, num_features: int, *args: Any, group: Any, **kwargs: Any) -> None:
         super().__init__(num_features, *args, **kwargs)
         self.group = group
+        self._synchronizing = False
+
+    @_public
+    def forward(self, input: Any, z: Any = None) -> Any:
+        """``BatchNorm.forward``; in training mode a refusal on this rank before the
+        synchronized pass (a bad input or ``z``, a setting of this rank's layer) reaches
+        every rank of ``group`` in that pass's header exchange, where the others wait, so
+        that all raise."""
+        self._synchronizing = False
+        try:
+            return super().forward(input, z)
+        except InfiniError as exc:
+            if self.training and not self._synchronizing:
+                refuse_on_every_rank(self.group, exc)
+            raise
+
+    __call__ = forward
 
     @classmethod
     def convert_sync_batchnorm(cls, module: Any, group: Any) -> Any:
@@ -62,6 +82,7 @@ class SyncBatchNorm(BatchNorm):
         if not self.training:  # torch: eval mode never synchronizes
             return super()._batch_pass(input, z, weight, bias, running_mean, running_var, momentum)
         check_like_input("z", z, input)  # on this rank, before the collectives
+        self._synchronizing = True  # from here every rank reaches the same verdict
         output, mean, invstd = sync_batch_norm_forward_training(
             input, weight, bias, running_mean, running_var,
             group=self.group, momentum=momentum, eps=self.eps,
@@ -70,13 +91,20 @@ class SyncBatchNorm(BatchNorm):
             output = add_relu(output, z)
 
         def backward(grad_output: Any) -> tuple[Any, ...]:
+            refused = None
             if self.fusion:
-                check_like_input("grad_output", grad_output, input)
-                grad_output = grad_output * (output > 0)
+                try:
+                    check_like_input("grad_output", grad_output, input)
+                except InfiniError as exc:  # unmasked, the pass refuses it on every rank
+                    refused = exc
+                else:
+                    grad_output = grad_output * (output > 0)
             grads = sync_batch_norm_backward(
                 input, grad_output, weight, mean, invstd,
                 group=self.group, output_mask=wanted(weight, bias),
             )  # fmt: skip
+            if refused is not None:
+                raise refused
             return (*grads, grad_output) if self.fusion == "add_relu" else grads
 
         return output, backward
