@@ -869,6 +869,15 @@ class ThreadWorld:
         self.barrier = threading.Barrier(size, timeout=5)
 
 
+def on_two_ranks(rank) -> None:
+    """``rank(0)`` and ``rank(1)`` on two threads (``ThreadRanks``' ranks), joined within 30 s."""
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=30)
+
+
 @pytest.mark.parametrize("fusion", ["relu", "add_relu"])
 def test_a_fused_sync_backward_with_a_bad_grad_output_on_one_rank_raises_on_every_rank(fusion):
     """A fused ``SyncBatchNorm``'s backward checked ``grad_output`` on its rank alone and
@@ -888,11 +897,7 @@ def test_a_fused_sync_backward_with_a_bad_grad_output_on_one_rank_raises_on_ever
         except Exception as exc:
             results[r] = exc
 
-    threads = [threading.Thread(target=rank, args=(r,)) for r in range(2)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(timeout=30)
+    on_two_ranks(rank)
     assert all(isinstance(e, InfiniError) for e in results), results
     assert [e.status for e in results] == [Status.BAD_TENSOR_DTYPE] * 2, results
     assert "grad_output" in str(results[1]) and "rank 1" in str(results[0]), results
@@ -931,11 +936,7 @@ def test_a_training_forward_refused_by_one_rank_s_layer_raises_on_every_rank(cas
             results[r] = exc
         states[r] = (before, numpy_like_state(layer), layer.num_batches_tracked)
 
-    threads = [threading.Thread(target=rank, args=(r,)) for r in range(2)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(timeout=30)
+    on_two_ranks(rank)
     assert all(isinstance(e, InfiniError) for e in results), results
     assert results[0].status == results[1].status, results
     assert "rank 1" in str(results[0]), results
