@@ -829,8 +829,8 @@ def test_sync_batch_norm_in_a_group_of_one_is_batch_norm(group_of_one):
                 np.testing.assert_array_equal(host(value), before[name])
             sync(x, z)
             with pytest.raises(InfiniError) as info:
-                sync.backward(dy[:1])  # would broadcast; refused by the pass, on every rank
-            assert info.value.status == Status.BAD_TENSOR_SHAPE
+                sync.backward(dy[:1])  # would broadcast; refused on every rank
+            assert info.value.status == Status.BAD_PARAM
 
 
 class ThreadRanks:
@@ -878,11 +878,20 @@ def on_two_ranks(rank) -> None:
         thread.join(timeout=30)
 
 
+BAD_GRAD_OUTPUTS = {  # what rank 1 gives a fused backward that its layer refuses
+    "float32": lambda y: np.ones(y.shape, np.float32),
+    "torch": lambda y: torch.ones(y.shape, dtype=torch.float64),  # for NumPy layers
+}
+
+
+@pytest.mark.parametrize("bad", list(BAD_GRAD_OUTPUTS))
 @pytest.mark.parametrize("fusion", ["relu", "add_relu"])
-def test_a_fused_sync_backward_with_a_bad_grad_output_on_one_rank_raises_on_every_rank(fusion):
+def test_a_fused_sync_backward_with_a_bad_grad_output_on_one_rank_raises_on_every_rank(fusion, bad):
     """A fused ``SyncBatchNorm``'s backward checked ``grad_output`` on its rank alone and
     raised there, before the collective the other ranks then waited in for ever (here:
-    their barrier timed out). Unmasked, the synchronized pass refuses it on every rank."""
+    their barrier timed out). The refusal now reaches every rank in the pass's header
+    exchange (``refuse_on_every_rank``, as the forward's), so all raise with its status and
+    none computes."""
     pytest.importorskip("mpi4py")
     world, results = ThreadWorld(2), [None, None]
 
@@ -891,7 +900,7 @@ def test_a_fused_sync_backward_with_a_bad_grad_output_on_one_rank_raises_on_ever
         x = np.random.default_rng(r).standard_normal((4, 3, 2))
         z = np.zeros_like(x) if fusion == "add_relu" else None
         y = layer(x, z)
-        dy = np.ones_like(y) if r == 0 else np.ones(y.shape, np.float32)  # F32 on rank 1
+        dy = np.ones_like(y) if r == 0 else BAD_GRAD_OUTPUTS[bad](y)
         try:
             layer.backward(dy)
         except Exception as exc:
@@ -899,7 +908,7 @@ def test_a_fused_sync_backward_with_a_bad_grad_output_on_one_rank_raises_on_ever
 
     on_two_ranks(rank)
     assert all(isinstance(e, InfiniError) for e in results), results
-    assert [e.status for e in results] == [Status.BAD_TENSOR_DTYPE] * 2, results
+    assert [e.status for e in results] == [Status.BAD_PARAM] * 2, results
     assert "grad_output" in str(results[1]) and "rank 1" in str(results[0]), results
 
 

@@ -23,8 +23,8 @@ class SyncBatchNorm(BatchNorm):
     the global batch's, identically on every process. A fused training forward applies
     ``relu(... [+ z])`` to the synchronized output, and its backward masks ``grad_output``
     by it (``cudnn_bn.distributed`` has no fused pass). What the layer refuses itself on one
-    rank (an input of another library, a bad ``z``, ``eps=0``) raises on every rank, as the
-    synchronized passes' own refusals do."""
+    rank (an input of another library, a bad ``z``, ``eps=0``, a fused backward's
+    ``grad_output``) raises on every rank, as the synchronized passes' own refusals do."""
 
     def __init__(self, num_features: int, *args: Any, group: Any, **kwargs: Any) -> None:
         super().__init__(num_features, *args, **kwargs)
@@ -91,20 +91,16 @@ class SyncBatchNorm(BatchNorm):
             output = add_relu(output, z)
 
         def backward(grad_output: Any) -> tuple[Any, ...]:
-            refused = None
             if self.fusion:
                 try:
                     check_like_input("grad_output", grad_output, input)
-                except InfiniError as exc:  # unmasked, the pass refuses it on every rank
-                    refused = exc
-                else:
-                    grad_output = grad_output * (output > 0)
+                except InfiniError as exc:  # in the pass's header exchange: all raise
+                    refuse_on_every_rank(self.group, exc)
+                grad_output = grad_output * (output > 0)
             grads = sync_batch_norm_backward(
                 input, grad_output, weight, mean, invstd,
                 group=self.group, output_mask=wanted(weight, bias),
             )  # fmt: skip
-            if refused is not None:
-                raise refused
             return (*grads, grad_output) if self.fusion == "add_relu" else grads
 
         return output, backward
