@@ -1034,3 +1034,16 @@ def test_arguments_that_do_not_bind_raise_pythons_type_error(entry):
     with pytest.raises(TypeError, match="missing") as caught:
         function(np.ones((2, 3, 4)))
     assert not isinstance(caught.value, InfiniError)
+
+
+@pytest.mark.parametrize("lib", ["numpy", "torch"])
+def test_a_refused_dtype_names_only_its_argument(lib):
+    """The door's dtype refusal said "(a reserve: also uint8 or int8)", which the training
+    forward respells as "(a out[3]: ...)" for a running_mean: it names no argument now."""
+    x, w = np.ones((4, 3), np.float32), np.ones(3, np.float32)
+    bad = np.ones(3, np.int32) if lib == "numpy" else torch.ones(3, dtype=torch.int32)
+    with pytest.raises(InfiniError) as info:
+        cudnn_bn.batch_norm_forward_training(x, w, w, bad, w.copy())
+    assert info.value.status == Status.BAD_TENSOR_DTYPE
+    message = str(info.value)
+    assert "running_mean" in message and "out[" not in message and "reserve" not in message

@@ -12,8 +12,9 @@ from ..enums import DataType, Status
 from ..errors import InfiniError
 from ..tensor import ITEMSIZE, TensorDesc, contiguous_strides
 
-# What every reader (NumPy's, torch's, DLPack's) takes, said where it refuses a dtype.
-EXPECTED = "expected float16, bfloat16, float32 or float64 (a reserve: also uint8 or int8)"
+# What every reader (NumPy's, torch's, DLPack's) takes, said where it refuses a dtype (with
+# no argument's name in it: the array API respells names, a reserve as ``out[3]``).
+EXPECTED = "expected float16, bfloat16, float32 or float64 (uint8 or int8 for a byte buffer)"
 # Element types a byte buffer (a reserve space) may come in, besides the float ones.
 _BYTES = {np.dtype(np.uint8): DataType.U8, np.dtype(np.int8): DataType.I8}
 
