@@ -4,9 +4,12 @@ argument checked on the caller's own array, as the array API checks it, and refu
 float64; N = 0 and absent weight/bias as PyTorch treats them.
 """
 
+import socket
+
 import numpy as np
 import pytest
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from fake_devices import fake_torch, torch_tensor
 from helpers import EPS, random_values, reference
@@ -247,3 +250,19 @@ def test_the_pass_scope_makes_the_stream_current_on_the_tensors_device(monkeypat
             torch.empty_strided((3,), (1,), dtype=torch.float32, device=tensor.device)
     arrays.torch_stream.cache_clear()
     assert log == [(1, 0x5B00)]
+
+
+def test_a_destroyed_torch_group_is_bad_param():
+    """A torch.distributed group used after ``destroy_process_group()`` (as MPI's
+    ``COMM_NULL`` after ``Free()``) is a bad ``group``: torch's own "Default process group
+    has not been initialized" came out as INTERNAL_ERROR (found attacking the package)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    group = dist.group.WORLD
+    dist.destroy_process_group()
+    x = torch.ones(4, 3, dtype=torch.float64)
+    with pytest.raises(InfiniError) as info:
+        sync_batch_norm_forward_training(x, None, None, None, None, group=group)
+    assert info.value.status == Status.BAD_PARAM and "destroy_process_group" in str(info.value)

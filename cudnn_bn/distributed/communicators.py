@@ -104,6 +104,12 @@ class TorchCommunicator:
         import torch.distributed as dist
 
         self._torch, self._dist, self._group = torch, dist, group
+        if not dist.is_initialized():  # torch's own error for it would be an INTERNAL_ERROR
+            raise InfiniError(
+                Status.BAD_PARAM,
+                "group is a torch.distributed process group, but torch.distributed is not "
+                "initialized (destroy_process_group was called, or init_process_group not yet)",
+            )
         with self._errors("get_rank/get_world_size"):
             self.rank, self.size = dist.get_rank(group), dist.get_world_size(group)
             on_gpu = dist.get_backend(group) == "nccl"
