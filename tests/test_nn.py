@@ -691,6 +691,57 @@ def test_zero_grad_takes_torch_s_set_to_none():
     assert layer.weight_grad is kept and not kept.any() and not layer.bias_grad.any()
 
 
+def _read_only(values: np.ndarray) -> np.ndarray:
+    values.flags.writeable = False
+    return values
+
+
+@pytest.mark.parametrize(
+    ("bias_grad", "status"),
+    [
+        (np.zeros(5, np.float32), Status.BAD_PARAM),
+        (np.zeros(3, np.int64), Status.BAD_TENSOR_DTYPE),
+        (_read_only(np.zeros(3, np.float32)), Status.BAD_PARAM),
+        (torch.zeros(3), Status.BAD_PARAM),
+        ([0.0, 0.0, 0.0], Status.BAD_PARAM),
+    ],
+    ids=["shape", "integers", "read-only", "torch", "list"],
+)
+def test_a_gradient_that_cannot_take_the_sum_raises_and_changes_nothing(bias_grad, status):
+    """A ``bias_grad`` the caller set that the backward cannot add to in place (another shape
+    or library, integers, read-only, no array) is that status naming it, and the backward
+    changes nothing: ``weight_grad`` not added to, the backward still pending (before: an
+    INTERNAL_ERROR of NumPy's ``+=`` after ``weight_grad`` had been added to, the backward
+    gone; a list was extended). One of another float dtype takes the sum, as ``+=`` does; a
+    torch gradient that requires grad itself too, as ``load_state_dict`` writes one."""
+    rng = np.random.default_rng(0)
+    x, dy = (rng.standard_normal((4, 3, 5)).astype(np.float32) for _ in range(2))
+    layer = BatchNorm(3)
+    layer(x)
+    layer.backward(dy)
+    kept = layer.weight_grad.copy()
+    layer.bias_grad = bias_grad
+    layer(x)
+    with pytest.raises(InfiniError, match="bias_grad") as info:
+        layer.backward(dy)
+    assert info.value.status == status
+    np.testing.assert_array_equal(layer.weight_grad, kept)
+    assert layer.bias_grad is bias_grad
+    layer.bias_grad = None
+    layer.backward(dy)  # the pending backward
+    np.testing.assert_array_equal(layer.weight_grad, 2 * kept)
+    layer.bias_grad = wide = np.zeros(3)
+    layer(x)
+    layer.backward(dy)
+    assert layer.bias_grad is wide and wide.any()
+    tensors = BatchNorm(3)
+    tensors(torch.from_numpy(x))
+    tensors.bias_grad = total = torch.zeros(3, requires_grad=True)
+    tensors.backward(torch.from_numpy(dy))
+    assert tensors.bias_grad is total
+    torch.testing.assert_close(total.detach(), torch.from_numpy(dy).sum((0, 2)))
+
+
 def test_an_array_assigned_before_the_first_forward_is_not_dropped():
     """Before the first forward the layer's arrays do not exist (None): one assigned then (a
     zero-initialized weight) was replaced by the first forward's new arrays, silently. Now
