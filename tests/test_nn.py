@@ -742,6 +742,30 @@ def test_a_gradient_that_cannot_take_the_sum_raises_and_changes_nothing(bias_gra
     torch.testing.assert_close(total.detach(), torch.from_numpy(dy).sum((0, 2)))
 
 
+@pytest.mark.parametrize(
+    "bias_grad", [_read_only(np.ones(3)), [1.0, 2.0, 3.0]], ids=["read-only", "list"]
+)
+def test_zero_grad_of_a_gradient_it_cannot_zero_raises_and_changes_nothing(bias_grad):
+    """``zero_grad(set_to_none=False)`` with a ``bias_grad`` it cannot zero in place is a
+    BAD_PARAM naming it, ``weight_grad`` left as it was (before: NumPy's ValueError, or a
+    list's TypeError, escaped, after ``weight_grad`` had been zeroed); a torch gradient that
+    requires grad is zeroed, as torch's ``zero_grad`` zeroes it."""
+    layer = BatchNorm(3)
+    layer(np.random.default_rng(0).standard_normal((4, 3)))
+    layer.backward(np.ones((4, 3)))
+    kept = layer.weight_grad.copy()
+    layer.bias_grad = bias_grad
+    with pytest.raises(InfiniError, match="bias_grad") as info:
+        layer.zero_grad(set_to_none=False)
+    assert info.value.status == Status.BAD_PARAM
+    np.testing.assert_array_equal(layer.weight_grad, kept)
+    tensors = BatchNorm(3)
+    tensors(torch.randn(4, 3))
+    tensors.bias_grad = total = torch.ones(3, requires_grad=True)
+    tensors.zero_grad(set_to_none=False)
+    assert tensors.bias_grad is total and not total.any()
+
+
 def test_an_array_assigned_before_the_first_forward_is_not_dropped():
     """Before the first forward the layer's arrays do not exist (None): one assigned then (a
     zero-initialized weight) was replaced by the first forward's new arrays, silently. Now

@@ -225,15 +225,20 @@ class BatchNorm:
         """Eval mode: the running statistics (the batch's without ``track_running_stats``)."""
         return self.train(False)
 
+    @_public
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Forget the accumulated ``weight_grad``/``bias_grad``: None (torch's default) or,
-        with ``set_to_none=False``, zeros in place (torch's too)."""
+        with ``set_to_none=False``, zeros in place (torch's too), both checked writable
+        before either is zeroed."""
         if set_to_none:
             self.weight_grad = self.bias_grad = None
             return
-        for grad in (self.weight_grad, self.bias_grad):  # either may be absent
-            if grad is not None:
-                grad[...] = 0
+        grads = [(n, getattr(self, n)) for n in ("weight_grad", "bias_grad")]
+        grads = [(name, grad) for name, grad in grads if grad is not None]  # either may be absent
+        for name, grad in grads:
+            refuse_unwritable(name, operand(name, grad, written=True))
+        for _, grad in grads:
+            libraries.assign(grad, np.zeros(tuple(grad.shape)))
 
     # --- the arrays --------------------------------------------------------------------------
 
