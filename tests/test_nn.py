@@ -691,6 +691,81 @@ def test_zero_grad_takes_torch_s_set_to_none():
     assert layer.weight_grad is kept and not kept.any() and not layer.bias_grad.any()
 
 
+def _read_only(values: np.ndarray) -> np.ndarray:
+    values.flags.writeable = False
+    return values
+
+
+@pytest.mark.parametrize(
+    ("bias_grad", "status"),
+    [
+        (np.zeros(5, np.float32), Status.BAD_PARAM),
+        (np.zeros(3, np.int64), Status.BAD_TENSOR_DTYPE),
+        (_read_only(np.zeros(3, np.float32)), Status.BAD_PARAM),
+        (torch.zeros(3), Status.BAD_PARAM),
+        ([0.0, 0.0, 0.0], Status.BAD_PARAM),
+    ],
+    ids=["shape", "integers", "read-only", "torch", "list"],
+)
+def test_a_gradient_that_cannot_take_the_sum_raises_and_changes_nothing(bias_grad, status):
+    """A ``bias_grad`` the caller set that the backward cannot add to in place (another shape
+    or library, integers, read-only, no array) is that status naming it, and the backward
+    changes nothing: ``weight_grad`` not added to, the backward still pending (before: an
+    INTERNAL_ERROR of NumPy's ``+=`` after ``weight_grad`` had been added to, the backward
+    gone; a list was extended). One of another float dtype takes the sum, as ``+=`` does; a
+    torch gradient that requires grad itself too, as ``load_state_dict`` writes one."""
+    rng = np.random.default_rng(0)
+    x, dy = (rng.standard_normal((4, 3, 5)).astype(np.float32) for _ in range(2))
+    layer = BatchNorm(3)
+    layer(x)
+    layer.backward(dy)
+    kept = layer.weight_grad.copy()
+    layer.bias_grad = bias_grad
+    layer(x)
+    with pytest.raises(InfiniError, match="bias_grad") as info:
+        layer.backward(dy)
+    assert info.value.status == status
+    np.testing.assert_array_equal(layer.weight_grad, kept)
+    assert layer.bias_grad is bias_grad
+    layer.bias_grad = None
+    layer.backward(dy)  # the pending backward
+    np.testing.assert_array_equal(layer.weight_grad, 2 * kept)
+    layer.bias_grad = wide = np.zeros(3)
+    layer(x)
+    layer.backward(dy)
+    assert layer.bias_grad is wide and wide.any()
+    tensors = BatchNorm(3)
+    tensors(torch.from_numpy(x))
+    tensors.bias_grad = total = torch.zeros(3, requires_grad=True)
+    tensors.backward(torch.from_numpy(dy))
+    assert tensors.bias_grad is total
+    torch.testing.assert_close(total.detach(), torch.from_numpy(dy).sum((0, 2)))
+
+
+@pytest.mark.parametrize(
+    "bias_grad", [_read_only(np.ones(3)), [1.0, 2.0, 3.0]], ids=["read-only", "list"]
+)
+def test_zero_grad_of_a_gradient_it_cannot_zero_raises_and_changes_nothing(bias_grad):
+    """``zero_grad(set_to_none=False)`` with a ``bias_grad`` it cannot zero in place is a
+    BAD_PARAM naming it, ``weight_grad`` left as it was (before: NumPy's ValueError, or a
+    list's TypeError, escaped, after ``weight_grad`` had been zeroed); a torch gradient that
+    requires grad is zeroed, as torch's ``zero_grad`` zeroes it."""
+    layer = BatchNorm(3)
+    layer(np.random.default_rng(0).standard_normal((4, 3)))
+    layer.backward(np.ones((4, 3)))
+    kept = layer.weight_grad.copy()
+    layer.bias_grad = bias_grad
+    with pytest.raises(InfiniError, match="bias_grad") as info:
+        layer.zero_grad(set_to_none=False)
+    assert info.value.status == Status.BAD_PARAM
+    np.testing.assert_array_equal(layer.weight_grad, kept)
+    tensors = BatchNorm(3)
+    tensors(torch.randn(4, 3))
+    tensors.bias_grad = total = torch.ones(3, requires_grad=True)
+    tensors.zero_grad(set_to_none=False)
+    assert tensors.bias_grad is total and not total.any()
+
+
 def test_an_array_assigned_before_the_first_forward_is_not_dropped():
     """Before the first forward the layer's arrays do not exist (None): one assigned then (a
     zero-initialized weight) was replaced by the first forward's new arrays, silently. Now

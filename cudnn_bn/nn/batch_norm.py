@@ -54,6 +54,23 @@ def check_like_input(name: str, array: Any, input: Any) -> None:
         )
 
 
+def check_addend(name: str, total: Any, grad: Any) -> None:
+    """``total`` (the layer's ``weight_grad`` or ``bias_grad``, which the caller may have set)
+    can have ``grad`` added in place: a writable float array of its library, device and
+    shape (any float dtype, as ``+=`` takes one). For both sums, before either is made."""
+    like = "this backward's gradient"
+    common_place({like: grad, name: total})
+    op, wanted = operand(name, total, written=True), operand(like, grad).desc
+    refuse_unwritable(name, op)
+    lib, wanted_lib = libraries.library(name, total), libraries.library(like, grad)
+    if (lib, op.desc.shape) != (wanted_lib, wanted.shape):
+        raise InfiniError(
+            Status.BAD_PARAM,
+            f"{name} must be a {wanted_lib} array of shape {wanted.shape} to add {like} to, "
+            f"got a {lib} array of shape {op.desc.shape}",
+        )
+
+
 def state_version(state: Mapping) -> int:
     """torch's version of a state: its ``_metadata``'s (2 for a torch module's own
     ``state_dict()``), 0 for a plain mapping."""
@@ -208,15 +225,20 @@ class BatchNorm:
         """Eval mode: the running statistics (the batch's without ``track_running_stats``)."""
         return self.train(False)
 
+    @_public
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Forget the accumulated ``weight_grad``/``bias_grad``: None (torch's default) or,
-        with ``set_to_none=False``, zeros in place (torch's too)."""
+        with ``set_to_none=False``, zeros in place (torch's too), both checked writable
+        before either is zeroed."""
         if set_to_none:
             self.weight_grad = self.bias_grad = None
             return
-        for grad in (self.weight_grad, self.bias_grad):  # either may be absent
-            if grad is not None:
-                grad[...] = 0
+        grads = [(n, getattr(self, n)) for n in ("weight_grad", "bias_grad")]
+        grads = [(name, grad) for name, grad in grads if grad is not None]  # either may be absent
+        for name, grad in grads:
+            refuse_unwritable(name, operand(name, grad, written=True))
+        for _, grad in grads:
+            libraries.assign(grad, np.zeros(tuple(grad.shape)))
 
     # --- the arrays --------------------------------------------------------------------------
 
@@ -345,19 +367,25 @@ class BatchNorm:
     @_public
     def backward(self, grad_output: Any) -> Any:
         """``grad_input`` of the last ``forward`` (``(grad_input, grad_z)`` for
-        ``"add_relu"``); ``weight_grad``/``bias_grad`` accumulate (affine layers)."""
+        ``"add_relu"``); ``weight_grad``/``bias_grad`` accumulate (affine layers): one the
+        caller set is added to in place, a writable float array of the layer's library and
+        shape (else BAD_PARAM naming it, and nothing changes)."""
         if self._backward is None:
             raise InfiniError(
                 Status.BAD_PARAM, "backward() needs a forward() first (one backward per forward)"
             )
         grad_input, grad_weight, grad_bias, *grad_z = self._backward(grad_output)
+        sums = (("weight_grad", grad_weight), ("bias_grad", grad_bias))
+        for name, grad in sums:
+            if (total := getattr(self, name)) is not None and grad is not None:
+                check_addend(name, total, grad)
         self._backward = None
-        for name, grad in (("weight_grad", grad_weight), ("bias_grad", grad_bias)):
+        for name, grad in sums:
             total = getattr(self, name)
             if total is None:
                 setattr(self, name, grad)
             elif grad is not None:
-                total += grad
+                libraries.add(total, grad)
         return (grad_input, grad_z[0]) if grad_z else grad_input
 
     # --- state dicts -------------------------------------------------------------------------

@@ -101,3 +101,16 @@ def assign(target: Any, values: np.ndarray) -> None:
 
     with torch.inference_mode():
         target[...] = values
+
+
+def add(target: Any, values: Any) -> None:
+    """``target += values`` in place (float arrays of one library, device and shape); a torch
+    tensor under ``inference_mode``, as ``assign`` writes it (an accumulated gradient that
+    requires grad itself: torch refuses the in-place add otherwise)."""
+    if library("target", target) != "torch":
+        target += values
+        return
+    import torch
+
+    with torch.inference_mode():
+        target += values
