@@ -5,6 +5,7 @@ A layer's parameters and statistics live in its input's library and on its devic
 are made from, and read back into, host NumPy values only when created, saved or loaded.
 """
 
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
 import numpy as np
@@ -87,30 +88,26 @@ def host(name: str, array: Any, integers: bool = False) -> np.ndarray:
     raise InfiniError(Status.BAD_PARAM, f"{name} has dtype {values.dtype}; expected real numbers")
 
 
-def assign(target: Any, values: np.ndarray) -> None:
-    """Write host ``values`` into ``target`` in place (its dtype, library and device); a
-    torch tensor under ``inference_mode``, whatever its autograd state (a ``Parameter``, an
-    inference tensor), as torch's ``load_state_dict`` writes its parameters and the array API
-    writes such tensors through their pointers (torch refuses both otherwise)."""
-    where = place("target", target)
-    values = new(values, where, str(target.dtype).removeprefix("torch."))
-    if where[0] != "torch":
-        target[...] = values
-        return
+def _writing(target: Any) -> AbstractContextManager[Any]:
+    """Where ``target`` is written in place: a torch tensor under ``inference_mode``, whatever
+    its autograd state (a ``Parameter``, an inference tensor, a gradient that requires grad
+    itself), as torch's ``load_state_dict`` writes its parameters and the array API writes
+    such tensors through their pointers (torch refuses an in-place write otherwise)."""
+    if library("target", target) != "torch":
+        return nullcontext()
     import torch
 
-    with torch.inference_mode():
+    return torch.inference_mode()
+
+
+def assign(target: Any, values: np.ndarray) -> None:
+    """Write host ``values`` into ``target`` in place (its dtype, library and device)."""
+    values = new(values, place("target", target), str(target.dtype).removeprefix("torch."))
+    with _writing(target):
         target[...] = values
 
 
 def add(target: Any, values: Any) -> None:
-    """``target += values`` in place (float arrays of one library, device and shape); a torch
-    tensor under ``inference_mode``, as ``assign`` writes it (an accumulated gradient that
-    requires grad itself: torch refuses the in-place add otherwise)."""
-    if library("target", target) != "torch":
-        target += values
-        return
-    import torch
-
-    with torch.inference_mode():
+    """``target += values`` in place (float arrays of one library, device and shape)."""
+    with _writing(target):
         target += values
