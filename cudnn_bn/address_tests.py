@@ -2,8 +2,10 @@
 call has them inline (``api.call``), a CPU kernel evaluates them compiled (``backends.cpu``).
 Chained comparisons over the pointers themselves cost less than any loop over pairs."""
 
-from collections.abc import Callable, Sequence, Set
+from collections.abc import Callable, Mapping, Sequence, Set
 from typing import Any
+
+from .tensor import TensorDesc, byte_extent, overlap
 
 
 def meeting(
@@ -46,3 +48,35 @@ def compiled_test(source: str, **names: Any) -> Callable[[Sequence[int]], bool]:
     """A function of ``ptrs`` evaluating the test ``source`` (``meeting``'s; false where it
     is empty), with ``names`` in scope."""
     return eval(f"lambda ptrs: {source or False}", names)
+
+
+class Disjoint:
+    """The pairs ``(written, other)`` of a call's pointers (indices) whose tensors (``descs``)
+    must not overlap; a pair of ``in_place`` may also lie at one address. Their bytes meet only
+    where ``low < ptrs[written] - ptrs[other] < high`` (bounds from their byte extents):
+    ``suspect`` is the source of that test for every pair (``meeting``: a plan's call has it
+    inline, 0.3 us for a training forward's 7 pairs, against 1.0 us in a method taking their
+    differences at C level), ``clash`` the closer look (``overlap`` of their descs)."""
+
+    def __init__(
+        self,
+        descs: Mapping[int, TensorDesc],
+        pairs: Sequence[tuple[int, int]],
+        in_place: Set[tuple[int, int]] = frozenset(),
+    ) -> None:
+        extents = {at: byte_extent(d) for at, d in descs.items()}
+        self.pairs = [
+            (w, o, extents[o][0] - extents[w][1], extents[o][1] - extents[w][0]) for w, o in pairs
+        ]
+        self.descs, self.in_place = descs, in_place
+        self.suspect = meeting(self.pairs, in_place)
+
+    def clash(self, ptrs: Sequence[int]) -> tuple[int, int] | None:
+        """The first pair whose tensors at ``ptrs`` overlap (other than in place), or None."""
+        for written, other, low, high in self.pairs:
+            w, o = ptrs[written], ptrs[other]
+            if not low < w - o < high or (w == o and (written, other) in self.in_place):
+                continue
+            if overlap(self.descs[written], w, self.descs[other], o):
+                return written, other
+        return None

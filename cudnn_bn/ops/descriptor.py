@@ -19,11 +19,11 @@ from typing import Any, ClassVar, NamedTuple, Self
 
 import numpy as np
 
-from ..address_tests import compiled_test, meeting, misplaced
+from ..address_tests import Disjoint, compiled_test, misplaced
 from ..enums import Device, Status
 from ..errors import InfiniError, converted, raised_by_caller
 from ..runtime import Handle
-from ..tensor import ITEMSIZE, byte_extent, overlap
+from ..tensor import ITEMSIZE
 from .empty import EmptyProblem
 
 # The workspace holds F64 scratch, cuDNN's own and staged per-channel slices at 256-byte
@@ -131,23 +131,22 @@ class Build:
 
     A compute holds the build it read (``users``); a retired build (replaced by
     ``set_attributes`` or destroyed) closes its kernel when its last user lets go.
-    ``written``: those of ``needed`` the kernel writes; ``suspect``: a test over a compute's
-    pointers, true where the ``needed`` ones may be misaligned or a written one may overlap
-    another (``OperatorDescriptor._suspect``).
+    ``suspect``: a test over a compute's pointers, true where the ``needed`` ones may be
+    misaligned or a written one may overlap another; ``disjoint`` looks closer at the latter
+    (``OperatorDescriptor._suspect``).
     """
 
-    __slots__ = ("attributes", "kernel", "needed", "retired", "suspect", "users", "written")
+    __slots__ = ("attributes", "disjoint", "kernel", "needed", "retired", "suspect", "users")
 
     def __init__(
         self,
         attributes: Any,
         kernel: Any,
         needed: tuple[str, ...],
-        written: frozenset[str],
-        suspect: Callable[[Sequence[int]], bool],
+        checks: tuple[Callable[[Sequence[int]], bool], Disjoint],
     ) -> None:
         self.attributes, self.kernel, self.needed = attributes, kernel, needed
-        self.written, self.suspect = written, suspect
+        self.suspect, self.disjoint = checks
         self.users, self.retired = 0, False
 
     def close_if_free(self) -> None:
@@ -204,17 +203,14 @@ class OperatorDescriptor:
         needed = self.needed_pointers(attributes)
         if self.tensors.input.numel:
             kernel = self._backend_type(self.tensors, attributes, self.handle.device_id)
-            return Build(
-                attributes, kernel, needed, self.written, self._suspect(needed, self.written)
-            )
+            return Build(attributes, kernel, needed, self._suspect(needed, self.written))
         zeroed = {n: getattr(self.tensors, n) for n in self.zeroed_when_empty if n in needed}
         kernel = EmptyProblem(zeroed, self.handle.device, self.handle.device_id)
         empty = {
             n for n, d in zip(self.tensors._fields, self.tensors, strict=True) if d and not d.numel
         }
         needed = tuple(n for n in needed if n not in empty)
-        written = frozenset(zeroed)
-        return Build(attributes, kernel, needed, written, self._suspect(needed, written))
+        return Build(attributes, kernel, needed, self._suspect(needed, frozenset(zeroed)))
 
     def _with_elements(self, needed: tuple[str, ...]) -> dict[int, str]:
         """The tensors of ``needed`` that have elements, by their index in ``pointers``."""
@@ -240,17 +236,16 @@ class OperatorDescriptor:
 
     def _suspect(
         self, needed: tuple[str, ...], written: frozenset[str]
-    ) -> Callable[[Sequence[int]], bool]:
-        """A build's ``suspect``: a test over a compute's pointers (``pointers`` order), true
-        where a tensor of ``needed`` may be misaligned to its elements or one of ``written``
-        may meet another's bytes other than as ``_in_place`` lets it (``_check_addresses``
-        then looks closer): what the array API's plans test (``api.call``), so that the C
-        API holds a caller to the same rules."""
+    ) -> tuple[Callable[[Sequence[int]], bool], Disjoint]:
+        """A build's ``suspect``, a test over a compute's pointers (``pointers`` order) that is
+        true where a tensor of ``needed`` may be misaligned to its elements or one of
+        ``written`` may meet another's bytes other than as ``_in_place`` lets it, and its
+        ``disjoint``, the closer look at the latter (``_check_addresses``): what the array
+        API's plans test (``api.call``), so that the C API holds a caller to the same rules."""
         tensors = self._with_elements(needed)
         groups: dict[int, list[int]] = {}
         for at, name in tensors.items():
             groups.setdefault(ITEMSIZE[getattr(self.tensors, name).dtype], []).append(at)
-        extents = {at: byte_extent(getattr(self.tensors, n)) for at, n in tensors.items()}
         allowed = {
             (w, o): self._in_place(tensors[w], tensors[o], written)
             for w in tensors
@@ -258,14 +253,13 @@ class OperatorDescriptor:
             for o in tensors
             if o != w and not (tensors[o] in written and o < w)  # each pair once
         }
-        pairs = [
-            (w, o, extents[o][0] - extents[w][1], extents[o][1] - extents[w][0])
-            for (w, o), how in allowed.items()
-            if how != "anyhow"
-        ]
-        exactly = {pair for pair, how in allowed.items() if how == "exactly"}
-        test = " or ".join(filter(None, (misplaced(groups), meeting(pairs, exactly))))
-        return compiled_test(test)
+        disjoint = Disjoint(
+            {at: getattr(self.tensors, n) for at, n in tensors.items()},
+            [pair for pair, how in allowed.items() if how != "anyhow"],
+            {pair for pair, how in allowed.items() if how == "exactly"},
+        )
+        test = " or ".join(filter(None, (misplaced(groups), disjoint.suspect)))
+        return compiled_test(test), disjoint
 
     def _check_addresses(self, build: Build, ptrs: NamedTuple) -> None:
         """BAD_PARAM naming the first tensor of ``build.needed`` misaligned to its elements,
@@ -274,26 +268,21 @@ class OperatorDescriptor:
         reads."""
         if not build.suspect(ptrs):
             return
-        tensors = self._with_elements(build.needed)
-        for name in tensors.values():
+        for name in self._with_elements(build.needed).values():
             size = ITEMSIZE[getattr(self.tensors, name).dtype]
             if getattr(ptrs, name) % size:
                 raise InfiniError(
                     Status.BAD_PARAM,
                     f"{name} {getattr(ptrs, name):#x} is not aligned to its {size}-byte elements",
                 )
-        for w in (n for n in tensors.values() if n in build.written):
-            for o in (n for n in tensors.values() if n != w):
-                at, other = getattr(ptrs, w), getattr(ptrs, o)
-                how = self._in_place(w, o, build.written)
-                if how == "anyhow" or (how == "exactly" and at == other):
-                    continue
-                if overlap(getattr(self.tensors, w), at, getattr(self.tensors, o), other):
-                    raise InfiniError(
-                        Status.BAD_PARAM,
-                        f"{w} and {o} share memory; {w} is written and must not overlap "
-                        "any other argument but a read data tensor of its layout at its address",
-                    )
+        found = build.disjoint.clash(ptrs)
+        if found is not None:
+            w, o = (self.pointers._fields[at] for at in found)
+            raise InfiniError(
+                Status.BAD_PARAM,
+                f"{w} and {o} share memory; {w} is written and must not overlap any other "
+                "argument but a read data tensor of its layout at its address",
+            )
 
     def needed_pointers(self, attributes: Any) -> tuple[str, ...]:
         """The pointers a compute with ``attributes`` reads or writes, each required to be
