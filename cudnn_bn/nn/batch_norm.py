@@ -15,7 +15,7 @@ import numpy as np
 
 from ..api import batch_norm_backward, batch_norm_forward_inference, batch_norm_forward_training
 from ..arrays import common_place, operand
-from ..arrays.operand import refuse_unwritable
+from ..arrays.operand import Operand, refuse_unwritable
 from ..enums import DataType, Status
 from ..errors import InfiniError, raises_only_infini_errors
 from ..ops.validation import check_eps, check_fraction
@@ -54,14 +54,22 @@ def check_like_input(name: str, array: Any, input: Any) -> None:
         )
 
 
+def writable(name: str, array: Any) -> Operand:
+    """The door's operand of one of the layer's arrays that it writes in place (a parameter,
+    statistic or gradient the caller may have set): BAD_PARAM naming it where it is not
+    writable, as the array API refuses one, before anything is written."""
+    op = operand(name, array, written=True)
+    refuse_unwritable(name, op)
+    return op
+
+
 def check_addend(name: str, total: Any, grad: Any) -> None:
     """``total`` (the layer's ``weight_grad`` or ``bias_grad``, which the caller may have set)
     can have ``grad`` added in place: a writable float array of its library, device and
     shape (any float dtype, as ``+=`` takes one). For both sums, before either is made."""
     like = "this backward's gradient"
     common_place({like: grad, name: total})
-    op, wanted = operand(name, total, written=True), operand(like, grad).desc
-    refuse_unwritable(name, op)
+    op, wanted = writable(name, total), operand(like, grad).desc
     lib, wanted_lib = libraries.library(name, total), libraries.library(like, grad)
     if (lib, op.desc.shape) != (wanted_lib, wanted.shape):
         raise InfiniError(
@@ -236,7 +244,7 @@ class BatchNorm:
         grads = [(n, getattr(self, n)) for n in ("weight_grad", "bias_grad")]
         grads = [(name, grad) for name, grad in grads if grad is not None]  # either may be absent
         for name, grad in grads:
-            refuse_unwritable(name, operand(name, grad, written=True))
+            writable(name, grad)
         for _, grad in grads:
             libraries.assign(grad, np.zeros(tuple(grad.shape)))
 
@@ -488,7 +496,7 @@ class BatchNorm:
             )
         if self._pending is None:  # as the array API refuses them, before anything is written
             for name in values:
-                refuse_unwritable(name, operand(name, getattr(self, name)))
+                writable(name, getattr(self, name))
         for name, value in values.items():
             if self._pending is not None:
                 self._pending[name] = value
