@@ -238,6 +238,57 @@ def test_large_problems_in_every_layout(layout, shape, threads, monkeypatch):
     assert_close(y, want_y)
 
 
+@pytest.mark.parametrize("layout", ["nchw", "padded", "mixed"])
+@pytest.mark.parametrize("dtype", [np.float32, np.float64], ids=str)
+def test_blocks_of_channels_as_torch(layout, dtype, monkeypatch):
+    """A one-call pass with sums walks channel-outer data a block of channels at a time
+    (``cpu_kernels.BLOCK_BYTES``; here 9 to 18 blocks of 5 or 6 channels, uneven): every
+    pass, fused or not, as torch's in float64, and the stepwise path's results bit for
+    bit (one block)."""
+    monkeypatch.setattr(cpu, "STEPWISE_CALLS", 0)
+    monkeypatch.setattr(cpu, "_ONE_CALL_DTYPES", set())
+    shape = (4, 100, 29, 37)
+    c, item = shape[1], np.dtype(dtype).itemsize
+    assert 9 <= 3 * item * np.prod(shape) // cpu_kernels.BLOCK_BYTES < c
+    rng = np.random.default_rng(11)
+    sx, sd, sg = _x_layouts(shape)[layout]
+    x = laid_out(rng.standard_normal(shape) * 2 + 30, sx, dtype)
+    dy, z = (
+        laid_out(rng.standard_normal(shape), sd, dtype),
+        laid_out(rng.standard_normal(shape), sg, dtype),
+    )
+    w, b = rng.uniform(0.5, 1.5, c).astype(dtype), rng.standard_normal(c).astype(dtype)
+    tol = 2e-5 if dtype == np.float32 else 1e-10
+    t = {k: f64(v) for k, v in dict(x=x, dy=dy, z=z, w=w, b=b).items()}
+    gi, gw, gb = cudnn_bn.batch_norm_backward(x, dy, w, None, None)
+    for got, want in zip((gi, gw, gb), torch_backward(x, dy, w), strict=True):
+        assert_close(got, want, tol)
+    y, mean, invstd = cudnn_bn.batch_norm_forward_training(x, w, b, None, None)
+    want = torch.ops.aten.native_batch_norm(t["x"], t["w"], t["b"], None, None, True, 0.1, EPS)
+    for got, w64 in zip((y, mean, invstd), want, strict=True):
+        assert_close(got, w64, tol)
+    fused = cudnn_bn.nn.BatchNorm(c, fusion="add_relu")
+    y = fused(x, z=z)
+    xt = t["x"].clone().requires_grad_()
+    zt = t["z"].clone().requires_grad_()
+    yt = torch.relu(
+        F.batch_norm(
+            xt,
+            None,
+            None,
+            torch.ones(c, dtype=torch.float64),
+            torch.zeros(c, dtype=torch.float64),
+            training=True,
+            eps=EPS,
+        )
+        + zt
+    )
+    yt.backward(t["dy"])
+    assert_close(y, yt.detach(), tol)
+    for got, want in zip(fused.backward(dy)[:2], (xt.grad, zt.grad), strict=True):
+        assert_close(got, want, tol)
+
+
 @pytest.mark.parametrize("shape", [(1, 3, 49), (3, 3, 49), (5, 2, 7, 7), (3, 64, 1024)], ids=str)
 def test_sums_over_an_odd_number_of_rows(shape):
     """The channel-outer walks sum two rows per loop; a lone last row (odd row counts; one

@@ -243,7 +243,8 @@ class _HostKernel:
         coefficients = np.empty((3, self.layout.channels * self.tile))
         narrow = self.like.itemsize < 8  # F32/F16/BF16 data
         k.channel_results(self.kind, sums, shift, values, self.layout.count, self.eps,
-                          self.momentum, self.mode, narrow, coefficients)  # fmt: skip
+                          self.momentum, self.mode, narrow, coefficients, 0,
+                          self.layout.channels)  # fmt: skip
         k.copy_channels(at, self.channel_args, self.writes, values, shift, -1, True)
         return coefficients
 

@@ -1244,6 +1244,7 @@ TRAINING, BACKWARD, INFERENCE = 0, 1, 2  # channel_results' kinds of pass
 # Slots of ``entries``: the steps ``whole_pass`` calls.
 COPY, ITEM_SUMS, RESULTS, ITEM_FORWARD, ITEM_BACKWARD = range(5)
 STEPS = 5
+BLOCK_BYTES = 1 << 19  # ``whole_pass``'s blocks of channels: about this many bytes of data
 # ``whole_pass``'s plan: a pass's fixed arguments in one int64 array, at these offsets (the
 # dispatcher's time grows with each argument a call from Python passes: about 2.3 us for
 # the 22 this took apart, 1.2 us for the 16 it takes).
@@ -1269,7 +1270,7 @@ def entries(like, geometry, strides, steps) -> np.ndarray:
     calls = {
         COPY: (copy_channels, at, args, 0, two, one, 0, False),
         ITEM_SUMS: (globals()[f"item_sums_{walk}"], *data, one, two, 0, *items),
-        RESULTS: (channel_results, 0, two, one, two, 0, 0.0, 0.0, 0, False, two),
+        RESULTS: (channel_results, 0, two, one, two, 0, 0.0, 0.0, 0, False, two, 0, 0),
         ITEM_FORWARD: (globals()[f"item_forward_{walk}"], *data, one, one, one, (False,) * 2,
                        *items),
         ITEM_BACKWARD: (globals()[f"item_backward_{walk}"], like, like, *data, one, one, one,
@@ -1282,11 +1283,13 @@ def entries(like, geometry, strides, steps) -> np.ndarray:
 
 
 @jit
-def channel_results(kind, sums, shift, values, count, eps, momentum, mode, narrow, coefficients):
-    """A pass's per-channel results from its inputs (rows of ``values``, ``copy_channels``)
-    and its data's ``sums`` (``(SUMS, C * tile + PAD)``, the padding zero, shifted by the
-    tiled ``shift``; no columns for inference), written into ``values``' output rows, and
-    the elementwise pass's ``coefficients`` (3, C * tile), tiled. ``kind``: ``TRAINING``
+def channel_results(kind, sums, shift, values, count, eps, momentum, mode, narrow, coefficients,
+                    c0, c1):  # fmt: skip
+    """Channels ``c0`` to ``c1`` of a pass's per-channel results, from its inputs (rows of
+    ``values``, ``copy_channels``) and its data's ``sums`` (``(SUMS, C * tile + PAD)``, the
+    padding zero, shifted by the tiled ``shift``; no columns for inference), written into
+    ``values``' output rows, and the elementwise pass's ``coefficients`` (3, C * tile),
+    tiled. ``kind``: ``TRAINING``
     (rows weight, bias, saved mean, saved invstd, running mean, running var;
     ``y = (x - mean)*scale + bias``), ``BACKWARD`` (rows weight, statistic 0, statistic 1,
     grad_weight, grad_bias; ``grad_input = k_dy*dy + k_x*x + k_c``, ``mode`` the backward's)
@@ -1296,7 +1299,7 @@ def channel_results(kind, sums, shift, values, count, eps, momentum, mode, narro
     here: each costs compile time."""
     channels = values.shape[1]
     w = values[0]
-    for c in range(channels):
+    for c in range(c0, c1):
         s0 = s1 = s2 = s3 = 0.0  # the sums of the channel's ``tile`` columns
         for i in range(c, sums.shape[1], channels):
             s0, s1, s2, s3 = s0 + sums[0, i], s1 + sums[1, i], s2 + sums[2, i], s3 + sums[3, i]
@@ -1363,8 +1366,9 @@ def whole_pass(plan, eps, momentum, like, x_at, a_at, y_at, gi_at, gz_at, c0, c1
     spans = carve(plan, PLAN_SPANS, (DATA_SLOTS,))
     x, a, y = flat(x_at, spans[0], like), flat(a_at, spans[1], like), flat(y_at, spans[2], like)
     gi, gz = flat(gi_at, spans[3], like), flat(gz_at, spans[4], like)
-    ints = zeros(CHANNEL_SLOTS + 2, np.int64)
+    ints = zeros(CHANNEL_SLOTS + 2 + 4, np.int64)
     at, state = carve(ints, 0, (CHANNEL_SLOTS,)), carve(ints, CHANNEL_SLOTS, (2,))
+    item = carve(ints, CHANNEL_SLOTS + 2, (1, 4))  # the block of channels walked
     at[0], at[1], at[2], at[3], at[4], at[5] = c0, c1, c2, c3, c4, c5
     at[FIRST_VALUES] = x_at
     channels, tile = geometry[0], geometry[TILE]
@@ -1375,28 +1379,46 @@ def whole_pass(plan, eps, momentum, like, x_at, a_at, y_at, gi_at, gz_at, c0, c1
     shift, sums = carve(floats, o, (n,)), carve(floats, o + n, (SUMS, width))
     o += n + SUMS * width
     k = carve(floats, o, (3, n))
+    k_0, k_1 = carve(floats, o, (n,)), carve(floats, o + n, (n,))
+    k_2 = carve(floats, o + 2 * n, (n,))
     _call(plan[PLAN_STEPS + COPY], (at, channel_args, reads, values, shift, shift_row, False))
-    if kind == BACKWARD:
-        _call(plan[PLAN_STEPS + ITEM_SUMS], (x, a, y, geometry, strides, shift, sums, first,
-                                             whole, state))  # fmt: skip
-    elif kind == TRAINING:
-        empty = carve(x, 0, (0,))
-        _call(plan[PLAN_STEPS + ITEM_SUMS], (x, empty, empty, geometry, strides, shift, sums,
-                                             first, whole, state))  # fmt: skip
     count = geometry[1] * geometry[2] * tile
     narrow = like.itemsize < 8  # F32/F16/BF16 data (``channel_results``)
-    _call(plan[PLAN_STEPS + RESULTS], (kind, sums, shift, values, count, eps, momentum, mode,
-                                       narrow, k))  # fmt: skip
+    # Where runs stay in one channel, a pass with sums walks its data a block of channels at
+    # a time, sums then elementwise pass, so that the second walk finds the block in cache:
+    # 1.15-1.25x faster where the tensors outgrow it (F32 (8, 2048, 49) backward, session
+    # 14). A channel's sums are added in the same order as in one block: the same results.
+    blocks = 1
+    if kind != INFERENCE and not geometry[3]:
+        present = 0
+        for t in range(DATA_SLOTS):
+            present += spans[t] > 0
+        blocks = max(1, min(channels, channels * count * like.itemsize * present // BLOCK_BYTES))
+    empty = carve(x, 0, (0,))
+    for q in range(4):
+        item[0, q] = whole[0, q]
+    for b in range(blocks):
+        b0, b1 = b * channels // blocks, (b + 1) * channels // blocks
+        if blocks > 1:
+            item[0, 0], item[0, 1] = b0, b1
+        state[0] = state[1] = 0
+        if kind == BACKWARD:
+            _call(plan[PLAN_STEPS + ITEM_SUMS], (x, a, y, geometry, strides, shift, sums, first,
+                                                 item, state))  # fmt: skip
+        elif kind == TRAINING:
+            _call(plan[PLAN_STEPS + ITEM_SUMS], (x, empty, empty, geometry, strides, shift,
+                                                 sums, first, item, state))  # fmt: skip
+        _call(plan[PLAN_STEPS + RESULTS], (kind, sums, shift, values, count, eps, momentum,
+                                           mode, narrow, k, b0, b1))  # fmt: skip
+        state[0] = state[1] = 0
+        if kind != BACKWARD:
+            _call(plan[PLAN_STEPS + ITEM_FORWARD], (x, a, y, geometry, strides, k_0, k_1, k_2,
+                                                    (flags[0], flags[1]), item, state))  # fmt: skip
+        elif flags[2] or flags[3]:
+            _call(plan[PLAN_STEPS + ITEM_BACKWARD], (x, a, y, gi, gz, geometry, strides, k_0,
+                                                     k_1, k_2, flags, item, state))  # fmt: skip
     if writes:
         _call(plan[PLAN_STEPS + COPY], (at, channel_args, writes, values, shift, -1, True))
-    data = (geometry, strides, carve(floats, o, (n,)), carve(floats, o + n, (n,)),
-            carve(floats, o + 2 * n, (n,)))  # fmt: skip
-    state[0] = state[1] = 0
-    if kind != BACKWARD:
-        _call(plan[PLAN_STEPS + ITEM_FORWARD], (x, a, y, *data, (flags[0], flags[1]), whole,
-                                                state))  # fmt: skip
-    elif flags[2] or flags[3]:
-        _call(plan[PLAN_STEPS + ITEM_BACKWARD], (x, a, y, gi, gz, *data, flags, whole, state))
 
 
 @jit
