@@ -11,6 +11,7 @@ their one call path (``api.call.run``), other entry points through the decorator
 """
 
 import functools
+import operator
 import os
 import re
 import signal
@@ -19,6 +20,8 @@ import sysconfig
 import threading
 from collections.abc import Callable, Mapping
 from typing import Any, ClassVar, NoReturn, ParamSpec, TypeVar
+
+import numpy as np
 
 from .enums import Status
 
@@ -122,6 +125,15 @@ def converted(name: str, convert: Callable[[Any], R], value: Any) -> R:
         if raised_by_caller(exc):
             raise
         raise InfiniError(Status.BAD_PARAM, f"{name} is {shown(value)}: {exc}") from None
+
+
+def integer(name: str, value: Any) -> int | None:
+    """``value`` as an int where it is an integer (its type has ``__index__``: Python's,
+    NumPy's) and not a bool, else None, for the caller to refuse in its own words;
+    ``converted`` for the conversion itself."""
+    if isinstance(value, bool | np.bool_) or not hasattr(type(value), "__index__"):
+        return None
+    return converted(name, operator.index, value)
 
 
 def respelled(exc: InfiniError, spelling: Mapping[str, str]) -> InfiniError:

@@ -1,6 +1,5 @@
 """The CUDA stream an array-API call runs on, and the scope its allocations need."""
 
-import operator
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
@@ -8,7 +7,7 @@ from ..arrays import common_place
 from ..arrays.kinds import CUPY, TORCH
 from ..arrays.torch_tensors import is_torch
 from ..enums import Device, Status
-from ..errors import InfiniError, converted, shown
+from ..errors import InfiniError, integer, shown
 
 _ON_HOST = nullcontext()
 
@@ -87,11 +86,11 @@ def given_stream(stream: Any, device_id: int | None) -> int:
 def _address(stream: Any, ptr: Any) -> int:
     """``ptr``, the address of ``stream`` (the stream itself, or a stream object's), as a
     ``cudaStream_t``: an integer from 0 to 2**64 - 1 (a bool, a float or None is none)."""
-    if isinstance(ptr, bool) or not hasattr(type(ptr), "__index__"):
+    number = integer("stream", ptr)
+    if number is None:
         raise InfiniError(
             Status.BAD_PARAM, f"stream {shown(stream)} has address {shown(ptr)}, not an int"
         )
-    number = converted("stream", operator.index, ptr)
     if not 0 <= number < 1 << 64:
         what = f"stream {number}" if ptr is stream else f"stream {shown(stream)}'s address {number}"
         raise InfiniError(Status.BAD_PARAM, f"{what} is not a cudaStream_t (0 to 2**64 - 1)")

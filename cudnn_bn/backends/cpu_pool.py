@@ -18,7 +18,6 @@ executor's queue) cost a futex wake per step: 40-130 us here after 0.1-20 ms idl
 (``wake``), so that the wake-up overlaps the call's own set-up.
 """
 
-import operator
 import os
 import signal
 import threading
@@ -30,7 +29,7 @@ import numpy as np
 from numba.core.compiler_lock import global_compiler_lock
 
 from ..enums import Status
-from ..errors import InfiniError, converted, shown
+from ..errors import InfiniError, integer, shown
 from .cpu_kernels import _atomic_read, jit
 
 SPINS = 1 << 18  # reads of a word before a waiting thread sleeps: about 0.15 ms here
@@ -229,9 +228,9 @@ def set_thread_count(count: int) -> None:
     """Use ``count`` threads per large call from now on: an integer (1 where it is less),
     at most ``MOST_THREADS``; BAD_PARAM naming ``count`` for anything else."""
     global _count
-    if isinstance(count, bool | np.bool_) or not hasattr(type(count), "__index__"):
+    number = integer("count", count)
+    if number is None:
         raise InfiniError(Status.BAD_PARAM, f"count must be an integer, got {shown(count)}")
-    number = converted("count", operator.index, count)
     if number > MOST_THREADS:
         raise InfiniError(
             Status.BAD_PARAM, f"count is {shown(number)}; at most {MOST_THREADS} threads"

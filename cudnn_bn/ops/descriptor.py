@@ -9,7 +9,6 @@ snippet that reproduces the problem.
 
 import dataclasses
 import enum
-import operator
 import os
 import struct
 import threading
@@ -17,11 +16,9 @@ import weakref
 from collections.abc import Callable, Sequence
 from typing import Any, ClassVar, NamedTuple, Self
 
-import numpy as np
-
 from ..address_tests import Disjoint, compiled_test, misplaced
 from ..enums import Device, Status
-from ..errors import InfiniError, converted, raised_by_caller
+from ..errors import InfiniError, integer, raised_by_caller
 from ..runtime import Handle
 from ..tensor import ITEMSIZE
 from .empty import EmptyProblem
@@ -76,10 +73,10 @@ def word(name: str, value: Any) -> int:
     True), which a kernel taking ints would otherwise convert, or crash on."""
     if value is None or value is False:
         return 0
-    if isinstance(value, bool | np.bool_) or not hasattr(type(value), "__index__"):
+    number = integer(name, value)
+    if number is None:
         kind = type(value).__name__
         raise InfiniError(Status.BAD_PARAM, f"{name} must be an int (0 to 2**64 - 1); got {kind}")
-    number = converted(name, operator.index, value)
     if not 0 <= number < _WORDS:
         raise InfiniError(Status.BAD_PARAM, f"{name} is {number}, not in 0 to 2**64 - 1")
     return number
