@@ -1388,12 +1388,13 @@ def whole_pass(plan, eps, momentum, like, x_at, a_at, y_at, gi_at, gz_at, c0, c1
     # a time, sums then elementwise pass, so that the second walk finds the block in cache:
     # 1.15-1.25x faster where the tensors outgrow it (F32 (8, 2048, 49) backward, session
     # 14). A channel's sums are added in the same order as in one block: the same results.
-    blocks = 1
+    blocks = 1  # (no ``min``/``max``: numba compiles an implementation of each)
     if kind != INFERENCE and not geometry[3]:
         present = 0
         for t in range(DATA_SLOTS):
             present += spans[t] > 0
-        blocks = max(1, min(channels, channels * count * like.itemsize * present // BLOCK_BYTES))
+        blocks = channels * count * like.itemsize * present // BLOCK_BYTES
+        blocks = channels if blocks > channels else 1 if blocks < 1 else blocks
     empty = carve(x, 0, (0,))
     for q in range(4):
         item[0, q] = whole[0, q]
