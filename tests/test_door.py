@@ -96,6 +96,23 @@ def test_buffer_data_is_read_from_the_buffer(data):
         np.testing.assert_allclose(ours, ref, rtol=1e-10, atol=1e-12)
 
 
+def test_a_numpy_integer_offset_is_read_as_numpy_reads_it():
+    """NumPy takes any integer ``offset`` into a buffer (``np.int64(8)`` included, as a
+    producer computing it with NumPy makes it); one was refused as "outside its buffer"."""
+    x, dy, w, _ = problem()
+    padded = np.concatenate([[0.0], x.ravel()]).tobytes()
+    source = Interface(shape=x.shape, typestr="<f8", data=padded, offset=np.int64(8))
+    np.testing.assert_array_equal(np.asarray(source), x)  # NumPy's own reading
+    got = cudnn_bn.batch_norm_backward(source, dy, w, None, None)
+    for ours, ref in zip(got, torch_backward(x, dy, w), strict=True):
+        np.testing.assert_allclose(ours, ref, rtol=1e-10, atol=1e-12)
+    for offset, words in ((0.5, "not an integer"), (True, "not an integer"), (-8, "outside")):
+        lying = Interface(shape=x.shape, typestr="<f8", data=padded, offset=offset)
+        with pytest.raises(InfiniError, match=words) as caught:
+            cudnn_bn.batch_norm_backward(lying, dy, w, None, None)
+        assert caught.value.status == Status.BAD_PARAM and "input" in str(caught.value)
+
+
 def test_a_read_only_buffer_is_not_written():
     x, _, w, b = problem()
     frozen = Interface(shape=(C,), typestr="<f8", data=np.zeros(C).tobytes())
