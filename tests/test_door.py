@@ -454,6 +454,37 @@ def test_a_producer_that_must_copy_a_written_operand_is_refused():
         cudnn_bn.batch_norm_forward_training(x, w, b, None, CopyOnly(np.ones(C)))
 
 
+def test_a_buffer_error_exporting_a_read_operand_is_not_called_a_copy_refusal():
+    """A producer's BufferError for an operand the call only reads was reported as "written
+    in place but its DLPack producer can only export a copy": the operand is not written and
+    ``copy=False`` was not asked. The caller's own producer's exception passes through
+    unchanged (as every other exception of its methods); a library's is BAD_PARAM naming
+    the operand, in words that say what failed."""
+    _, dy, w, _ = problem()
+
+    class Refusing:
+        def __dlpack_device__(self):
+            return 1, 0
+
+        def __dlpack__(self, **kwargs):
+            raise BufferError("cannot export this one")
+
+    with pytest.raises(BufferError) as raised:
+        cudnn_bn.batch_norm_backward(Refusing(), dy, w, None, None)
+    assert type(raised.value) is BufferError and str(raised.value) == "cannot export this one"
+
+    class Structured:  # NumPy's own __dlpack__ (compiled) refuses a structured dtype
+        def __init__(self):
+            self.array = np.zeros(dy.shape, [("a", "<f8")])
+            self.__dlpack__ = self.array.__dlpack__
+            self.__dlpack_device__ = self.array.__dlpack_device__
+
+    with pytest.raises(InfiniError, match="input's DLPack producer") as caught:
+        cudnn_bn.batch_norm_backward(Structured(), dy, w, None, None)
+    assert caught.value.status == Status.BAD_PARAM
+    assert "written in place" not in str(caught.value)
+
+
 def test_the_capsule_stays_alive_until_the_call_is_done():
     """A producer that exports a copy frees it when the capsule goes (here: scribbles NaN
     over it), so the call must have read it by then; the capsule was once dropped before
