@@ -79,7 +79,7 @@ from .errors import (
     raises_only_infini_errors,
     shown,
 )
-from .ops.validation import check_fraction
+from .ops.validation import check_fraction, check_output
 
 # cudnnTensorFormat_t
 CUDNN_TENSOR_NCHW = 0
@@ -349,10 +349,10 @@ def _forward_training(
     )  # fmt: skip
     problem = _problem(x, is_for_conv2d, cudnn_mode, d_layout)
     problem.check_counts(mean=mean, inv_std=inv_std)
-    check_written(
-        {n: ops[n] for n in ("running_mean", "running_var", "mean", "inv_std") if n in ops},
-        {n: ops[n] for n in ("x", "gamma", "beta")},
-    )
+    written = {n: ops[n] for n in ("running_mean", "running_var", "mean", "inv_std") if n in ops}
+    for name, op in written.items():  # of any shape with C elements: none on another's bytes
+        check_output(name, op.desc)
+    check_written(written, {n: ops[n] for n in ("x", "gamma", "beta")})
     weight, bias, *running = problem.params(
         gamma=gamma, beta=beta, running_mean=running_mean, running_var=running_var
     )

@@ -1047,3 +1047,17 @@ def test_a_refused_dtype_names_only_its_argument(lib):
     assert info.value.status == Status.BAD_TENSOR_DTYPE
     message = str(info.value)
     assert "running_mean" in message and "out[" not in message and "reserve" not in message
+
+
+def test_a_grad_z_out_without_its_fusion_is_named_once():
+    """``out[3]`` given to a backward that is not ``fusion="add_relu"`` said "out[3] (out[3])
+    is given": the operator's message named it twice, once as ``grad_z``, which the array
+    API respells as ``out[3]``."""
+    x = np.ones((4, 3, 5))
+    grad_z = np.full_like(x, 7.0)
+    with pytest.raises(InfiniError) as info:
+        cudnn_bn.batch_norm_backward(x, x, None, None, None, out=(None, None, None, grad_z))
+    assert info.value.status == Status.BAD_PARAM
+    message = str(info.value)
+    assert message.count("out[3]") == 1 and "fusion='add_relu'" in message, message
+    assert (grad_z == 7.0).all()

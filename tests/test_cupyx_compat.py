@@ -195,6 +195,28 @@ def test_given_mean_and_inv_std_may_have_a_shape_of_their_own(name):
     np.testing.assert_array_equal(invstd.reshape(-1), invstd_new)
 
 
+@pytest.mark.parametrize("which", ["running_mean", "running_var", "mean", "inv_std"])
+def test_a_written_array_whose_elements_share_memory_is_refused_and_not_written(which):
+    """A written per-channel array with two elements on one address (a stride-0 view made
+    writable) cannot hold C values: it is refused as the array API refuses such an output
+    (BAD_TENSOR_STRIDES), before anything is written. It was written, every channel's value
+    over the same 8 bytes, the last one left."""
+    case = CASES["nchw-spatial"]
+    x, _, gamma, beta, rm, rv = make(case)
+    arrays = {"running_mean": rm, "running_var": rv, "mean": np.zeros_like(gamma)}
+    arrays["inv_std"] = np.ones_like(gamma)
+    one = np.full(1, 7.0, gamma.dtype)
+    arrays[which] = np.lib.stride_tricks.as_strided(one, gamma.shape, (0,), writeable=True)
+    before = {n: np.array(a) for n, a in arrays.items()}
+    with pytest.raises(InfiniError, match=f"{which} has overlapping strides") as caught:
+        cudnn.batch_normalization_forward_training(
+            x, gamma, beta, *arrays.values(), EPS, DECAY, case.conv, case.mode, False
+        )
+    assert caught.value.status == Status.BAD_TENSOR_STRIDES
+    for name, array in arrays.items():
+        np.testing.assert_array_equal(array, before[name], err_msg=name)
+
+
 @cases
 def test_ex_returns_the_reserve_space_first_and_backward_takes_it(case):
     x, gy, gamma, beta, rm, rv = make(case)

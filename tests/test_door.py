@@ -96,6 +96,23 @@ def test_buffer_data_is_read_from_the_buffer(data):
         np.testing.assert_allclose(ours, ref, rtol=1e-10, atol=1e-12)
 
 
+def test_a_numpy_integer_offset_is_read_as_numpy_reads_it():
+    """NumPy takes any integer ``offset`` into a buffer (``np.int64(8)`` included, as a
+    producer computing it with NumPy makes it); one was refused as "outside its buffer"."""
+    x, dy, w, _ = problem()
+    padded = np.concatenate([[0.0], x.ravel()]).tobytes()
+    source = Interface(shape=x.shape, typestr="<f8", data=padded, offset=np.int64(8))
+    np.testing.assert_array_equal(np.asarray(source), x)  # NumPy's own reading
+    got = cudnn_bn.batch_norm_backward(source, dy, w, None, None)
+    for ours, ref in zip(got, torch_backward(x, dy, w), strict=True):
+        np.testing.assert_allclose(ours, ref, rtol=1e-10, atol=1e-12)
+    for offset, words in ((0.5, "not an integer"), (True, "not an integer"), (-8, "outside")):
+        lying = Interface(shape=x.shape, typestr="<f8", data=padded, offset=offset)
+        with pytest.raises(InfiniError, match=words) as caught:
+            cudnn_bn.batch_norm_backward(lying, dy, w, None, None)
+        assert caught.value.status == Status.BAD_PARAM and "input" in str(caught.value)
+
+
 def test_a_read_only_buffer_is_not_written():
     x, _, w, b = problem()
     frozen = Interface(shape=(C,), typestr="<f8", data=np.zeros(C).tobytes())
@@ -435,6 +452,37 @@ def test_a_producer_that_must_copy_a_written_operand_is_refused():
 
     with pytest.raises(InfiniError, match="running_var is written in place but its DLPack"):
         cudnn_bn.batch_norm_forward_training(x, w, b, None, CopyOnly(np.ones(C)))
+
+
+def test_a_buffer_error_exporting_a_read_operand_is_not_called_a_copy_refusal():
+    """A producer's BufferError for an operand the call only reads was reported as "written
+    in place but its DLPack producer can only export a copy": the operand is not written and
+    ``copy=False`` was not asked. The caller's own producer's exception passes through
+    unchanged (as every other exception of its methods); a library's is BAD_PARAM naming
+    the operand, in words that say what failed."""
+    _, dy, w, _ = problem()
+
+    class Refusing:
+        def __dlpack_device__(self):
+            return 1, 0
+
+        def __dlpack__(self, **kwargs):
+            raise BufferError("cannot export this one")
+
+    with pytest.raises(BufferError) as raised:
+        cudnn_bn.batch_norm_backward(Refusing(), dy, w, None, None)
+    assert type(raised.value) is BufferError and str(raised.value) == "cannot export this one"
+
+    class Structured:  # NumPy's own __dlpack__ (compiled) refuses a structured dtype
+        def __init__(self):
+            self.array = np.zeros(dy.shape, [("a", "<f8")])
+            self.__dlpack__ = self.array.__dlpack__
+            self.__dlpack_device__ = self.array.__dlpack_device__
+
+    with pytest.raises(InfiniError, match="input's DLPack producer") as caught:
+        cudnn_bn.batch_norm_backward(Structured(), dy, w, None, None)
+    assert caught.value.status == Status.BAD_PARAM
+    assert "written in place" not in str(caught.value)
 
 
 def test_the_capsule_stays_alive_until_the_call_is_done():

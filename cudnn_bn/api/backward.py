@@ -68,7 +68,7 @@ class Backward:
         given = {g: descs.get(g) for g in GRADIENTS}
         if given["grad_z"] is not None and not wants_z:
             raise InfiniError(
-                Status.BAD_PARAM, "out[3] (grad_z) is given, but only fusion='add_relu' has one"
+                Status.BAD_PARAM, "grad_z is given, but only fusion='add_relu' has one"
             )
         tensors = BackwardTensors(
             given["grad_input"] or packed_like(x),

@@ -13,7 +13,7 @@ import ctypes
 from typing import Any
 
 from ..enums import DataType, Device, Status
-from ..errors import InfiniError
+from ..errors import InfiniError, raised_by_caller
 from ..tensor import contiguous_strides
 from .checks import EXPECTED, described
 from .operand import Operand
@@ -97,9 +97,13 @@ def _export(name: str, array: Any, stream: int | None, written: bool) -> Any:
     except TypeError:
         pass  # a producer older than DLPack 1.0's keywords
     except BufferError as exc:
+        if not written and raised_by_caller(exc):
+            raise  # no copy=False was asked: the caller's producer's own exception
         raise InfiniError(
             Status.BAD_PARAM,
-            f"{name} is written in place but its DLPack producer can only export a copy ({exc})",
+            f"{name} is written in place but its DLPack producer can only export a copy ({exc})"
+            if written
+            else f"{name}'s DLPack producer could not export it ({exc})",
         ) from None
     try:
         return array.__dlpack__(**kwargs)

@@ -105,12 +105,17 @@ def _buffer_view(name: str, owner: Any, iface: dict) -> np.ndarray:
             f"{name}.__array_interface__ 'data' is no usable buffer ({exc})",
         ) from None
     offset = iface.get("offset", 0)
-    if not isinstance(offset, int) or isinstance(offset, bool) or not 0 <= offset <= raw.size:
+    if not isinstance(offset, int | np.integer) or isinstance(offset, bool):
+        raise InfiniError(
+            Status.BAD_PARAM,
+            f"{name}.__array_interface__ has offset {offset!r}, not an integer",
+        )
+    if not 0 <= offset <= raw.size:
         raise InfiniError(
             Status.BAD_PARAM,
             f"{name}.__array_interface__ has offset {offset!r} outside its {raw.size}-byte buffer",
         )
-    return raw[offset:]
+    return raw[int(offset) :]
 
 
 def from_array_interface(name: str, obj: Any, kind: Any) -> Operand:
