@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 
 from ..enums import Device, Status
-from ..errors import InfiniError
+from ..errors import InfiniError, integer
 from ..tensor import contiguous_strides
 from .checks import described, element_strides, interface_layout, numpy_data_type
 from .operand import Operand, byte_extent
@@ -104,18 +104,19 @@ def _buffer_view(name: str, owner: Any, iface: dict) -> np.ndarray:
             Status.BAD_PARAM,
             f"{name}.__array_interface__ 'data' is no usable buffer ({exc})",
         ) from None
-    offset = iface.get("offset", 0)
-    if not isinstance(offset, int | np.integer) or isinstance(offset, bool):
+    given = iface.get("offset", 0)
+    offset = integer(f"{name}.__array_interface__ offset", given)
+    if offset is None:
         raise InfiniError(
             Status.BAD_PARAM,
-            f"{name}.__array_interface__ has offset {offset!r}, not an integer",
+            f"{name}.__array_interface__ has offset {given!r}, not an integer",
         )
     if not 0 <= offset <= raw.size:
         raise InfiniError(
             Status.BAD_PARAM,
             f"{name}.__array_interface__ has offset {offset!r} outside its {raw.size}-byte buffer",
         )
-    return raw[int(offset) :]
+    return raw[offset:]
 
 
 def from_array_interface(name: str, obj: Any, kind: Any) -> Operand:
