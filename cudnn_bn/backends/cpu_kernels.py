@@ -1289,14 +1289,13 @@ def channel_results(kind, sums, shift, values, count, eps, momentum, mode, narro
     ``values``, ``copy_channels``) and its data's ``sums`` (``(SUMS, C * tile + PAD)``, the
     padding zero, shifted by the tiled ``shift``; no columns for inference), written into
     ``values``' output rows, and the elementwise pass's ``coefficients`` (3, C * tile),
-    tiled. ``kind``: ``TRAINING``
-    (rows weight, bias, saved mean, saved invstd, running mean, running var;
-    ``y = (x - mean)*scale + bias``), ``BACKWARD`` (rows weight, statistic 0, statistic 1,
-    grad_weight, grad_bias; ``grad_input = k_dy*dy + k_x*x + k_c``, ``mode`` the backward's)
-    or ``INFERENCE`` (rows weight, bias, running mean, running var). ``narrow``: the data
-    is F32/F16/BF16, whose nonzero deviations square to 2**-298 at least, so that a zero sum
-    of squares is a constant channel's (an F64 one's may underflow). No arrays are made
-    here: each costs compile time."""
+    tiled. ``kind``: ``TRAINING`` (rows weight, bias, saved mean, saved invstd, running
+    mean, running var; ``y = (x - mean)*scale + bias``), ``BACKWARD`` (rows weight,
+    statistic 0, statistic 1, grad_weight, grad_bias; ``grad_input = k_dy*dy + k_x*x +
+    k_c``, ``mode`` the backward's) or ``INFERENCE`` (rows weight, bias, running mean,
+    running var). ``narrow``: the data is F32/F16/BF16, whose nonzero deviations square to
+    2**-298 at least, so that a zero sum of squares is a constant channel's (an F64 one's
+    may underflow). No arrays are made here: each costs compile time."""
     channels = values.shape[1]
     w = values[0]
     for c in range(c0, c1):
@@ -1344,8 +1343,9 @@ def channel_results(kind, sums, shift, values, count, eps, momentum, mode, narro
 def whole_pass(plan, eps, momentum, like, x_at, a_at, y_at, gi_at, gz_at, c0, c1, c2, c3,
                c4, c5):  # fmt: skip
     """A pass (``kind``, as ``channel_results``) as one item (``whole``: every channel and
-    row), its steps called by address (``steps``, ``entries``), its fixed arguments read
-    from ``plan`` (the ``PLAN_*`` offsets). Data tensors, walked with ``strides``' rows
+    row), or blocks of channels of every row (below), its steps called by address
+    (``steps``, ``entries``), its fixed arguments read from ``plan`` (the ``PLAN_*``
+    offsets). Data tensors, walked with ``strides``' rows
     0..4: x, then dy (backward) or z (training forward), the fused forward's y (backward) or
     y, then gi and gz (backward); an absent one's span is 0 (its address is not read).
     ``c0``...``c5``: the per-channel tensors' addresses (``channel_args``, ``reads``,
