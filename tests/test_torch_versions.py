@@ -18,6 +18,7 @@ import torch.nn.functional as F
 
 import cudnn_bn
 from cudnn_bn import InfiniError, Status
+from cudnn_bn.distributed import sync_batch_norm_forward_training
 from cudnn_bn.nn import BatchNorm
 
 SHAPE, C = (6, 3, 4), 3
@@ -266,3 +267,33 @@ def test_a_layers_running_statistic_that_requires_grad_is_refused_as_torchs():
     for name, value in layer.state_dict().items():
         assert torch.equal(torch.as_tensor(value).detach(), torch.as_tensor(state[name])), name
 
+
+@pytest.fixture
+def gloo_group_of_one():
+    import torch.distributed as dist
+
+    if not dist.is_available() or dist.is_initialized():
+        pytest.skip("torch.distributed unavailable, or initialized by someone else")
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield dist.group.WORLD
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_synchronized_forward_bumps_and_refuses_as_the_array_api(gloo_group_of_one):
+    d = _data()
+    loss = _saved(d["rm"])
+    sync_batch_norm_forward_training(
+        d["x"], d["w"], d["b"], d["rm"], d["rv"], group=gloo_group_of_one
+    )
+    assert d["rm"]._version == d["rv"]._version == 1
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()
+    leaf = torch.zeros(C, requires_grad=True)
+    with pytest.raises(InfiniError, match=r"^BAD_PARAM: running_var requires grad") as info:
+        sync_batch_norm_forward_training(
+            d["x"], d["w"], d["b"], d["rm"], leaf, group=gloo_group_of_one
+        )
+    assert info.value.status == Status.BAD_PARAM
+    assert leaf._version == 0 and d["rm"]._version == 1
