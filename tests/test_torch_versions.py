@@ -195,6 +195,22 @@ def test_a_refused_overlap_on_a_planned_call_bumps_nothing():
     assert d["rm"]._version == before
 
 
+def test_a_tensor_given_but_not_written_is_neither_bumped_nor_refused():
+    """An ``out=`` entry masked off, an empty batch's running statistics: left as they are,
+    so a tensor saved from them still gives its gradient."""
+    d = _data()
+    grad_weight, leaf = torch.zeros(C), torch.zeros(C, requires_grad=True)
+    loss = _saved(grad_weight)
+    cudnn_bn.batch_norm_backward(
+        d["x"], d["dy"], d["w"], None, None, out=(None, grad_weight, leaf),
+        output_mask=(True, False, False),
+    )  # fmt: skip
+    for empty in ((0, C, 4), (2, C, 0)):
+        cudnn_bn.batch_norm_forward_training(torch.rand(empty), d["w"], d["b"], d["rm"], leaf)
+    assert grad_weight._version == leaf._version == d["rm"]._version == 0
+    loss.backward()
+
+
 def test_tensors_only_read_may_require_grad():
     d = _data()
     w, b = d["w"].requires_grad_(), d["b"].requires_grad_()

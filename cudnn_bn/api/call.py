@@ -57,7 +57,8 @@ class Built:
     the layouts of the outputs the call allocates; what it returns (operand names, None for
     a None); the constants standing in for absent operands (``name -> (value, layout)``);
     whether it fills a reserve (the call allocates one where the caller gives none); the
-    size of a reserve the caller gives."""
+    size of a reserve the caller gives; the operands written in place that this problem
+    leaves as they are (an empty batch's running statistics)."""
 
     descriptor: Any
     pointers: dict[str, str | None]
@@ -66,6 +67,7 @@ class Built:
     constants: dict[str, tuple[float, TensorDesc]] = field(default_factory=dict)
     reserve: bool = False
     reserve_size: int | None = None
+    unwritten: frozenset[str] = frozenset()
 
 
 class Pass(Protocol):
@@ -411,11 +413,6 @@ def _build(
             for o in [n for n in present[i + 1 :] if n in spec.written] + read_only
         ],
     )
-    # torch tensors written in place: held to torch's rule on every call (requires_grad and
-    # grad mode may change between calls of one plan), their versions bumped after the launch
-    versioned = [index[n] for n in present if n in spec.written and is_tensor(by_name[n])]
-    grad_tests = [f"arrays[{at}].requires_grad" for at in versioned if is_plain(arrays[at])]
-    grad_test = " or ".join(grad_tests) if len(grad_tests) == len(versioned) else "True"
     # the reserve the problem uses is checked for its alignment, however it was read
     buffers = frozenset([index["reserve"]] if "reserve" in ops and descriptor.reserve_size else [])
     checked = [index[n] for n in ops if index[n] not in described or index[n] in buffers]
@@ -434,6 +431,19 @@ def _build(
     picked = [
         "0" if f is None else values.get(built.pointers.get(f, f), "0") for f in launch.fields
     ]
+    # torch tensors the launch writes (not masked off, not left as they are): held to torch's
+    # rule on every call (requires_grad and grad mode may change between calls of one plan),
+    # their versions bumped after the launch
+    versioned = [
+        index[n]
+        for n in present
+        if n in spec.written
+        and n not in built.unwritten
+        and values[n] in picked
+        and is_tensor(by_name[n])
+    ]
+    grad_tests = [f"arrays[{at}].requires_grad" for at in versioned if is_plain(arrays[at])]
+    grad_test = " or ".join(grad_tests) if len(grad_tests) == len(versioned) else "True"
     source = _plan_call(
         aligned.suspect,
         disjoint.suspect,
