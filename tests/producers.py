@@ -558,7 +558,8 @@ def oddity(draw, a: np.ndarray) -> Any:
     if kind in ("torch_subclass", "requires_grad"):
         t = torch.from_numpy(np.array(a))
         t = t.as_subclass(UserTensor) if kind == "torch_subclass" else t.requires_grad_()
-        return mark(t, t.detach().numpy(), _f64(a), kind)
+        # written in place only where grad mode is off, as torch's rule (the fuzz's is on)
+        return mark(t, t.detach().numpy(), _f64(a), kind, writable=kind != "requires_grad")
     if kind == "matrix" and a.ndim == 2:
         m = np.asmatrix(np.array(a))
         return mark(m, m, _f64(a), kind)

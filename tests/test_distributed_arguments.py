@@ -172,7 +172,8 @@ def test_torch_running_statistics_of_any_autograd_state_are_moved(made):
     """Running statistics made under ``torch.inference_mode()`` (or a ``Parameter``) are
     moved as the array API moves them: torch refuses an inference tensor's in-place update
     outside inference mode, and only after writing it, so the update once raised
-    INTERNAL_ERROR past the collectives with both statistics written."""
+    INTERNAL_ERROR past the collectives with both statistics written. A ``Parameter``,
+    which requires grad, only where grad mode is off, as torch's own batch norm."""
     p = _problem()
     want = {n: torch.from_numpy(p[n].copy()) for n in ("running_mean", "running_var")}
     for name in want:
@@ -181,7 +182,10 @@ def test_torch_running_statistics_of_any_autograd_state_are_moved(made):
                 p[name] = torch.from_numpy(p[name].copy())
         else:
             p[name] = torch.nn.Parameter(torch.from_numpy(p[name].copy()))
-    y, _, _ = _forward(p)
+    if made == "Parameter":
+        _refused(lambda: _forward(p), Status.BAD_PARAM, "running_mean requires grad")
+    with torch.no_grad():
+        y, _, _ = _forward(p)
     x, w, b = (torch.from_numpy(p[n]) for n in ("input", "weight", "bias"))
     want_y = F.batch_norm(x, want["running_mean"], want["running_var"], w, b, True, eps=EPS)
     np.testing.assert_allclose(y, want_y.numpy(), rtol=1e-12, atol=1e-12)

@@ -415,10 +415,13 @@ def test_torch_arrays_of_any_autograd_state_load_as_the_forward_writes_them(made
     """A layer's tensors set to a ``Parameter`` or an inference tensor, which the forward
     reads and moves through their pointers: ``load_state_dict`` (``reset_parameters()``
     too) wrote weight with ``[...] =`` then hit torch's refusal (a leaf that requires grad,
-    an inference tensor outside inference mode), INTERNAL_ERROR with half the state loaded."""
+    an inference tensor outside inference mode), INTERNAL_ERROR with half the state loaded.
+    The forward moves a running_var that requires grad only where grad mode is off, as
+    torch's own batch norm."""
     layer = BatchNorm(3, like=torch.zeros(1, dtype=torch.float64))
     layer.bias, layer.running_var = made(layer.bias), made(layer.running_var)
-    layer(torch.arange(12.0, dtype=torch.float64).reshape(4, 3))
+    with torch.no_grad():
+        layer(torch.arange(12.0, dtype=torch.float64).reshape(4, 3))
     module = trained_module()
     layer.load_state_dict(module.state_dict())
     compare_state(layer, module, 0, 0)

@@ -9,11 +9,12 @@ written in place, the operator's validation and descriptor, output layouts, work
 reserve sizes, constants standing in for an absent weight or bias, and the operator's
 launch with its size checks made (``OperatorDescriptor.launcher``). A hit re-checks only
 what depends on addresses (each attribute-read operand's in [0, 2**64), and where it has
-elements non-NULL and aligned; no written operand overlapping another), resolves the
-stream, allocates the outputs (and a reserve) and launches, with the workspace its plan
-keeps for that stream, in a function written for the problem when its plan was built
-(``Plan``): an operand that differs in any checked property is a different key, so no check
-is skipped.
+elements non-NULL and aligned; no written operand overlapping another; a torch tensor
+written not requiring grad while grad mode is on, torch's rule), resolves the stream,
+allocates the outputs (and a reserve) and launches, with the workspace its plan keeps for
+that stream, then bumps the version counter of each torch tensor written, in a function
+written for the problem when its plan was built (``Plan``): an operand that differs in any
+checked property is a different key, so no check is skipped.
 
 Plans live in ``descriptor_cache``, looked up without a lock; a plan's descriptor closes when
 its last reference goes, so eviction by another thread never closes a descriptor that a
@@ -34,6 +35,7 @@ from ..address_tests import Disjoint, bad_bits, compiled_test, misplaced
 from ..arrays import Operand, check_written, common_place, operand
 from ..arrays.numpy_arrays import DATA_WORDS, ndarray_data
 from ..arrays.operand import refuse_overlap
+from ..arrays.torch_tensors import is_plain, is_tensor, refuse_grad_write, version_bump
 from ..descriptor_cache import DescriptorCache
 from ..enums import Device, Status
 from ..errors import InfiniError, raise_public
@@ -55,7 +57,8 @@ class Built:
     the layouts of the outputs the call allocates; what it returns (operand names, None for
     a None); the constants standing in for absent operands (``name -> (value, layout)``);
     whether it fills a reserve (the call allocates one where the caller gives none); the
-    size of a reserve the caller gives."""
+    size of a reserve the caller gives; the operands written in place that this problem
+    leaves as they are (an empty batch's running statistics)."""
 
     descriptor: Any
     pointers: dict[str, str | None]
@@ -64,6 +67,7 @@ class Built:
     constants: dict[str, tuple[float, TensorDesc]] = field(default_factory=dict)
     reserve: bool = False
     reserve_size: int | None = None
+    unwritten: frozenset[str] = frozenset()
 
 
 class Pass(Protocol):
@@ -427,9 +431,24 @@ def _build(
     picked = [
         "0" if f is None else values.get(built.pointers.get(f, f), "0") for f in launch.fields
     ]
+    # torch tensors the launch writes (not masked off, not left as they are): held to torch's
+    # rule on every call (requires_grad and grad mode may change between calls of one plan),
+    # their versions bumped after the launch
+    versioned = [
+        index[n]
+        for n in present
+        if n in spec.written
+        and n not in built.unwritten
+        and values[n] in picked
+        and is_tensor(by_name[n])
+    ]
+    grad_tests = [f"arrays[{at}].requires_grad" for at in versioned if is_plain(arrays[at])]
+    grad_test = " or ".join(grad_tests) if len(grad_tests) == len(versioned) else "True"
     source = _plan_call(
         aligned.suspect,
         disjoint.suspect,
+        grad_test if versioned else "",
+        versioned,
         device != Device.CPU,
         len(built.outputs),
         reserve_size,
@@ -442,6 +461,8 @@ def _build(
     namespace = allocators | {
         "aligned": aligned.check,
         "disjoint": partial(check_disjoint, disjoint),
+        "grad_writes": partial(_grad_writes, [(at, spelled[names[at]]) for at in versioned]),
+        "bump": version_bump() if versioned else None,
         "spec": spec,
         "result": spec.result,
         "launch": launch.call,
@@ -459,9 +480,17 @@ def _build(
     return Plan(descriptor, namespace.pop("call"), source)
 
 
+def _grad_writes(written: list[tuple[int, str]], arrays: tuple) -> None:
+    """``refuse_grad_write`` on each torch tensor written (at, as the caller names it)."""
+    for at, name in written:
+        refuse_grad_write(name, arrays[at])
+
+
 def _plan_call(
     aligned: str,
     disjoint: str,
+    grad_test: str,
+    bumped: list[int],
     on_device: bool,
     outputs: int,
     reserve_size: int,
@@ -472,14 +501,17 @@ def _plan_call(
     result: bool,
 ) -> str:
     """The source of a plan's ``call`` (``Plan``), in the names ``_build`` gives it
-    (``aligned``, ``launch``...): its checks (the tests ``aligned`` and ``disjoint``, each
-    empty where there is nothing to test, and the closer looks they call for), the stream
+    (``aligned``, ``launch``...): its checks (the tests ``aligned``, ``disjoint`` and
+    ``grad_test``, each empty where there is nothing to test, and the closer looks they call
+    for: ``grad_test`` is true where a torch tensor written may require grad), the stream
     and allocation scope on a device (on the host, a check of a stream given), one line per
     allocated array, the launch on the values
-    ``picked`` (expressions), and the objects ``returned``, through the pass's ``result``
-    if it has one."""
+    ``picked`` (expressions), the version bump of the torch tensors written (at the indices
+    ``bumped``), and the objects ``returned``, through the pass's ``result`` if it has
+    one."""
     body = [f"if {aligned}:", "    aligned(ptrs, arrays, spec)"] if aligned else []
     body += [f"if {disjoint}:", "    disjoint(ptrs, spec)"] if disjoint else []
+    body += [f"if {grad_test}:", "    grad_writes(arrays)"] if grad_test else []
     indent = ""
     if on_device:
         body += ["stream, scope = call_place(stream, like, *place)", "with scope:"]
@@ -500,6 +532,7 @@ def _plan_call(
             "with workspaces.lock:",
             f"    launch({_tuple(picked)}, workspaces.get(like, stream), stream)",
         ]
+    launch += [f"bump({_tuple([f'arrays[{at}]' for at in bumped])})"] if bumped else []
     if not result:
         launch += [f"return {returned[0] if len(returned) == 1 else _tuple(returned)}"]
     else:

@@ -101,9 +101,9 @@ class ForwardTraining:
         outputs = {o: made[o] for o in TRAINING_OUTPUTS if descs[o] is None}
         returns = (*TRAINING_OUTPUTS, "reserve")
         reserve_size = reserve_bytes(descs["reserve"], descriptor.reserve_size)
-        return Built(
-            descriptor, {}, outputs, returns, constants, reserve=True, reserve_size=reserve_size
-        )
+        # an empty batch leaves the running statistics as they are
+        unwritten = frozenset(_PER_CHANNEL[2:] if x.numel == 0 else ())
+        return Built(descriptor, {}, outputs, returns, constants, True, reserve_size, unwritten)
 
     result = TrainingOutputs
 

@@ -6,10 +6,15 @@ pointer cannot do. Read, such a tensor is materialized (``resolve_neg``/``resolv
 the copy is the operand; written in place, it is refused, since the copy is not the caller's.
 Sparse, nested and storage-less (wrapper subclass, fake) tensors have no strided memory to
 hand over and are refused.
+
+Written in place, a tensor is held to torch's rule for writes autograd cannot record
+(``refuse_grad_write``) and then has its version counter bumped (``version_bump``), so that
+autograd raises where a tensor it saved for backward was overwritten.
 """
 
 import functools
 import sys
+from collections.abc import Callable
 from typing import Any
 
 from ..enums import DataType, Device, Status
@@ -125,3 +130,60 @@ def torch_stream(stream: int, device_index: int) -> Any:
     if stream == 0:
         return torch.cuda.default_stream(device_index)
     return torch.cuda.ExternalStream(stream, device=device_index)
+
+
+def is_tensor(array: Any) -> bool:
+    """A real ``torch.Tensor`` (or subclass): one with an autograd version counter."""
+    torch = sys.modules.get("torch")
+    return torch is not None and isinstance(array, torch.Tensor)
+
+
+def is_plain(tensor: Any) -> bool:
+    """A ``torch.Tensor`` or ``Parameter``, whose attributes run no ``__torch_function__``."""
+    import torch
+
+    return type(tensor) in (torch.Tensor, torch.nn.Parameter)
+
+
+# torch's words for the write it refuses, by what the tensor is (VariableTypeUtils.h)
+_LEAF = "a leaf Variable that requires grad is being used in an in-place operation"
+_VIEW = "a view of a leaf Variable that requires grad is being used in an in-place operation"
+_OUT = "functions with out=... arguments don't support automatic differentiation"
+
+
+def refuse_grad_write(name: str, tensor: Any) -> None:
+    """BAD_PARAM where torch refuses to write ``tensor`` (argument ``name``) in place with no
+    gradient recorded for the write: it requires grad while grad mode is enabled. torch's
+    ``check_inplace`` refuses a leaf or a view of one; a non-leaf it would rebase onto the
+    in-place op's gradient, which this write has none of, so it is refused as torch refuses
+    such an ``out=`` tensor (``throw_error_out_requires_grad``) or batch norm's running
+    statistics (``check_no_requires_grad``). Under ``no_grad``/``inference_mode`` it passes."""
+    import torch
+
+    with torch._C.DisableTorchFunctionSubclass():  # a subclass's own answers are not asked
+        if not (tensor.requires_grad and torch.is_grad_enabled()):
+            return
+        base = tensor._base
+        why = _LEAF if tensor.is_leaf else _VIEW if base is not None and base.is_leaf else _OUT
+    raise InfiniError(
+        Status.BAD_PARAM,
+        f"{name} requires grad and grad mode is enabled, but autograd cannot record this "
+        f"in-place write: torch refuses it ({why}); write it under torch.no_grad(), or give "
+        f"{name}.detach()",
+    )
+
+
+@functools.cache
+def version_bump() -> Callable[[tuple], None]:
+    """A function bumping the version counter of each tensor of a tuple once, as torch's
+    in-place ops do (an inference tensor has none: skipped): ``torch._C._increment_version``
+    where it takes a tuple (``torch.autograd.graph.increment_version`` only wraps it, at
+    0.5 us more a call), else that public function."""
+    import torch
+
+    bump = getattr(torch._C, "_increment_version", None)
+    try:
+        bump(())
+    except Exception:  # absent, or taking no tuple
+        return torch.autograd.graph.increment_version
+    return bump

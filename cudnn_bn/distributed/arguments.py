@@ -3,7 +3,8 @@
 Every check that can fail runs here, on the caller's own arrays, each described through
 ``cudnn_bn.arrays.operand`` (the array API's one door to every array protocol): kinds,
 devices (and the communicator's), the stream, shapes, dtypes, strides, arrays written in
-place that are read-only or share memory with another argument, and the scalars. The
+place that are read-only, share memory with another argument or are torch tensors torch
+would not write in place (``refuse_grad_write``), and the scalars. The
 header exchange that follows carries this rank's verdict to every rank, so all ranks go on
 or all raise; after it nothing a caller passed can fail. Messages name the arguments as
 the caller spells them.
@@ -15,6 +16,7 @@ from typing import Any
 
 from ..api import resolve_stream
 from ..arrays import Operand, check_written, common_place, operand
+from ..arrays.torch_tensors import is_tensor, refuse_grad_write
 from ..enums import Device, Status
 from ..errors import InfiniError
 from ..ops.validation import (
@@ -111,6 +113,9 @@ def check_forward(
     ops = checked.ops
     written = {n: ops[n] for n in ("running_mean", "running_var") if n in ops}
     check_written(written, {n: op for n, op in ops.items() if n not in written})
+    for name in written:  # torch's own rule for in-place writes, as the array API's
+        if is_tensor(arrays[name]):
+            refuse_grad_write(name, arrays[name])
     return checked, momentum, eps
 
 

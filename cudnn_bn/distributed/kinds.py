@@ -120,10 +120,11 @@ class TorchKind:
         return self.like(values, like, self.torch.float32 if like.dtype.itemsize == 2 else None)
 
     def assign(self, target: Any, values: np.ndarray) -> None:
-        """Write ``values`` into ``target`` whatever its autograd or inference state (a
-        ``Parameter``, a tensor made under ``inference_mode``), as the array API writes it:
-        outside inference mode torch refuses an inference tensor's in-place update, and only
-        once it has written it, after the collectives."""
+        """Write ``values`` into ``target`` whatever its inference state (a tensor made under
+        ``inference_mode``), as the array API writes it: outside inference mode torch refuses
+        an inference tensor's in-place update, and only once it has written it, after the
+        collectives. One that requires grad with grad mode on was refused before them
+        (``check_forward``); torch's ``copy_`` bumps the version counter."""
         with self.torch.inference_mode():
             target.copy_(self.torch.as_tensor(values, dtype=target.dtype))
 

@@ -91,8 +91,8 @@ def host(name: str, array: Any, integers: bool = False) -> np.ndarray:
 def _writing(target: Any) -> AbstractContextManager[Any]:
     """Where ``target`` is written in place: a torch tensor under ``inference_mode``, whatever
     its autograd state (a ``Parameter``, an inference tensor, a gradient that requires grad
-    itself), as torch's ``load_state_dict`` writes its parameters and the array API writes
-    such tensors through their pointers (torch refuses an in-place write otherwise)."""
+    itself), as torch's ``load_state_dict`` writes its parameters under ``no_grad`` (torch
+    refuses an in-place write otherwise); torch's own op bumps its version counter there."""
     if library("target", target) != "torch":
         return nullcontext()
     import torch
