@@ -289,6 +289,49 @@ def test_blocks_of_channels_as_torch(layout, dtype, monkeypatch):
         assert_close(got, want, tol)
 
 
+@pytest.mark.parametrize("layout", ["nchw", "padded", "mixed"])
+@pytest.mark.parametrize("dtype", [np.float16, np.float32, np.float64], ids=str)
+def test_blocks_on_threads_as_on_one(layout, dtype, monkeypatch):
+    """On two threads, a pass whose runs stay in one channel has its blocks of channels
+    claimed by both (``cpu_kernels.blocks_pass``; here from ``cpu.PARALLEL_MIN_VALUES``, 8 blocks
+    of 12 or 13 channels), with the results of one thread bit for bit: every pass, fused
+    or not, and every per-channel output."""
+    shape = (4, 100, 29, 37)
+    rng = np.random.default_rng(12)
+    sx, sd, sg = _x_layouts(shape)[layout]
+    x = laid_out(rng.standard_normal(shape) * 2 + 30, sx, dtype)
+    dy, z = (laid_out(rng.standard_normal(shape), s, dtype) for s in (sd, sg))
+    w, b = rng.uniform(0.5, 1.5, 100).astype(dtype), rng.standard_normal(100).astype(dtype)
+    mean, var = rng.standard_normal(100).astype(dtype), rng.uniform(1, 2, 100).astype(dtype)
+    monkeypatch.setattr(cpu, "BLOCKS_MIN_VALUES", cpu.PARALLEL_MIN_VALUES)
+    handed = []
+    team = cpu_pool.team
+    monkeypatch.setattr(cpu_pool, "team", lambda *a: handed.append(a[1]) or team(*a))
+
+    def passes():
+        stats = [mean.copy(), var.copy()]
+        return [
+            *cudnn_bn.batch_norm_backward(x, dy, w, None, None),
+            *cudnn_bn.batch_norm_backward(x, dy, w, mean, var, mode="eval"),
+            *cudnn_bn.batch_norm_forward_training(x, w, b, *stats, z=z, fusion="add_relu"),
+            *stats,
+            cudnn_bn.batch_norm_forward_inference(x, w, b, mean, var),
+        ]
+
+    previous = cpu_pool.thread_count()
+    try:
+        cpu_pool.set_thread_count(1)
+        one = passes()
+        cpu_pool.set_thread_count(2)
+        handed.clear()
+        two = passes()
+    finally:
+        cpu_pool.set_thread_count(previous)
+    assert handed == [8] * 4  # each pass's blocks, handed to the helpers once
+    for got, want in zip(two, one, strict=True):
+        np.testing.assert_array_equal(got, want)
+
+
 @pytest.mark.parametrize("shape", [(1, 3, 49), (3, 3, 49), (5, 2, 7, 7), (3, 64, 1024)], ids=str)
 def test_sums_over_an_odd_number_of_rows(shape):
     """The channel-outer walks sum two rows per loop; a lone last row (odd row counts; one

@@ -475,9 +475,10 @@ def test_a_problems_first_calls_compile_no_one_call_pass(tmp_path):
 
 
 def test_a_small_call_compiles_no_kernel_of_its_own(tmp_path):
-    """After large calls, small calls of the same dtype and walk compile only the whole-pass
-    function: it calls the large calls' compiled steps (the one-call passes compiled a copy
-    of every step, of both walks, about 5 s per dtype)."""
+    """After large calls, small calls of the same dtype and walk compile only the one-call
+    pass (``whole_pass`` and the ``blocks_pass`` it calls; calls on threads from
+    ``cpu.BLOCKS_MIN_VALUES`` share that one): it calls the large calls' compiled steps (the
+    one-call passes compiled a copy of every step, of both walks, about 5 s per dtype)."""
     script = (
         COMPILES
         + PROBLEM
@@ -489,4 +490,6 @@ def test_a_small_call_compiles_no_kernel_of_its_own(tmp_path):
             "print(sorted(every))\n"
         )
     )
-    assert_printed(run_child(script, NUMBA_CACHE_DIR=str(tmp_path)), "['whole_pass']")
+    assert_printed(
+        run_child(script, NUMBA_CACHE_DIR=str(tmp_path)), "['blocks_pass', 'whole_pass']"
+    )
