@@ -12,6 +12,7 @@ against references it did not write: torch in float64, NumPy's float16, torch's 
 import os
 import subprocess
 import sys
+import threading
 
 import numpy as np
 import pytest
@@ -330,6 +331,43 @@ def test_blocks_on_threads_as_on_one(layout, dtype, monkeypatch):
     assert handed == [8] * 4  # each pass's blocks, handed to the helpers once
     for got, want in zip(two, one, strict=True):
         np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("mask", [(True, True, True), (False, True, True), (True, False, False)])
+@pytest.mark.parametrize("shape", [(16, 64, 16, 16), (64, 3, 32, 32)], ids=str)
+def test_rows_on_threads_for_every_output_mask(mask, shape, monkeypatch):
+    """Channels innermost, or too few channels for blocks: two threads share work items of
+    rows (``cpu_kernels.rows_pass``), each step waiting for the one before; a backward
+    that writes no grad_input has no elementwise step, and the call still returns (run
+    in a thread here, so that a wait that never ends fails the test). As torch's in
+    float64."""
+    monkeypatch.setattr(cpu, "THREADS_MIN_VALUES", cpu.PARALLEL_MIN_VALUES)
+    rng = np.random.default_rng(13)
+    n, c, h, w_ = shape
+    x, dy = (np.moveaxis(rng.standard_normal((n, h, w_, c)), -1, 1) for _ in range(2))
+    w = rng.uniform(0.5, 1.5, c)
+    handed, got = [], []
+    team = cpu_pool.team
+    monkeypatch.setattr(cpu_pool, "team", lambda *a: handed.append(a[1]) or team(*a))
+    previous = cpu_pool.thread_count()
+    cpu_pool.set_thread_count(2)
+    try:
+        call = threading.Thread(
+            target=lambda: got.extend(
+                cudnn_bn.batch_norm_backward(x, dy, w, None, None, output_mask=mask)
+            ),
+            daemon=True,
+        )
+        call.start()
+        call.join(60)
+        assert not call.is_alive(), "the threaded backward never returned"
+    finally:
+        cpu_pool.set_thread_count(previous)
+    assert len(handed) == 1 and handed[0] >= 2  # one hand-off, items for both threads
+    for g, want in zip(got, torch_backward(x, dy, w), strict=True):
+        if g is not None:
+            assert_close(g, want, 1e-10)
+    assert [g is not None for g in got] == list(mask)
 
 
 @pytest.mark.parametrize("shape", [(1, 3, 49), (3, 3, 49), (5, 2, 7, 7), (3, 64, 1024)], ids=str)

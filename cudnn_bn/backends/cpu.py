@@ -62,7 +62,7 @@ PARALLEL_MIN_VALUES = 1 << 16  # below this many values a thread hand-off costs 
 # after idle, and a helper that waits for a CPU holds the caller up by the item it holds.
 THREADS_MIN_VALUES = 5_000_000
 # From this many values a pass whose runs stay in one channel runs its blocks of channels on
-# the engine's threads (``in_blocks``): one hand-off, no partial sums.
+# the engine's threads (``on_threads``): one hand-off, no partial sums.
 BLOCKS_MIN_VALUES = 1 << 19
 # A large call's work items: up to this many per thread, each of at least ITEM_MIN_VALUES,
 # claimed one at a time (``cpu_kernels._next_item``), so that a thread that starts late or
@@ -204,7 +204,7 @@ class _HostKernel:
         """The blocks of channels ``cpu_kernels.blocks_pass`` walks on ``threads`` threads
         (an items table): on one, about ``BLOCK_BYTES`` of data each where a pass with sums
         runs along channels (otherwise one block, the whole tensor); on more, at least
-        ``ITEMS_PER_THREAD`` a thread (``in_blocks``)."""
+        ``ITEMS_PER_THREAD`` a thread (``on_threads``)."""
         found = self._blocks.get(threads)
         if found is None:
             k, count = cpu_kernels, 1
@@ -221,18 +221,14 @@ class _HostKernel:
         """The pass on the data slots' addresses ``at`` and the per-channel tensors'
         ``channel``: one call in this thread (``cpu_kernels.whole_pass``) for a small
         problem (its first calls step by step: ``STEPWISE_CALLS``), else on the engine's
-        threads: blocks of channels where runs stay in one channel and there are enough
-        (``in_blocks``), otherwise work items of rows too (``threaded``)."""
+        threads (``on_threads``)."""
         values = self.numel
         threads = cpu_pool.thread_count() if self.parallel else 1
-        if threads > 1 and values >= BLOCKS_MIN_VALUES and self.by_blocks(threads):
+        if threads > 1 and values >= (
+            BLOCKS_MIN_VALUES if self.by_blocks(threads) else THREADS_MIN_VALUES
+        ):
             cpu_pool.wake()
-            self.in_blocks(at, channel, threads)
-            return
-        if threads > 1 and values >= THREADS_MIN_VALUES:
-            cpu_pool.wake()
-            most = values // ITEM_MIN_VALUES
-            self.threaded(at, channel, max(threads, min(threads * ITEMS_PER_THREAD, most)))
+            self.on_threads(at, channel, threads)
             return
         whole = self._whole
         if whole is None:
@@ -244,24 +240,39 @@ class _HostKernel:
         whole(*at, *self.absent, *channel, *self.channels_absent)
 
     def by_blocks(self, threads: int) -> bool:
-        """Whether ``in_blocks`` fits: runs stay in one channel, and there are channels for
-        ``ITEMS_PER_THREAD`` blocks a thread."""
+        """Whether ``threads`` threads take blocks of channels (``blocks_pass``): runs stay
+        in one channel, and there are channels for ``ITEMS_PER_THREAD`` blocks a thread."""
         return not self.layout.geometry[3] and self.layout.channels >= threads * ITEMS_PER_THREAD
 
-    def in_blocks(self, at: list[int] | tuple[int, ...], channel: tuple[int, ...], threads: int):
-        """The pass as ``whole_pass`` makes it, its blocks claimed by ``threads`` threads
-        (``cpu_kernels.blocks_pass``): the same results, one hand-off to the helpers."""
+    def on_threads(
+        self, at: list[int] | tuple[int, ...], channel: tuple[int, ...], threads: int
+    ) -> None:
+        """The pass on ``threads`` threads, one hand-off to the helpers: blocks of channels
+        (``cpu_kernels.blocks_pass``, the results of one thread bit for bit) where they fit
+        (``by_blocks``), otherwise work items of rows too (``cpu_kernels.rows_pass``)."""
         k, plan = cpu_kernels, self.plan()
         floats = np.zeros(self.scratch_size)
         channel_at, values, shift = self.channel_inputs(channel, at[0], floats)
-        blocks, state = self.blocks(threads), np.zeros(2, np.int64)
         eps, momentum, like = self.eps, self.momentum, self.like
         views = (*self.views(at), *(like,) * len(self.absent))  # absent slots: empty
-        cpu_pool.team(
-            lambda: k.blocks_pass(plan, eps, momentum, like, *views, floats, blocks, state),
-            len(blocks),
-            state,
-        )
+        if self.by_blocks(threads):
+            items, state = self.blocks(threads), np.zeros(2, np.int64)
+            done = state
+
+            def task() -> None:
+                k.blocks_pass(plan, eps, momentum, like, *views, floats, items, state)
+        else:
+            most = self.numel // ITEM_MIN_VALUES
+            items = self.work_items(max(threads, min(threads * ITEMS_PER_THREAD, most)))
+            width = 0 if self.kind == k.INFERENCE else shift.size + k.PAD
+            partial = np.zeros((len(items) * k.SUMS, width))
+            state = np.zeros(6, np.int64)  # each step's claim and done counts
+            done = state[4:]  # the elementwise pass's: the last step
+
+            def task() -> None:
+                k.rows_pass(plan, eps, momentum, like, *views, floats, partial, items, state)
+
+        cpu_pool.team(task, len(items), done)
         k.copy_channels(channel_at, self.channel_args, self.writes, values, shift, -1, True)
 
     def work_items(self, count: int) -> np.ndarray:

@@ -1406,6 +1406,65 @@ def blocks_pass(plan, eps, momentum, like, x, a, y, gi, gz, floats, blocks, stat
 
 
 @jit
+def rows_pass(plan, eps, momentum, like, x, a, y, gi, gz, floats, partial, items, state):
+    """``blocks_pass`` where a block of channels would not do (channels innermost, or too
+    few channels for the threads): work ``items`` of rows too, run by every thread that runs
+    it in three steps, each waiting for the one before (``state``: each step's claim and
+    done counts, ``_next_item``'s): the items' sums into their rows of ``partial``
+    (``(SUMS * items, C * tile + PAD)``), then one thread adds them up in item order (the
+    same sums for the same items) and makes the channels' results, then the items'
+    elementwise pass. One hand-off to the helpers, no Python between steps."""
+    kind, mode, first = plan[PLAN_KIND], plan[PLAN_MODE], plan[PLAN_FIRST]
+    f = PLAN_FLAGS
+    flags = (plan[f] != 0, plan[f + 1] != 0, plan[f + 2] != 0, plan[f + 3] != 0)
+    geometry = carve(plan, PLAN_GEOMETRY, (TILE + 1,))
+    strides = carve(plan, PLAN_STRIDES, (DATA_SLOTS, STRIDE_COLUMNS))
+    channels, tile = geometry[0], geometry[TILE]
+    n, width = channels * tile, 0 if kind == INFERENCE else channels * tile + PAD
+    o = CHANNEL_SLOTS * channels  # the scratch's views (``scratch_size``)
+    values = carve(floats, 0, (CHANNEL_SLOTS, channels))
+    shift, sums = carve(floats, o, (n,)), carve(floats, o + n, (SUMS, width))
+    o += n + SUMS * width
+    k = carve(floats, o, (3, n))
+    k_0, k_1 = carve(floats, o, (n,)), carve(floats, o + n, (n,))
+    k_2 = carve(floats, o + 2 * n, (n,))
+    count = geometry[1] * geometry[2] * tile
+    empty = carve(x, 0, (0,))
+    total = items.shape[0]
+    if kind == BACKWARD:
+        _call(plan[PLAN_STEPS + ITEM_SUMS], (x, a, y, geometry, strides, shift, partial, first,
+                                             items, carve(state, 0, (2,))))  # fmt: skip
+    elif kind == TRAINING:
+        _call(plan[PLAN_STEPS + ITEM_SUMS], (x, empty, empty, geometry, strides, shift,
+                                             partial, first, items,
+                                             carve(state, 0, (2,))))  # fmt: skip
+    if kind != INFERENCE:
+        while _atomic_read(state, 1) < total:  # every item's sums
+            pass
+    if _atomic_add(state, 2, 1) == 0:  # the first thread here makes the results
+        for i in range(total):
+            for q in range(first, SUMS):
+                for c in range(width):
+                    sums[q, c] += partial[SUMS * i + q, c]
+        _call(plan[PLAN_STEPS + RESULTS], (kind, sums, shift, values, count, eps, momentum,
+                                           mode, like.itemsize < 8, k, 0,
+                                           channels))  # fmt: skip
+        if kind == BACKWARD and not (flags[2] or flags[3]):
+            _atomic_add(state, 5, total)  # no elementwise pass: its items are done
+        _atomic_add(state, 3, 1)
+    while _atomic_read(state, 3) < 1:
+        pass
+    if kind != BACKWARD:
+        _call(plan[PLAN_STEPS + ITEM_FORWARD], (x, a, y, geometry, strides, k_0, k_1, k_2,
+                                                (flags[0], flags[1]), items,
+                                                carve(state, 4, (2,))))  # fmt: skip
+    elif flags[2] or flags[3]:
+        _call(plan[PLAN_STEPS + ITEM_BACKWARD], (x, a, y, gi, gz, geometry, strides, k_0, k_1,
+                                                 k_2, flags, items,
+                                                 carve(state, 4, (2,))))  # fmt: skip
+
+
+@jit
 def whole_pass(plan, eps, momentum, like, x_at, a_at, y_at, gi_at, gz_at, c0, c1, c2, c3,
                c4, c5):  # fmt: skip
     """A pass on this thread (``blocks_pass`` over the plan's blocks), its fixed arguments
