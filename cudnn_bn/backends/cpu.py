@@ -69,8 +69,8 @@ BLOCKS_MIN_VALUES = 1 << 19
 # shares its CPU with another process does less of the work instead of holding the call up.
 ITEMS_PER_THREAD = 4
 ITEM_MIN_VALUES = 1 << 17
-# A problem's first calls on one thread run the threaded path's steps from Python, one work
-# item (``threaded``), until the one-call pass of its dtype is compiled (by a small problem's
+# A problem's first calls on one thread run the one-call pass's steps from Python
+# (``stepwise``), until the one-call pass of its dtype is compiled (by a small problem's
 # plan, ``direct``) or it has made this many: that pass's compile (0.4 s) saves 10-25 us a
 # call at 65k-131k values, so a first few calls (the README's first block) do better without
 # it, and a problem called more often pays it once (the sums and results are the same).
@@ -234,7 +234,7 @@ class _HostKernel:
         if whole is None:
             if self._stepwise < STEPWISE_CALLS and self.like.dtype not in _ONE_CALL_DTYPES:
                 self._stepwise += 1
-                self.threaded(at, channel, 1)
+                self.stepwise(at, channel)
                 return
             whole = self.one_call()
         whole(*at, *self.absent, *channel, *self.channels_absent)
@@ -313,19 +313,25 @@ class _HostKernel:
         k.copy_channels(at, self.channel_args, self.writes, values, shift, -1, True)
         return coefficients
 
-    def sums(self, x, dy, y, shift, items: np.ndarray) -> np.ndarray:
-        """The walk's ``item_sums`` of every work item on the engine's threads, added in
-        item order (the same sums for the same thread count): ``(SUMS, C * tile + PAD)``."""
-        geometry, strides, sums = self.layout.geometry, self.layout.strides, cpu_kernels.SUMS
-        partial = np.zeros((len(items) * sums, shift.size + cpu_kernels.PAD))
-        first, state = self.first_sum, np.zeros(2, np.int64)
-        cpu_pool.team(
-            lambda: self.item_sums(x, dy, y, geometry, strides, shift, partial, first, items,
-                                   state),
-            len(items),
-            state,
-        )  # fmt: skip
-        return partial.reshape(len(items), sums, -1).sum(axis=0)
+    def stepwise(self, at: list[int] | tuple[int, ...], channel: tuple[int, ...]) -> None:
+        """``blocks_pass``'s steps on one block, the whole tensor, called from Python: a
+        problem's first calls (``STEPWISE_CALLS``) compile no pass of their own."""
+        k, layout, like, kind = cpu_kernels, self.layout, self.like, self.kind
+        geometry, strides, flags = layout.geometry, layout.strides, self.flags
+        channel_at, values, shift = self.channel_inputs(channel, at[0], np.zeros(self.scratch_size))
+        x, a, y, gi, gz = (*self.views(at), *(like,) * len(self.absent))  # absent: empty
+        item, state = self.work_items(1), np.zeros(2, np.int64)
+        sums = np.zeros((k.SUMS, 0 if kind == k.INFERENCE else shift.size + k.PAD))
+        if kind != k.INFERENCE:  # a training forward's sums are x's alone
+            dy, out = (a, y) if kind == k.BACKWARD else (like, like)
+            self.item_sums(x, dy, out, geometry, strides, shift, sums, self.first_sum, item, state)
+        k_0, k_1, k_2 = self.channel_results(channel_at, values, sums, shift)
+        state[:] = 0
+        if kind != k.BACKWARD:
+            self.item_forward(x, a, y, geometry, strides, k_0, k_1, k_2, flags[:2], item, state)
+        elif flags[2] or flags[3]:
+            self.item_backward(x, a, y, gi, gz, geometry, strides, k_0, k_1, k_2, flags, item,
+                               state)  # fmt: skip
 
     def overlapping(self, addresses: list[int]) -> list[int]:
         """Output slots that overlap an input other than element for element."""
@@ -468,24 +474,6 @@ class BatchNormBackward(_HostKernel):
         self.step_slots = (k.COPY, k.ITEM_SUMS, k.RESULTS, k.BLOCKS)
         self.step_slots += (k.ITEM_BACKWARD,) if a.output_mask[0] or with_z else ()
 
-    def threaded(self, at: list[int], channel: tuple[int, ...], chunks: int) -> None:
-        layout = self.layout
-        geometry, strides = layout.geometry, layout.strides
-        x, dy, y, gi, gz = self.views(at)
-        channel_at, values, shift = self.channel_inputs(channel, at[0], np.zeros(self.scratch_size))
-        items = self.work_items(chunks)
-        sums = self.sums(x, dy, y, shift, items)
-        coefficients = self.channel_results(channel_at, values, sums, shift)
-        if self.flags[2] or self.flags[3]:
-            state = np.zeros(2, np.int64)
-            cpu_pool.team(
-                lambda: self.item_backward(
-                    x, dy, y, gi, gz, geometry, strides, *coefficients, self.flags, items, state
-                ),
-                len(items),
-                state,
-            )
-
 
 class BatchNormForwardTraining(_HostKernel):
     """Training-mode forward: batch statistics, output, saved statistics, running update.
@@ -519,22 +507,6 @@ class BatchNormForwardTraining(_HostKernel):
         self.writes = _bits(False, False, True, True, *updates)
         self.step_slots = (k.COPY, k.ITEM_SUMS, k.RESULTS, k.ITEM_FORWARD, k.BLOCKS)
 
-    def threaded(self, at: list[int], channel: tuple[int, ...], chunks: int) -> None:
-        layout = self.layout
-        geometry, strides = layout.geometry, layout.strides
-        x, z, y = self.views(at)
-        channel_at, values, shift = self.channel_inputs(channel, at[0], np.zeros(self.scratch_size))
-        items = self.work_items(chunks)
-        sums = self.sums(x, x[:0], x[:0], shift, items)
-        coefficients = self.channel_results(channel_at, values, sums, shift)
-        flags, state = self.flags[:2], np.zeros(2, np.int64)
-        cpu_pool.team(
-            lambda: self.item_forward(x, z, y, geometry, strides, *coefficients, flags, items,
-                                      state),
-            len(items),
-            state,
-        )  # fmt: skip
-
 
 class BatchNormForwardInference(_HostKernel):
     """Inference-mode forward with fixed statistics. Data slots: input, (none), output."""
@@ -560,19 +532,3 @@ class BatchNormForwardInference(_HostKernel):
         self.reads, self.shift_row = _bits(True, True, True, True), -1
         self.flags = (False,) * 4  # the forward's: no z, no ReLU
         self.step_slots = (k.COPY, k.RESULTS, k.ITEM_FORWARD, k.BLOCKS)
-
-    def threaded(self, at: list[int], channel: tuple[int, ...], chunks: int) -> None:
-        layout = self.layout
-        geometry, strides = layout.geometry, layout.strides
-        x, _, y = self.views(at)
-        channel_at, values, shift = self.channel_inputs(channel, at[0], np.zeros(self.scratch_size))
-        no_sums = np.zeros((cpu_kernels.SUMS, 0))
-        coefficients = self.channel_results(channel_at, values, no_sums, shift)
-        items = self.work_items(chunks)
-        flags, state = self.flags[:2], np.zeros(2, np.int64)
-        cpu_pool.team(
-            lambda: self.item_forward(x, x, y, geometry, strides, *coefficients, flags, items,
-                                      state),
-            len(items),
-            state,
-        )  # fmt: skip
