@@ -12,6 +12,7 @@ against references it did not write: torch in float64, NumPy's float16, torch's 
 import os
 import subprocess
 import sys
+import threading
 
 import numpy as np
 import pytest
@@ -287,6 +288,86 @@ def test_blocks_of_channels_as_torch(layout, dtype, monkeypatch):
     assert_close(y, yt.detach(), tol)
     for got, want in zip(fused.backward(dy)[:2], (xt.grad, zt.grad), strict=True):
         assert_close(got, want, tol)
+
+
+@pytest.mark.parametrize("layout", ["nchw", "padded", "mixed"])
+@pytest.mark.parametrize("dtype", [np.float16, np.float32, np.float64], ids=str)
+def test_blocks_on_threads_as_on_one(layout, dtype, monkeypatch):
+    """On two threads, a pass whose runs stay in one channel has its blocks of channels
+    claimed by both (``cpu_kernels.blocks_pass``; here from ``cpu.PARALLEL_MIN_VALUES``, 8 blocks
+    of 12 or 13 channels), with the results of one thread bit for bit: every pass, fused
+    or not, and every per-channel output."""
+    shape = (4, 100, 29, 37)
+    rng = np.random.default_rng(12)
+    sx, sd, sg = _x_layouts(shape)[layout]
+    x = laid_out(rng.standard_normal(shape) * 2 + 30, sx, dtype)
+    dy, z = (laid_out(rng.standard_normal(shape), s, dtype) for s in (sd, sg))
+    w, b = rng.uniform(0.5, 1.5, 100).astype(dtype), rng.standard_normal(100).astype(dtype)
+    mean, var = rng.standard_normal(100).astype(dtype), rng.uniform(1, 2, 100).astype(dtype)
+    monkeypatch.setattr(cpu, "BLOCKS_MIN_VALUES", cpu.PARALLEL_MIN_VALUES)
+    handed = []
+    team = cpu_pool.team
+    monkeypatch.setattr(cpu_pool, "team", lambda *a: handed.append(a[1]) or team(*a))
+
+    def passes():
+        stats = [mean.copy(), var.copy()]
+        return [
+            *cudnn_bn.batch_norm_backward(x, dy, w, None, None),
+            *cudnn_bn.batch_norm_backward(x, dy, w, mean, var, mode="eval"),
+            *cudnn_bn.batch_norm_forward_training(x, w, b, *stats, z=z, fusion="add_relu"),
+            *stats,
+            cudnn_bn.batch_norm_forward_inference(x, w, b, mean, var),
+        ]
+
+    previous = cpu_pool.thread_count()
+    try:
+        cpu_pool.set_thread_count(1)
+        one = passes()
+        cpu_pool.set_thread_count(2)
+        handed.clear()
+        two = passes()
+    finally:
+        cpu_pool.set_thread_count(previous)
+    assert handed == [8] * 4  # each pass's blocks, handed to the helpers once
+    for got, want in zip(two, one, strict=True):
+        np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("mask", [(True, True, True), (False, True, True), (True, False, False)])
+@pytest.mark.parametrize("shape", [(16, 64, 16, 16), (64, 3, 32, 32)], ids=str)
+def test_rows_on_threads_for_every_output_mask(mask, shape, monkeypatch):
+    """Channels innermost, or too few channels for blocks: two threads share work items of
+    rows (``cpu_kernels.rows_pass``), each step waiting for the one before; a backward
+    that writes no grad_input has no elementwise step, and the call still returns (run
+    in a thread here, so that a wait that never ends fails the test). As torch's in
+    float64."""
+    monkeypatch.setattr(cpu, "THREADS_MIN_VALUES", cpu.PARALLEL_MIN_VALUES)
+    rng = np.random.default_rng(13)
+    n, c, h, w_ = shape
+    x, dy = (np.moveaxis(rng.standard_normal((n, h, w_, c)), -1, 1) for _ in range(2))
+    w = rng.uniform(0.5, 1.5, c)
+    handed, got = [], []
+    team = cpu_pool.team
+    monkeypatch.setattr(cpu_pool, "team", lambda *a: handed.append(a[1]) or team(*a))
+    previous = cpu_pool.thread_count()
+    cpu_pool.set_thread_count(2)
+    try:
+        call = threading.Thread(
+            target=lambda: got.extend(
+                cudnn_bn.batch_norm_backward(x, dy, w, None, None, output_mask=mask)
+            ),
+            daemon=True,
+        )
+        call.start()
+        call.join(60)
+        assert not call.is_alive(), "the threaded backward never returned"
+    finally:
+        cpu_pool.set_thread_count(previous)
+    assert len(handed) == 1 and handed[0] >= 2  # one hand-off, items for both threads
+    for g, want in zip(got, torch_backward(x, dy, w), strict=True):
+        if g is not None:
+            assert_close(g, want, 1e-10)
+    assert [g is not None for g in got] == list(mask)
 
 
 @pytest.mark.parametrize("shape", [(1, 3, 49), (3, 3, 49), (5, 2, 7, 7), (3, 64, 1024)], ids=str)

@@ -165,10 +165,21 @@ def test_helpers_sleep_while_the_process_idles(two_threads):
     assert [cpu_ticks(t) - b for t, b in zip(helpers, before, strict=True)] == [0] * len(helpers)
 
 
-def test_calls_under_five_million_values_run_on_the_calling_thread(monkeypatch):
-    """At 1-4 million values a threaded pass's own set-up and a late helper cost more than
-    a second thread saves (2 threads: 1.2-2.9x the 1-thread time after 5 ms idle): below
-    ``cpu.THREADS_MIN_VALUES`` a call hands nothing to the helpers; from there it does."""
+@pytest.mark.parametrize(
+    "shape, layout, want_teams",
+    [
+        ((4, 64, 32, 32), "nchw", []),  # 262144 values: under cpu.BLOCKS_MIN_VALUES
+        ((8, 64, 32, 32), "nchw", [8]),  # blocks of channels, one hand-off
+        ((64, 64, 32, 32), "nhwc", []),  # 4 M values, under cpu.THREADS_MIN_VALUES
+        ((128, 64, 32, 32), "nhwc", [8]),  # 8 M values: work items of rows
+    ],
+    ids=str,
+)
+def test_which_calls_reach_the_helpers(shape, layout, want_teams, monkeypatch):
+    """A pass hands work to the helpers where a second thread saves more than its hand-off
+    costs, in one hand-off: runs in one channel from ``cpu.BLOCKS_MIN_VALUES`` on (blocks
+    of channels), channels innermost from ``cpu.THREADS_MIN_VALUES`` (work items of rows);
+    below, the calling thread does it all."""
     teams = []  # the items of each team that may reach a helper (a problem's first calls,
     # ``cpu.STEPWISE_CALLS``, make teams of one item, which run on the calling thread)
     team = cpu_pool.team
@@ -177,16 +188,16 @@ def test_calls_under_five_million_values_run_on_the_calling_thread(monkeypatch):
     )
     monkeypatch.setattr(cpu_pool, "_count", 2)
     rng = np.random.default_rng(3)
-    for n, want_teams in ((64, []), (128, [8, 8])):  # 4M values, 8M values
-        x = rng.standard_normal((n, 64, 32, 32)).astype(np.float32)
-        w, b = np.ones(64, np.float32), np.zeros(64, np.float32)
-        teams.clear()
-        y, *_ = cudnn_bn.batch_norm_forward_training(x, w, b, None, None)
-        assert teams == want_teams, n
-        want = torch.nn.functional.batch_norm(
-            torch.from_numpy(x.astype(np.float64)), None, None, training=True, eps=1e-5
-        ).numpy()
-        np.testing.assert_allclose(y, want, rtol=1e-5, atol=1e-5)
+    n, c = shape[:2]
+    x = rng.standard_normal((n, 32, 32, c) if layout == "nhwc" else shape).astype(np.float32)
+    x = np.moveaxis(x, -1, 1) if layout == "nhwc" else x
+    w, b = np.ones(c, np.float32), np.zeros(c, np.float32)
+    y, *_ = cudnn_bn.batch_norm_forward_training(x, w, b, None, None)
+    assert teams == want_teams
+    want = torch.nn.functional.batch_norm(
+        torch.from_numpy(x.astype(np.float64)), None, None, training=True, eps=1e-5
+    ).numpy()
+    np.testing.assert_allclose(y, want, rtol=1e-5, atol=1e-5)
 
 
 def test_the_pool_keeps_no_task_alive_after_a_call(two_threads):

@@ -32,7 +32,7 @@ LIMIT_S = 600  # a cold numba cache compiles the kernels first (seconds; minutes
 PROBLEM = """
 import numpy as np, cudnn_bn
 from cudnn_bn.backends import cpu
-cpu.THREADS_MIN_VALUES = cpu.PARALLEL_MIN_VALUES  # threads for this problem too
+cpu.THREADS_MIN_VALUES = cpu.BLOCKS_MIN_VALUES = cpu.PARALLEL_MIN_VALUES  # threads here too
 rng = np.random.default_rng(0)
 x = rng.standard_normal((32, 64, 128), dtype=np.float32)  # 262144 values: a parallel call
 dy = rng.standard_normal(x.shape, dtype=np.float32)
@@ -352,10 +352,11 @@ event.register("numba:compile", Compiles())
 
 def test_large_calls_compile_their_walk_and_the_per_channel_steps_only(tmp_path):
     """From an empty cache, a large backward and training forward compile the three item
-    kernels of their walk and two per-channel functions (a dozen per-channel
-    functions, compiled apart, were most of the README block's first-call time)."""
+    kernels of their walk, two per-channel functions and the pass that calls them on the
+    engine's threads (a dozen per-channel functions, compiled apart, were most of the
+    README block's first-call time)."""
     script = COMPILES + PROBLEM + "print(sorted(compiled))\n"
-    steps = "['channel_results', 'copy_channels', 'item_backward_along',"
+    steps = "['blocks_pass', 'channel_results', 'copy_channels', 'item_backward_along',"
     steps += " 'item_forward_along', 'item_sums_along']"
     assert_printed(run_child(script, NUMBA_CACHE_DIR=str(tmp_path)), steps)
 
@@ -410,7 +411,8 @@ def test_only_the_kernels_have_cache_entries(tmp_path):
     child = run_child(PROBLEM, NUMBA_CACHE_DIR=str(tmp_path))
     assert child.returncode == 0, child.stderr[-3000:]
     names = sorted({p.name.split("-")[0].split(".")[-1] for p in tmp_path.rglob("*.nbi")})
-    kernels = ["channel_results", "copy_channels", "item_backward_along", "item_forward_along"]
+    kernels = ["blocks_pass", "channel_results", "copy_channels", "item_backward_along"]
+    kernels += ["item_forward_along"]
     assert names == ["_await", *kernels, "item_sums_along"]  # _await: cpu_pool's spin-wait
 
 

@@ -61,13 +61,16 @@ PARALLEL_MIN_VALUES = 1 << 16  # below this many values a thread hand-off costs 
 # own set-up (item views, sums table, per-channel step, hand-offs) measured 0.2-0.3 ms
 # after idle, and a helper that waits for a CPU holds the caller up by the item it holds.
 THREADS_MIN_VALUES = 5_000_000
+# From this many values a pass whose runs stay in one channel runs its blocks of channels on
+# the engine's threads (``on_threads``): one hand-off, no partial sums.
+BLOCKS_MIN_VALUES = 1 << 19
 # A large call's work items: up to this many per thread, each of at least ITEM_MIN_VALUES,
 # claimed one at a time (``cpu_kernels._next_item``), so that a thread that starts late or
 # shares its CPU with another process does less of the work instead of holding the call up.
 ITEMS_PER_THREAD = 4
 ITEM_MIN_VALUES = 1 << 17
-# A problem's first calls on one thread run the threaded path's steps from Python, one work
-# item (``threaded``), until the one-call pass of its dtype is compiled (by a small problem's
+# A problem's first calls on one thread run the one-call pass's steps from Python
+# (``stepwise``), until the one-call pass of its dtype is compiled (by a small problem's
 # plan, ``direct``) or it has made this many: that pass's compile (0.4 s) saves 10-25 us a
 # call at 65k-131k values, so a first few calls (the README's first block) do better without
 # it, and a problem called more often pays it once (the sums and results are the same).
@@ -140,6 +143,7 @@ class _HostKernel:
         self.parallel = self.numel >= PARALLEL_MIN_VALUES
         (self.whole,) = self.layout.items(1)
         self._items: dict[int, np.ndarray] = {}  # work_items
+        self._blocks: dict[int, np.ndarray] = {}  # blocks, by thread count
         self.absent = (0,) * (SLOTS - len(data))  # the data slots this pass has not
         self.channels_absent = (0,) * (cpu_kernels.FIRST_VALUES - len(channel))
         # The fields that fill the data slots, None for a slot this problem leaves empty
@@ -178,39 +182,98 @@ class _HostKernel:
         }
 
     def plan(self) -> np.ndarray:
-        """``cpu_kernels.whole_pass``'s plan: this pass's fixed arguments, and the addresses
-        of its steps, looked up on its first call."""
+        """``cpu_kernels.whole_pass``'s plan: this pass's fixed arguments, the addresses
+        of its steps, looked up on its first call, and its blocks on one thread."""
         if self._plan is None:
             k, layout = cpu_kernels, self.layout
             steps = k.entries(self.like, layout.geometry, layout.strides, self.step_slots)
+            blocks = self.blocks(1)
             fields = (self.kind, self.reads, self.writes, self.shift_row, self.mode,
-                      self.first_sum)  # fmt: skip
+                      self.first_sum, len(blocks), self.scratch_size)  # fmt: skip
             parts = (fields, self.flags, self.whole, layout.geometry, self.spans)
-            arrays = (self.channel_args.ravel(), layout.strides.ravel(), steps)
+            arrays = (self.channel_args.ravel(), layout.strides.ravel(), steps, blocks.ravel())
             self._plan = np.concatenate([*parts, *arrays]).astype(np.int64)
-            assert self._plan.size == k.PLAN_SIZE
+            assert self._plan.size == k.PLAN_SIZE + blocks.size
         return self._plan
+
+    @property
+    def scratch_size(self) -> int:
+        return cpu_kernels.scratch_size(self.layout.channels, self.tile, self.kind)
+
+    def blocks(self, threads: int) -> np.ndarray:
+        """The blocks of channels ``cpu_kernels.blocks_pass`` walks on ``threads`` threads
+        (an items table): on one, about ``BLOCK_BYTES`` of data each where a pass with sums
+        runs along channels (otherwise one block, the whole tensor); on more, at least
+        ``ITEMS_PER_THREAD`` a thread (``on_threads``)."""
+        found = self._blocks.get(threads)
+        if found is None:
+            k, count = cpu_kernels, 1
+            if threads > 1:
+                count = threads * ITEMS_PER_THREAD
+            elif self.kind != k.INFERENCE and not self.layout.geometry[3]:
+                data = self.numel * self.like.itemsize * np.count_nonzero(self.spans)
+                count = data // k.BLOCK_BYTES
+            count = min(max(count, 1), self.layout.channels)
+            found = self._blocks[threads] = self.layout.items(count)
+        return found
 
     def launch(self, at: list[int] | tuple[int, ...], channel: tuple[int, ...]) -> None:
         """The pass on the data slots' addresses ``at`` and the per-channel tensors'
         ``channel``: one call in this thread (``cpu_kernels.whole_pass``) for a small
-        problem (its first calls step by step: ``STEPWISE_CALLS``), else its work items on
-        the engine's threads (``threaded``)."""
+        problem (its first calls step by step: ``STEPWISE_CALLS``), else on the engine's
+        threads (``on_threads``)."""
         values = self.numel
-        threads = cpu_pool.thread_count() if self.parallel and values >= THREADS_MIN_VALUES else 1
-        if threads > 1:
+        threads = cpu_pool.thread_count() if self.parallel else 1
+        if threads > 1 and values >= (
+            BLOCKS_MIN_VALUES if self.by_blocks(threads) else THREADS_MIN_VALUES
+        ):
             cpu_pool.wake()
-            most = values // ITEM_MIN_VALUES
-            self.threaded(at, channel, max(threads, min(threads * ITEMS_PER_THREAD, most)))
+            self.on_threads(at, channel, threads)
             return
         whole = self._whole
         if whole is None:
             if self._stepwise < STEPWISE_CALLS and self.like.dtype not in _ONE_CALL_DTYPES:
                 self._stepwise += 1
-                self.threaded(at, channel, 1)
+                self.stepwise(at, channel)
                 return
             whole = self.one_call()
         whole(*at, *self.absent, *channel, *self.channels_absent)
+
+    def by_blocks(self, threads: int) -> bool:
+        """Whether ``threads`` threads take blocks of channels (``blocks_pass``): runs stay
+        in one channel, and there are channels for ``ITEMS_PER_THREAD`` blocks a thread."""
+        return not self.layout.geometry[3] and self.layout.channels >= threads * ITEMS_PER_THREAD
+
+    def on_threads(
+        self, at: list[int] | tuple[int, ...], channel: tuple[int, ...], threads: int
+    ) -> None:
+        """The pass on ``threads`` threads, one hand-off to the helpers: blocks of channels
+        (``cpu_kernels.blocks_pass``, the results of one thread bit for bit) where they fit
+        (``by_blocks``), otherwise work items of rows too (``cpu_kernels.rows_pass``)."""
+        k, plan = cpu_kernels, self.plan()
+        floats = np.zeros(self.scratch_size)
+        channel_at, values, shift = self.channel_inputs(channel, at[0], floats)
+        eps, momentum, like = self.eps, self.momentum, self.like
+        views = (*self.views(at), *(like,) * len(self.absent))  # absent slots: empty
+        if self.by_blocks(threads):
+            items, state = self.blocks(threads), np.zeros(2, np.int64)
+            done = state
+
+            def task() -> None:
+                k.blocks_pass(plan, eps, momentum, like, *views, floats, items, state)
+        else:
+            most = self.numel // ITEM_MIN_VALUES
+            items = self.work_items(max(threads, min(threads * ITEMS_PER_THREAD, most)))
+            width = 0 if self.kind == k.INFERENCE else shift.size + k.PAD
+            partial = np.zeros((len(items) * k.SUMS, width))
+            state = np.zeros(6, np.int64)  # each step's claim and done counts
+            done = state[4:]  # the elementwise pass's: the last step
+
+            def task() -> None:
+                k.rows_pass(plan, eps, momentum, like, *views, floats, partial, items, state)
+
+        cpu_pool.team(task, len(items), done)
+        k.copy_channels(channel_at, self.channel_args, self.writes, values, shift, -1, True)
 
     def work_items(self, count: int) -> np.ndarray:
         """``Layout.items(count)``, made once per count (on every large call it cost about
@@ -225,15 +288,17 @@ class _HostKernel:
         spans, storage = self.layout.spans, self.like.dtype
         return [flat_array(a, n, storage) for a, n in zip(addresses, spans, strict=True)]
 
-    def channel_inputs(self, channel: tuple[int, ...], x: int) -> tuple:
-        """The per-channel addresses ``channel`` (and the input's, ``x``) as an array, the
-        float64 table of those read, and the sums' tiled shift (``shift_row``;
-        ``cpu_kernels.copy_channels``)."""
-        k, layout = cpu_kernels, self.layout
+    def channel_inputs(self, channel: tuple[int, ...], x: int, floats: np.ndarray) -> tuple:
+        """The per-channel addresses ``channel`` (and the input's, ``x``) as an array, and
+        the views of ``floats`` (``cpu_kernels.scratch_size``) that hold the float64 table
+        of those read and the sums' tiled shift (``shift_row``), made
+        (``cpu_kernels.copy_channels``)."""
+        k, channels = cpu_kernels, self.layout.channels
         at = np.zeros(k.CHANNEL_SLOTS, dtype=np.int64)
         at[: len(channel)], at[k.FIRST_VALUES] = channel, x
-        values = np.zeros((k.CHANNEL_SLOTS, layout.channels))
-        shift = np.zeros(layout.channels * self.tile)
+        o = k.CHANNEL_SLOTS * channels
+        values = floats[:o].reshape(k.CHANNEL_SLOTS, channels)
+        shift = floats[o : o + channels * self.tile]
         k.copy_channels(at, self.channel_args, self.reads, values, shift, self.shift_row, False)
         return at, values, shift
 
@@ -248,19 +313,25 @@ class _HostKernel:
         k.copy_channels(at, self.channel_args, self.writes, values, shift, -1, True)
         return coefficients
 
-    def sums(self, x, dy, y, shift, items: np.ndarray) -> np.ndarray:
-        """The walk's ``item_sums`` of every work item on the engine's threads, added in
-        item order (the same sums for the same thread count): ``(SUMS, C * tile + PAD)``."""
-        geometry, strides, sums = self.layout.geometry, self.layout.strides, cpu_kernels.SUMS
-        partial = np.zeros((len(items) * sums, shift.size + cpu_kernels.PAD))
-        first, state = self.first_sum, np.zeros(2, np.int64)
-        cpu_pool.team(
-            lambda: self.item_sums(x, dy, y, geometry, strides, shift, partial, first, items,
-                                   state),
-            len(items),
-            state,
-        )  # fmt: skip
-        return partial.reshape(len(items), sums, -1).sum(axis=0)
+    def stepwise(self, at: list[int] | tuple[int, ...], channel: tuple[int, ...]) -> None:
+        """``blocks_pass``'s steps on one block, the whole tensor, called from Python: a
+        problem's first calls (``STEPWISE_CALLS``) compile no pass of their own."""
+        k, layout, like, kind = cpu_kernels, self.layout, self.like, self.kind
+        geometry, strides, flags = layout.geometry, layout.strides, self.flags
+        channel_at, values, shift = self.channel_inputs(channel, at[0], np.zeros(self.scratch_size))
+        x, a, y, gi, gz = (*self.views(at), *(like,) * len(self.absent))  # absent: empty
+        item, state = self.work_items(1), np.zeros(2, np.int64)
+        sums = np.zeros((k.SUMS, 0 if kind == k.INFERENCE else shift.size + k.PAD))
+        if kind != k.INFERENCE:  # a training forward's sums are x's alone
+            dy, out = (a, y) if kind == k.BACKWARD else (like, like)
+            self.item_sums(x, dy, out, geometry, strides, shift, sums, self.first_sum, item, state)
+        k_0, k_1, k_2 = self.channel_results(channel_at, values, sums, shift)
+        state[:] = 0
+        if kind != k.BACKWARD:
+            self.item_forward(x, a, y, geometry, strides, k_0, k_1, k_2, flags[:2], item, state)
+        elif flags[2] or flags[3]:
+            self.item_backward(x, a, y, gi, gz, geometry, strides, k_0, k_1, k_2, flags, item,
+                               state)  # fmt: skip
 
     def overlapping(self, addresses: list[int]) -> list[int]:
         """Output slots that overlap an input other than element for element."""
@@ -400,26 +471,8 @@ class BatchNormBackward(_HostKernel):
         self.first_sum = 0 if train else k.DY_SUMS  # x's sums only for batch statistics
         # The elementwise pass's flags: use x (all modes but eval), mask, write gi, write gz.
         self.flags = (self.mode != k.EVAL, fused, a.output_mask[0], with_z)
-        self.step_slots = (k.COPY, k.ITEM_SUMS, k.RESULTS)
+        self.step_slots = (k.COPY, k.ITEM_SUMS, k.RESULTS, k.BLOCKS)
         self.step_slots += (k.ITEM_BACKWARD,) if a.output_mask[0] or with_z else ()
-
-    def threaded(self, at: list[int], channel: tuple[int, ...], chunks: int) -> None:
-        layout = self.layout
-        geometry, strides = layout.geometry, layout.strides
-        x, dy, y, gi, gz = self.views(at)
-        channel_at, values, shift = self.channel_inputs(channel, at[0])
-        items = self.work_items(chunks)
-        sums = self.sums(x, dy, y, shift, items)
-        coefficients = self.channel_results(channel_at, values, sums, shift)
-        if self.flags[2] or self.flags[3]:
-            state = np.zeros(2, np.int64)
-            cpu_pool.team(
-                lambda: self.item_backward(
-                    x, dy, y, gi, gz, geometry, strides, *coefficients, self.flags, items, state
-                ),
-                len(items),
-                state,
-            )
 
 
 class BatchNormForwardTraining(_HostKernel):
@@ -452,23 +505,7 @@ class BatchNormForwardTraining(_HostKernel):
         updates = (t.running_mean is not None, t.running_var is not None)
         self.reads = _bits(True, True, False, False, *updates, True)
         self.writes = _bits(False, False, True, True, *updates)
-        self.step_slots = (k.COPY, k.ITEM_SUMS, k.RESULTS, k.ITEM_FORWARD)
-
-    def threaded(self, at: list[int], channel: tuple[int, ...], chunks: int) -> None:
-        layout = self.layout
-        geometry, strides = layout.geometry, layout.strides
-        x, z, y = self.views(at)
-        channel_at, values, shift = self.channel_inputs(channel, at[0])
-        items = self.work_items(chunks)
-        sums = self.sums(x, x[:0], x[:0], shift, items)
-        coefficients = self.channel_results(channel_at, values, sums, shift)
-        flags, state = self.flags[:2], np.zeros(2, np.int64)
-        cpu_pool.team(
-            lambda: self.item_forward(x, z, y, geometry, strides, *coefficients, flags, items,
-                                      state),
-            len(items),
-            state,
-        )  # fmt: skip
+        self.step_slots = (k.COPY, k.ITEM_SUMS, k.RESULTS, k.ITEM_FORWARD, k.BLOCKS)
 
 
 class BatchNormForwardInference(_HostKernel):
@@ -494,20 +531,4 @@ class BatchNormForwardInference(_HostKernel):
         self.kind, self.mode, self.eps = k.INFERENCE, k.EVAL, float(attributes.eps)
         self.reads, self.shift_row = _bits(True, True, True, True), -1
         self.flags = (False,) * 4  # the forward's: no z, no ReLU
-        self.step_slots = (k.COPY, k.RESULTS, k.ITEM_FORWARD)
-
-    def threaded(self, at: list[int], channel: tuple[int, ...], chunks: int) -> None:
-        layout = self.layout
-        geometry, strides = layout.geometry, layout.strides
-        x, _, y = self.views(at)
-        channel_at, values, shift = self.channel_inputs(channel, at[0])
-        no_sums = np.zeros((cpu_kernels.SUMS, 0))
-        coefficients = self.channel_results(channel_at, values, no_sums, shift)
-        items = self.work_items(chunks)
-        flags, state = self.flags[:2], np.zeros(2, np.int64)
-        cpu_pool.team(
-            lambda: self.item_forward(x, x, y, geometry, strides, *coefficients, flags, items,
-                                      state),
-            len(items),
-            state,
-        )  # fmt: skip
+        self.step_slots = (k.COPY, k.RESULTS, k.ITEM_FORWARD, k.BLOCKS)

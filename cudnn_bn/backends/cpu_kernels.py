@@ -1241,14 +1241,16 @@ def item_backward_across(x, dy, y, gi, gz, geometry, strides, k_dy, k_x, k_c, fl
 
 TRAIN, SAVED, EVAL, SAVED_INVSTD = 0, 1, 2, 3  # problems.Mode
 TRAINING, BACKWARD, INFERENCE = 0, 1, 2  # channel_results' kinds of pass
-# Slots of ``entries``: the steps ``whole_pass`` calls.
-COPY, ITEM_SUMS, RESULTS, ITEM_FORWARD, ITEM_BACKWARD = range(5)
-STEPS = 5
-BLOCK_BYTES = 1 << 19  # ``whole_pass``'s blocks of channels: about this many bytes of data
+# Slots of ``entries``: the steps ``whole_pass`` and ``blocks_pass`` call.
+COPY, ITEM_SUMS, RESULTS, ITEM_FORWARD, ITEM_BACKWARD, BLOCKS = range(6)
+STEPS = 6
+BLOCK_BYTES = 1 << 19  # a pass's blocks of channels (``blocks``): about this many bytes of data
 # ``whole_pass``'s plan: a pass's fixed arguments in one int64 array, at these offsets (the
 # dispatcher's time grows with each argument a call from Python passes: about 2.3 us for
-# the 22 this took apart, 1.2 us for the 16 it takes).
-PLAN_KIND, PLAN_READS, PLAN_WRITES, PLAN_SHIFT_ROW, PLAN_MODE, PLAN_FIRST, PLAN_FLAGS = range(7)
+# the 22 this took apart, 1.2 us for the 16 it takes), then its table of blocks of channels
+# (``PLAN_BLOCKS`` rows of an items table). ``PLAN_SCRATCH``: its ``scratch_size``.
+PLAN_KIND, PLAN_READS, PLAN_WRITES, PLAN_SHIFT_ROW, PLAN_MODE, PLAN_FIRST = range(6)
+PLAN_BLOCKS, PLAN_SCRATCH, PLAN_FLAGS = range(6, 9)
 PLAN_WHOLE = PLAN_FLAGS + 4
 PLAN_GEOMETRY = PLAN_WHOLE + 4
 PLAN_SPANS = PLAN_GEOMETRY + TILE + 1
@@ -1275,11 +1277,20 @@ def entries(like, geometry, strides, steps) -> np.ndarray:
                        *items),
         ITEM_BACKWARD: (globals()[f"item_backward_{walk}"], like, like, *data, one, one, one,
                         (False,) * 4, *items),
+        BLOCKS: (blocks_pass, items[1], 0.0, 0.0, like, *(like,) * DATA_SLOTS, one, *items),
     }  # fmt: skip
     found = np.zeros(len(calls), np.int64)
     for slot in steps:
         found[slot] = entry(*calls[slot])
     return found
+
+
+def scratch_size(channels: int, tile: int, kind: int) -> int:
+    """The float64 scratch a pass (``kind``) of ``channels`` (``tile``: ``geometry[TILE]``)
+    takes, in this order: rows of per-channel values (``copy_channels``), the tiled shift,
+    the sums table (none for inference), the elementwise pass's tiled coefficients."""
+    n = channels * tile
+    return CHANNEL_SLOTS * channels + n + (0 if kind == INFERENCE else SUMS * (n + PAD)) + 3 * n
 
 
 @jit
@@ -1340,84 +1351,151 @@ def channel_results(kind, sums, shift, values, count, eps, momentum, mode, narro
 
 
 @jit
-def whole_pass(plan, eps, momentum, like, x_at, a_at, y_at, gi_at, gz_at, c0, c1, c2, c3,
-               c4, c5):  # fmt: skip
-    """A pass (``kind``, as ``channel_results``) as one item (``whole``: every channel and
-    row), or blocks of channels of every row (below), its steps called by address
-    (``steps``, ``entries``), its fixed arguments read from ``plan`` (the ``PLAN_*``
-    offsets). Data tensors, walked with ``strides``' rows
-    0..4: x, then dy (backward) or z (training forward), the fused forward's y (backward) or
-    y, then gi and gz (backward); an absent one's span is 0 (its address is not read).
-    ``c0``...``c5``: the per-channel tensors' addresses (``channel_args``, ``reads``,
-    ``writes`` and ``shift_row`` as ``copy_channels`` takes them). ``flags``: the forward's
-    add z and ReLU, or the backward's use x (all modes but eval), mask dy by ``y > 0``,
-    write gi, write gz."""
-    kind, reads, writes = plan[PLAN_KIND], plan[PLAN_READS], plan[PLAN_WRITES]
-    shift_row, mode, first = plan[PLAN_SHIFT_ROW], plan[PLAN_MODE], plan[PLAN_FIRST]
+def blocks_pass(plan, eps, momentum, like, x, a, y, gi, gz, floats, blocks, state):
+    """A pass (``kind``, as ``channel_results``) over ``blocks`` of channels of every row
+    (an items table; one item, the whole tensor, for channels innermost), each block its
+    sums, its channels' results, then its elementwise pass, so that the second walk finds
+    the block in cache: 1.15-1.25x faster where the tensors outgrow it (F32 (8, 2048, 49)
+    backward, session 14). Every thread that runs it claims blocks (``_next_item``) until
+    none is left: a channel's sums are added in the same order whatever the blocks and
+    threads, so the results are the same. ``floats``: the pass's ``scratch``, its values
+    and shift made (``copy_channels``); its steps called by address, its fixed arguments
+    read from ``plan`` (``whole_pass``). ``flags``: the forward's add z and ReLU, or the
+    backward's use x (all modes but eval), mask dy by ``y > 0``, write gi, write gz."""
+    kind, mode, first = plan[PLAN_KIND], plan[PLAN_MODE], plan[PLAN_FIRST]
     f = PLAN_FLAGS
     flags = (plan[f] != 0, plan[f + 1] != 0, plan[f + 2] != 0, plan[f + 3] != 0)
-    # Views of the plan and of the scratch by ``carve``, scratch by ``zeros``: numba's
-    # slicing, ``reshape`` and ``np.empty`` compiled functions of their own (0.4-0.5 s of a
-    # first small call). A step's work-item state is reset for the next step.
-    whole = carve(plan, PLAN_WHOLE, (1, 4))  # one item: the whole tensor
     geometry = carve(plan, PLAN_GEOMETRY, (TILE + 1,))
-    channel_args = carve(plan, PLAN_CHANNEL_ARGS, (CHANNEL_SLOTS, 2))
     strides = carve(plan, PLAN_STRIDES, (DATA_SLOTS, STRIDE_COLUMNS))
-    spans = carve(plan, PLAN_SPANS, (DATA_SLOTS,))
-    x, a, y = flat(x_at, spans[0], like), flat(a_at, spans[1], like), flat(y_at, spans[2], like)
-    gi, gz = flat(gi_at, spans[3], like), flat(gz_at, spans[4], like)
-    ints = zeros(CHANNEL_SLOTS + 2 + 4, np.int64)
-    at, state = carve(ints, 0, (CHANNEL_SLOTS,)), carve(ints, CHANNEL_SLOTS, (2,))
-    item = carve(ints, CHANNEL_SLOTS + 2, (1, 4))  # the block of channels walked
-    at[0], at[1], at[2], at[3], at[4], at[5] = c0, c1, c2, c3, c4, c5
-    at[FIRST_VALUES] = x_at
     channels, tile = geometry[0], geometry[TILE]
     n, width = channels * tile, 0 if kind == INFERENCE else channels * tile + PAD
-    o = CHANNEL_SLOTS * channels  # scratch: values, shift, sums, coefficients
-    floats = zeros(o + n + SUMS * width + 3 * n, np.float64)
+    o = CHANNEL_SLOTS * channels  # the scratch's views (``scratch_size``)
     values = carve(floats, 0, (CHANNEL_SLOTS, channels))
     shift, sums = carve(floats, o, (n,)), carve(floats, o + n, (SUMS, width))
     o += n + SUMS * width
     k = carve(floats, o, (3, n))
     k_0, k_1 = carve(floats, o, (n,)), carve(floats, o + n, (n,))
     k_2 = carve(floats, o + 2 * n, (n,))
-    _call(plan[PLAN_STEPS + COPY], (at, channel_args, reads, values, shift, shift_row, False))
     count = geometry[1] * geometry[2] * tile
     narrow = like.itemsize < 8  # F32/F16/BF16 data (``channel_results``)
-    # Where runs stay in one channel, a pass with sums walks its data a block of channels at
-    # a time, sums then elementwise pass, so that the second walk finds the block in cache:
-    # 1.15-1.25x faster where the tensors outgrow it (F32 (8, 2048, 49) backward, session
-    # 14). A channel's sums are added in the same order as in one block: the same results.
-    blocks = 1  # (no ``min``/``max``: numba compiles an implementation of each)
-    if kind != INFERENCE and not geometry[3]:
-        present = 0
-        for t in range(DATA_SLOTS):
-            present += spans[t] > 0
-        blocks = channels * count * like.itemsize * present // BLOCK_BYTES
-        blocks = channels if blocks > channels else 1 if blocks < 1 else blocks
+    ints = zeros(2 + 4, np.int64)  # this thread's: one step's item state, its item
+    own, item = carve(ints, 0, (2,)), carve(ints, 2, (1, 4))
     empty = carve(x, 0, (0,))
-    for q in range(4):
-        item[0, q] = whole[0, q]
-    for b in range(blocks):
-        b0, b1 = b * channels // blocks, (b + 1) * channels // blocks
-        if blocks > 1:
-            item[0, 0], item[0, 1] = b0, b1
-        state[0] = state[1] = 0
+    b = _next_item(state, NO_ITEM, blocks)
+    while b >= 0:
+        for q in range(4):
+            item[0, q] = blocks[b, q]
+        own[0] = own[1] = 0
         if kind == BACKWARD:
             _call(plan[PLAN_STEPS + ITEM_SUMS], (x, a, y, geometry, strides, shift, sums, first,
-                                                 item, state))  # fmt: skip
+                                                 item, own))  # fmt: skip
         elif kind == TRAINING:
             _call(plan[PLAN_STEPS + ITEM_SUMS], (x, empty, empty, geometry, strides, shift,
-                                                 sums, first, item, state))  # fmt: skip
+                                                 sums, first, item, own))  # fmt: skip
         _call(plan[PLAN_STEPS + RESULTS], (kind, sums, shift, values, count, eps, momentum,
-                                           mode, narrow, k, b0, b1))  # fmt: skip
-        state[0] = state[1] = 0
+                                           mode, narrow, k, item[0, 0] // tile,
+                                           item[0, 1] // tile))  # fmt: skip
+        own[0] = own[1] = 0
         if kind != BACKWARD:
             _call(plan[PLAN_STEPS + ITEM_FORWARD], (x, a, y, geometry, strides, k_0, k_1, k_2,
-                                                    (flags[0], flags[1]), item, state))  # fmt: skip
+                                                    (flags[0], flags[1]), item, own))  # fmt: skip
         elif flags[2] or flags[3]:
             _call(plan[PLAN_STEPS + ITEM_BACKWARD], (x, a, y, gi, gz, geometry, strides, k_0,
-                                                     k_1, k_2, flags, item, state))  # fmt: skip
+                                                     k_1, k_2, flags, item, own))  # fmt: skip
+        b = _next_item(state, b, blocks)
+
+
+@jit
+def rows_pass(plan, eps, momentum, like, x, a, y, gi, gz, floats, partial, items, state):
+    """``blocks_pass`` where a block of channels would not do (channels innermost, or too
+    few channels for the threads): work ``items`` of rows too, run by every thread that runs
+    it in three steps, each waiting for the one before (``state``: each step's claim and
+    done counts, ``_next_item``'s): the items' sums into their rows of ``partial``
+    (``(SUMS * items, C * tile + PAD)``), then one thread adds them up in item order (the
+    same sums for the same items) and makes the channels' results, then the items'
+    elementwise pass. One hand-off to the helpers, no Python between steps."""
+    kind, mode, first = plan[PLAN_KIND], plan[PLAN_MODE], plan[PLAN_FIRST]
+    f = PLAN_FLAGS
+    flags = (plan[f] != 0, plan[f + 1] != 0, plan[f + 2] != 0, plan[f + 3] != 0)
+    geometry = carve(plan, PLAN_GEOMETRY, (TILE + 1,))
+    strides = carve(plan, PLAN_STRIDES, (DATA_SLOTS, STRIDE_COLUMNS))
+    channels, tile = geometry[0], geometry[TILE]
+    n, width = channels * tile, 0 if kind == INFERENCE else channels * tile + PAD
+    o = CHANNEL_SLOTS * channels  # the scratch's views (``scratch_size``)
+    values = carve(floats, 0, (CHANNEL_SLOTS, channels))
+    shift, sums = carve(floats, o, (n,)), carve(floats, o + n, (SUMS, width))
+    o += n + SUMS * width
+    k = carve(floats, o, (3, n))
+    k_0, k_1 = carve(floats, o, (n,)), carve(floats, o + n, (n,))
+    k_2 = carve(floats, o + 2 * n, (n,))
+    count = geometry[1] * geometry[2] * tile
+    empty = carve(x, 0, (0,))
+    total = items.shape[0]
+    if kind == BACKWARD:
+        _call(plan[PLAN_STEPS + ITEM_SUMS], (x, a, y, geometry, strides, shift, partial, first,
+                                             items, carve(state, 0, (2,))))  # fmt: skip
+    elif kind == TRAINING:
+        _call(plan[PLAN_STEPS + ITEM_SUMS], (x, empty, empty, geometry, strides, shift,
+                                             partial, first, items,
+                                             carve(state, 0, (2,))))  # fmt: skip
+    if kind != INFERENCE:
+        while _atomic_read(state, 1) < total:  # every item's sums
+            pass
+    if _atomic_add(state, 2, 1) == 0:  # the first thread here makes the results
+        for i in range(total):
+            for q in range(first, SUMS):
+                for c in range(width):
+                    sums[q, c] += partial[SUMS * i + q, c]
+        _call(plan[PLAN_STEPS + RESULTS], (kind, sums, shift, values, count, eps, momentum,
+                                           mode, like.itemsize < 8, k, 0,
+                                           channels))  # fmt: skip
+        if kind == BACKWARD and not (flags[2] or flags[3]):
+            _atomic_add(state, 5, total)  # no elementwise pass: its items are done
+        _atomic_add(state, 3, 1)
+    while _atomic_read(state, 3) < 1:
+        pass
+    if kind != BACKWARD:
+        _call(plan[PLAN_STEPS + ITEM_FORWARD], (x, a, y, geometry, strides, k_0, k_1, k_2,
+                                                (flags[0], flags[1]), items,
+                                                carve(state, 4, (2,))))  # fmt: skip
+    elif flags[2] or flags[3]:
+        _call(plan[PLAN_STEPS + ITEM_BACKWARD], (x, a, y, gi, gz, geometry, strides, k_0, k_1,
+                                                 k_2, flags, items,
+                                                 carve(state, 4, (2,))))  # fmt: skip
+
+
+@jit
+def whole_pass(plan, eps, momentum, like, x_at, a_at, y_at, gi_at, gz_at, c0, c1, c2, c3,
+               c4, c5):  # fmt: skip
+    """A pass on this thread (``blocks_pass`` over the plan's blocks), its fixed arguments
+    read from ``plan`` (the ``PLAN_*`` offsets), its steps called by address (``steps``,
+    ``entries``). Data tensors, walked with ``strides``' rows 0..4: x, then dy (backward)
+    or z (training forward), the fused forward's y (backward) or y, then gi and gz
+    (backward); an absent one's span is 0 (its address is not read). ``c0``...``c5``: the
+    per-channel tensors' addresses (``channel_args``, ``reads``, ``writes`` and
+    ``shift_row`` as ``copy_channels`` takes them)."""
+    # Views of the plan and of the scratch by ``carve``, scratch by ``zeros``: numba's
+    # slicing, ``reshape`` and ``np.empty`` compiled functions of their own (0.4-0.5 s of a
+    # first small call).
+    reads, writes = plan[PLAN_READS], plan[PLAN_WRITES]
+    geometry = carve(plan, PLAN_GEOMETRY, (TILE + 1,))
+    channel_args = carve(plan, PLAN_CHANNEL_ARGS, (CHANNEL_SLOTS, 2))
+    spans = carve(plan, PLAN_SPANS, (DATA_SLOTS,))
+    blocks = carve(plan, PLAN_SIZE, (plan[PLAN_BLOCKS], 4))
+    x, a, y = flat(x_at, spans[0], like), flat(a_at, spans[1], like), flat(y_at, spans[2], like)
+    gi, gz = flat(gi_at, spans[3], like), flat(gz_at, spans[4], like)
+    ints = zeros(CHANNEL_SLOTS + 2, np.int64)
+    at, state = carve(ints, 0, (CHANNEL_SLOTS,)), carve(ints, CHANNEL_SLOTS, (2,))
+    at[0], at[1], at[2], at[3], at[4], at[5] = c0, c1, c2, c3, c4, c5
+    at[FIRST_VALUES] = x_at
+    channels = geometry[0]
+    floats = zeros(plan[PLAN_SCRATCH], np.float64)
+    values = carve(floats, 0, (CHANNEL_SLOTS, channels))
+    shift = carve(floats, CHANNEL_SLOTS * channels, (channels * geometry[TILE],))
+    _call(plan[PLAN_STEPS + COPY], (at, channel_args, reads, values, shift,
+                                    plan[PLAN_SHIFT_ROW], False))  # fmt: skip
+    _call(plan[PLAN_STEPS + BLOCKS], (plan, eps, momentum, like, x, a, y, gi, gz, floats, blocks,
+                                      state))  # fmt: skip
     if writes:
         _call(plan[PLAN_STEPS + COPY], (at, channel_args, writes, values, shift, -1, True))
 
