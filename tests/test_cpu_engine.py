@@ -294,9 +294,10 @@ def test_blocks_of_channels_as_torch(layout, dtype, monkeypatch):
 @pytest.mark.parametrize("dtype", [np.float16, np.float32, np.float64], ids=str)
 def test_blocks_on_threads_as_on_one(layout, dtype, monkeypatch):
     """On two threads, a pass whose runs stay in one channel has its blocks of channels
-    claimed by both (``cpu_kernels.blocks_pass``; here from ``cpu.PARALLEL_MIN_VALUES``, 8 blocks
-    of 12 or 13 channels), with the results of one thread bit for bit: every pass, fused
-    or not, and every per-channel output."""
+    claimed by both (``cpu_kernels.blocks_pass``; here from ``cpu.PARALLEL_MIN_VALUES``, at
+    least 8 blocks, of about ``cpu_kernels.BLOCK_BYTES`` where that makes more), with the
+    results of one thread bit for bit: every pass, fused or not, and every per-channel
+    output."""
     shape = (4, 100, 29, 37)
     rng = np.random.default_rng(12)
     sx, sd, sg = _x_layouts(shape)[layout]
@@ -328,7 +329,9 @@ def test_blocks_on_threads_as_on_one(layout, dtype, monkeypatch):
         two = passes()
     finally:
         cpu_pool.set_thread_count(previous)
-    assert handed == [8] * 4  # each pass's blocks, handed to the helpers once
+    assert len(handed) == 4 and min(handed) >= 8  # each pass's blocks, handed over once
+    if dtype == np.float64:  # 8-byte data: blocks of BLOCK_BYTES outnumber 8
+        assert min(handed[:3]) > 8
     for got, want in zip(two, one, strict=True):
         np.testing.assert_array_equal(got, want)
 

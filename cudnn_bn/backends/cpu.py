@@ -202,17 +202,17 @@ class _HostKernel:
 
     def blocks(self, threads: int) -> np.ndarray:
         """The blocks of channels ``cpu_kernels.blocks_pass`` walks on ``threads`` threads
-        (an items table): on one, about ``BLOCK_BYTES`` of data each where a pass with sums
-        runs along channels (otherwise one block, the whole tensor); on more, at least
-        ``ITEMS_PER_THREAD`` a thread (``on_threads``)."""
+        (an items table): about ``BLOCK_BYTES`` of data each where a pass with sums runs
+        along channels (otherwise one block, the whole tensor), and on more than one thread
+        at least ``ITEMS_PER_THREAD`` a thread (``on_threads``)."""
         found = self._blocks.get(threads)
         if found is None:
             k, count = cpu_kernels, 1
-            if threads > 1:
-                count = threads * ITEMS_PER_THREAD
-            elif self.kind != k.INFERENCE and not self.layout.geometry[3]:
+            if self.kind != k.INFERENCE and not self.layout.geometry[3]:
                 data = self.numel * self.like.itemsize * np.count_nonzero(self.spans)
                 count = data // k.BLOCK_BYTES
+            if threads > 1:
+                count = max(count, threads * ITEMS_PER_THREAD)
             count = min(max(count, 1), self.layout.channels)
             found = self._blocks[threads] = self.layout.items(count)
         return found
