@@ -70,7 +70,7 @@ from .api import (
     batch_norm_forward_inference,
     batch_norm_forward_training,
 )
-from .arrays import TORCH, Operand, check_written, common_place, operand
+from .arrays import TORCH, Operand, check_written, common_place, operand, see
 from .enums import Status
 from .errors import (
     BadParamError,
@@ -191,13 +191,13 @@ def _arrays(optional: tuple[str, ...] = (), **arrays: Any) -> dict[str, Operand]
             raise InfiniError(Status.NULL_POINTER, f"{name} is None")
         if array is not None and not hasattr(array, "astype"):
             _not_an_array(name, array)
-    present = {n: a for n, a in arrays.items() if a is not None}
+    present = {n: see(n, a) for n, a in arrays.items() if a is not None}  # each read once
     common_place(present)  # device types first: host arrays among device ones ask CUDA nothing
     found = {}
-    for name, array in present.items():
-        found[name] = operand(name, array)
+    for name, seen in present.items():
+        found[name] = operand(name, seen)
         if found[name].kind is TORCH:
-            _not_an_array(name, array)
+            _not_an_array(name, seen.array)
     places = {(op.device, op.device_id) for op in found.values()}
     if len(places) > 1:
         where = ", ".join(f"{n} on {op.device.name}:{op.device_id}" for n, op in found.items())

@@ -160,6 +160,28 @@ class CudaInterface:
         return self.iface
 
 
+class Turning:
+    """An array interface that turns: ``first`` on its first ``k - 1`` reads, ``then`` from
+    read ``k`` on (an attacker's, or a producer racing a writer); ``reads`` counts them.
+    ``HostTurning`` exposes it as ``__array_interface__``, ``DeviceTurning`` as
+    ``__cuda_array_interface__``."""
+
+    def __init__(self, first: dict, then: dict, k: int) -> None:
+        self.first, self.then, self.k, self.reads = first, then, k, 0
+
+    def _read(self) -> dict:
+        self.reads += 1
+        return self.first if self.reads < self.k else self.then
+
+
+class HostTurning(Turning):
+    __array_interface__ = property(Turning._read)
+
+
+class DeviceTurning(Turning):
+    __cuda_array_interface__ = property(Turning._read)
+
+
 # Lies a reader may take (the interface stays valid) and lies it must refuse.
 ALLOWED = ("none", "no_version", "list_shape", "read_only_pair")
 REFUSED = (

@@ -441,6 +441,27 @@ def test_a_capsule_on_another_device_than_its_producer_says_is_refused():
     assert "__dlpack_device__" in str(caught.value)
 
 
+def test_a_dlpack_producer_is_asked_its_device_once_per_call():
+    """``__dlpack_device__()`` was called 3 times for a new problem (the place, the check of
+    the capsule against it, the plan's place) and twice on a plan's hit, so the capsule
+    could be checked against another answer than the one the call was planned for. It is
+    asked once, and exported once."""
+
+    class Counting(Versioned):
+        asked = 0
+
+        def __dlpack_device__(self):
+            self.asked += 1
+            return super().__dlpack_device__()
+
+    x, dy, w, _ = problem()
+    cudnn_bn.descriptor_cache.clear()
+    for _ in ("new", "planned"):
+        producer = Counting(x)
+        cudnn_bn.batch_norm_backward(producer, dy, w, None, None)
+        assert producer.asked == 1 and len(producer.kwargs) == 1
+
+
 def test_a_producer_that_must_copy_a_written_operand_is_refused():
     x, _, w, b = problem()
 

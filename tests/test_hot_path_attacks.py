@@ -7,6 +7,7 @@ import re
 
 import numpy as np
 import pytest
+from producers import HostTurning
 
 import cudnn_bn
 from cudnn_bn import InfiniError
@@ -235,3 +236,55 @@ def test_a_type_error_raised_while_a_plan_is_looked_up_is_not_an_unhashable_opti
     with pytest.raises(TypeError) as caught:
         cudnn_bn.batch_norm_backward(x, x, np.ones(C), None, None)
     assert caught.value is raised
+
+
+# What a turning ``running_mean`` (``HostTurning``) says from its k-th read on, over ``arena``
+# (its first read: 3 float64 at element 4): valid (another buffer, a strided view) or not.
+_HOST_TURNS = {
+    "pointer": lambda at, iface: iface | {"data": (at(16), False)},
+    "shape": lambda at, iface: iface | {"shape": (C + 1,)},
+    "strides": lambda at, iface: iface | {"strides": (16,)},
+    "typestr": lambda at, iface: iface | {"typestr": "<f4"},
+    "read_only": lambda at, iface: iface | {"data": (at(4), True)},
+    "mask": lambda at, iface: iface | {"mask": np.ones(C)},
+}
+
+
+@pytest.mark.parametrize("planned", [False, True], ids=["new", "planned"])
+@pytest.mark.parametrize("k", range(1, 5))
+@pytest.mark.parametrize("turn", _HOST_TURNS)
+def test_an_array_interface_is_read_once_per_call_and_the_call_runs_on_that_read(turn, k, planned):
+    """A written ``__array_interface__`` whose dict changes from read ``k`` on (another
+    pointer, shape, strides, typestr, read-only flag, a mask) is read once per call, and
+    the call does exactly what it does for a producer that always says what that read said:
+    refused naming it, or written where that read described. The door read it 3 times on a
+    plan's hit and 4 on a new problem (presence tests, the place, the description), so one
+    read could be checked and another used."""
+    rng = np.random.default_rng(8)
+    x = rng.standard_normal((4, C, 5))
+    w, b = np.ones(C), np.zeros(C)
+    arena = np.zeros(32)
+    at = lambda i: arena[i:].ctypes.data  # noqa: E731
+    first = {"version": 3, "shape": (C,), "typestr": "<f8", "data": (at(4), False)}
+    then = _HOST_TURNS[turn](at, first)
+
+    def attempt(producer: HostTurning) -> tuple:
+        """The call's error, or what it wrote, in the cache state ``planned`` says."""
+        cudnn_bn.descriptor_cache.clear()
+        if planned:
+            cudnn_bn.batch_norm_forward_training(x, w, b, HostTurning(first, first, 1), None)
+        arena[:] = 0
+        try:
+            cudnn_bn.batch_norm_forward_training(x, w, b, producer, None)
+        except InfiniError as error:
+            assert "running_mean" in str(error) and not arena.any()
+            return type(error), str(error)
+        assert arena.any()
+        return (arena.copy(),)
+
+    attacker = HostTurning(first, then, k)
+    got = attempt(attacker)
+    assert attacker.reads == 1
+    honest = first if k > 1 else then
+    want = attempt(HostTurning(honest, honest, 1))
+    assert len(got) == len(want) and all(map(np.array_equal, got, want))

@@ -40,4 +40,6 @@ def test_ndarray_operand_is_its_interfaces(array):
         __array_interface__ = array.__array_interface__
         dtype = array.dtype
 
-    assert operand("x", array) == from_array_interface("x", Interface(), NUMPY)
+    assert operand("x", array) == from_array_interface(
+        "x", Interface(), array.__array_interface__, NUMPY
+    )

@@ -32,6 +32,7 @@ from fake_devices import (
     fake_torch,
     torch_tensor,
 )
+from producers import DeviceTurning
 
 import cudnn_bn
 from cudnn_bn import (
@@ -942,3 +943,78 @@ def test_an_interface_that_moves_to_another_device_between_reads(fake, stub, mov
         return
     read = stub.forward_inference.x if moved == "input" else stub.forward_inference.scale
     assert stub.forward_inference.calls == calls + 1 and read != elsewhere.data.ptr
+
+
+def _other_strides(iface: dict) -> tuple[int, ...]:
+    """Another layout of an interface's shape that the stand-ins take without a view of
+    CuPy's: channels-last for ``(N, C, H, W)``, a stride of 0 (refused: a written operand
+    with overlapping elements) for ``(C,)``."""
+    if len(iface["shape"]) == 1:
+        return (0,)
+    _, c, h, w = iface["shape"]
+    item = iface["strides"][-1]
+    return c * h * w * item, item, w * c * item, c * item
+
+
+# What a turning CUDA array interface (``DeviceTurning``) over one of the problem's arrays
+# says from its k-th read on (``other``: another array of its shape on its device), valid
+# or not.
+_DEVICE_TURNS = {
+    "pointer": lambda iface, other: iface | {"data": (other.data.ptr, False)},
+    "shape": lambda iface, other: iface | {"shape": (iface["shape"][0] + 1, *iface["shape"][1:])},
+    "strides": lambda iface, other: iface | {"strides": _other_strides(iface)},
+    "typestr": lambda iface, other: iface | {"typestr": "<f8"},
+    "read_only": lambda iface, other: iface | {"data": (iface["data"][0], True)},
+    "mask": lambda iface, other: iface | {"mask": 1},
+    "stream": lambda iface, other: iface | {"stream": PRODUCER_STREAM},
+}
+
+
+@pytest.mark.parametrize("planned", [False, True], ids=["new", "planned"])
+@pytest.mark.parametrize("k", range(1, 5))
+@pytest.mark.parametrize("turn", _DEVICE_TURNS)
+@pytest.mark.parametrize("name", ["input", "mean"])
+def test_a_cuda_array_interface_is_read_once_per_call_and_the_call_runs_on_that_read(
+    fake, stub, name, turn, k, planned
+):
+    """A CUDA array interface whose dict changes from read ``k`` on (another pointer, shape,
+    strides, typestr, read-only flag, a mask, a stream) is read once per call, and the call
+    does what it does for a producer that always says what that read said: refused naming
+    it, or cuDNN given that read's pointer and layout, after waiting for that read's stream.
+    The door read one 4 times on a plan's hit and 6 on a new problem (presence tests, the
+    place, the owning device, the description)."""
+    p = problem(fake.array, 1)
+    first = dict(p[name].__cuda_array_interface__, stream=None)
+    other = fake.array(p[name].shape, device=1)
+    then = _DEVICE_TURNS[turn](first, other)
+    caller = {first["data"][0], other.data.ptr}
+    spelled = {"mean": "running_mean"}.get(name, name)
+
+    def attempt(producer: DeviceTurning) -> tuple:
+        """The call's error, or what cuDNN and the kernels were given of the caller's
+        memory, in the cache state ``planned`` says."""
+        cudnn_bn.descriptor_cache.clear()
+        args = [p["input"], p["weight"], p["bias"], p["mean"], p["var"]]
+        at = ["input", "weight", "bias", "mean", "var"].index(name)
+        if planned:
+            args[at] = DeviceTurning(first, first, 1)
+            batch_norm_forward_training(*args)
+        args[at], log = producer, len(fake.log)
+        stub.forward_training.calls = 0
+        try:
+            batch_norm_forward_training(*args)
+        except InfiniError as error:
+            assert spelled in str(error) and stub.forward_training.calls == 0
+            return type(error), str(error)
+        record = stub.forward_training
+        given = [getattr(record, field) for field, _ in record._fields_]
+        given += [a for e in fake.log[log:] if e[0] == "launch" for a in e[6]]
+        waits = [e for e in fake.log[log:] if e[0] == "wait"]
+        used = {a for a in given if isinstance(a, int) and a in caller}
+        return stub.tensor(record.x_desc), used, waits
+
+    attacker = DeviceTurning(first, then, k)
+    got = attempt(attacker)
+    assert attacker.reads == 1
+    honest = first if k > 1 else then
+    assert got == attempt(DeviceTurning(honest, honest, 1))

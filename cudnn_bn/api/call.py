@@ -32,7 +32,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from ..address_tests import Disjoint, bad_bits, compiled_test, misplaced
-from ..arrays import Operand, check_written, common_place, operand
+from ..arrays import Operand, check_written, common_place, operand, see
 from ..arrays.numpy_arrays import DATA_WORDS, ndarray_data
 from ..arrays.operand import refuse_overlap
 from ..arrays.torch_tensors import is_plain, is_tensor, refuse_grad_write, version_bump
@@ -254,7 +254,9 @@ def run(spec: Pass, arrays: tuple, raw: tuple, stream: Any, out: Any = None) -> 
         if like is None:
             raise InfiniError(Status.NULL_POINTER, "input is None")
         signatures, ptrs, others = read(arrays, spec.writes, [spec, options_key(raw)])
-        described = _described(spec, arrays, stream, others, signatures, ptrs) if others else {}
+        described, place = (
+            _described(spec, arrays, stream, others, signatures, ptrs) if others else ({}, None)
+        )
         key = tuple(signatures)
         try:
             plan = descriptor_cache.get(key)
@@ -264,7 +266,7 @@ def run(spec: Pass, arrays: tuple, raw: tuple, stream: Any, out: Any = None) -> 
             spec.options(raw, dict(zip(spec.names, arrays, strict=True)))
             raise InfiniError(Status.BAD_PARAM, f"unhashable option among {raw!r}") from None
         if plan is None:
-            plan = descriptor_cache.add(key, _build(spec, arrays, raw, described, stream))
+            plan = descriptor_cache.add(key, _build(spec, arrays, raw, described, place, stream))
         return plan.call(arrays, ptrs, like, stream)
     except Exception as exc:
         raise_public(exc, _error_spelling(spec), f"batch_norm_{spec.name}")
@@ -280,22 +282,29 @@ def _hashable(key: tuple) -> bool:
 
 def _described(
     spec: Pass, arrays: tuple, stream: Any, others: list[int], signatures: list, ptrs: list[int]
-) -> dict[int, Operand]:
+) -> tuple[dict[int, Operand], tuple[Device, int]]:
     """The door's operands of the producers at ``others`` (``read``), their signatures (with
     the producer's type: outputs are stored as the input is, e.g. BF16 as ``ml_dtypes``' type
-    or as uint16 bits, which its operand does not say) and pointers filled in: one device for
-    all, and the stream, before any is asked to export."""
-    device, device_id = common_place(_present(spec, arrays))
+    or as uint16 bits, which its operand does not say) and pointers filled in, and the
+    call's place: one device for all, and the stream, before any is asked to export. Each
+    producer's protocol is read once (``arrays.see``), for its place and its operand."""
+    spelling, names = spec.spelling, spec.names
+    seen, given = {}, {}  # in the pass's order, as the door's errors name them
+    for at, array in enumerate(arrays):
+        if array is not None:
+            name = spelling.get(names[at], names[at])
+            if at in others:
+                array = seen[at] = see(name, array)
+            given[name] = array
+    device, device_id = common_place(given)
     consumer = None if device == Device.CPU else call_stream(stream, arrays[0], device, device_id)
     described = {}
-    for at in others:
-        name = spec.names[at]
-        found = operand(
-            spec.spelling.get(name, name), arrays[at], consumer, written=name in spec.written
-        )
+    for at, s in seen.items():
+        name = names[at]
+        found = operand(spelling.get(name, name), s, consumer, written=name in spec.written)
         described[at], ptrs[at] = found, found.ptr
         signatures[at + 2] = (type(arrays[at]), found.signature)
-    return described
+    return described, (device, device_id)
 
 
 def _error_spelling(spec: Pass) -> dict[str, str]:
@@ -314,9 +323,15 @@ class Aligned:
     ``WORKSPACE_ALIGNMENT``, as cuDNN's buffers, whoever read it. ``suspect`` is the source
     of a test over a call's ``ptrs`` that is true where any may be none of these
     (``address_tests.misplaced``; a CuPy pointer is signed, ``intptr_t``); a plan's call has
-    it inline and calls ``check`` only then."""
+    it inline and calls ``check`` only then. ``door``: the indices of operands the door
+    reads on every call (its checks made there), which ``check`` does not read again."""
 
-    def __init__(self, descs: dict[int, TensorDesc], buffers: frozenset[int] = frozenset()) -> None:
+    def __init__(
+        self,
+        descs: dict[int, TensorDesc],
+        buffers: frozenset[int] = frozenset(),
+        door: frozenset[int] = frozenset(),
+    ) -> None:
         # alignment (0: no elements, any address), in the operands' order (the door's)
         sizes = {
             at: (WORKSPACE_ALIGNMENT if at in buffers else ITEMSIZE[d.dtype]) if d.numel else 0
@@ -326,6 +341,7 @@ class Aligned:
         for at, size in sizes.items():
             groups.setdefault(size, []).append(at)
         self.masks = {at: (size, bad_bits(size)) for at, size in sizes.items()}
+        self.door = door
         self.suspect = misplaced(groups)
         self._suspect = compiled_test(self.suspect)
 
@@ -338,7 +354,8 @@ class Aligned:
         for at, (size, mask) in self.masks.items():
             if (size and not ptrs[at]) or ptrs[at] & mask:
                 name = spec.spelling.get(spec.names[at], spec.names[at])
-                operand(name, arrays[at])  # raises, but for a buffer's own alignment
+                if at not in self.door:
+                    operand(name, arrays[at])  # raises, but for a buffer's own alignment
                 raise InfiniError(
                     Status.BAD_PARAM, f"{name} at {ptrs[at]:#x} is not {size}-byte aligned"
                 )
@@ -361,14 +378,20 @@ def _present(spec: Pass, arrays: tuple) -> dict[str, Any]:
 
 
 def _build(
-    spec: Pass, arrays: tuple, raw: tuple, described: dict[int, Operand], stream: Any
+    spec: Pass,
+    arrays: tuple,
+    raw: tuple,
+    described: dict[int, Operand],
+    place: tuple[Device, int] | None,
+    stream: Any,
 ) -> Plan:
-    """The full path for a new problem (the module docstring); raises before anything is
-    cached or written."""
+    """The full path for a new problem (the module docstring), on ``place``, where
+    ``_described`` found it (None: every operand is read by its attributes); raises before
+    anything is cached or written."""
     names = spec.names
     by_name = dict(zip(names, arrays, strict=True))
     options = spec.options(raw, by_name)
-    device, device_id = common_place(_present(spec, arrays))
+    device, device_id = place or common_place(_present(spec, arrays))
     like = arrays[0]
     call_on = call_stream(stream, like, device, device_id)
     consumer = None if device == Device.CPU else call_on
@@ -416,7 +439,7 @@ def _build(
     # the reserve the problem uses is checked for its alignment, however it was read
     buffers = frozenset([index["reserve"]] if "reserve" in ops and descriptor.reserve_size else [])
     checked = [index[n] for n in ops if index[n] not in described or index[n] in buffers]
-    aligned = Aligned({at: ops[names[at]].desc for at in checked}, buffers)
+    aligned = Aligned({at: ops[names[at]].desc for at in checked}, buffers, frozenset(described))
     # Each value's expression in a call: its operands' pointers and objects, those of the
     # arrays it allocates, the constants' pointers; a name with none is NULL (0) and None.
     values = {n: f"ptrs[{index[n]}]" for n in ops} | {n: str(p) for n, p in constants.items()}

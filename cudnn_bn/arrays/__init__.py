@@ -6,7 +6,7 @@ the rules for arrays written in place. BF16 comes as torch.bfloat16, through DLP
 ``ml_dtypes.bfloat16`` in NumPy and CuPy 14.
 """
 
-from .door import common_place, operand, place
+from .door import Seen, common_place, operand, place, see
 from .kinds import CUPY, NUMPY, TORCH
 from .operand import Operand, check_written, shares_memory
 from .torch_tensors import torch_stream
@@ -16,10 +16,12 @@ __all__ = [
     "NUMPY",
     "TORCH",
     "Operand",
+    "Seen",
     "check_written",
     "common_place",
     "operand",
     "place",
+    "see",
     "shares_memory",
     "torch_stream",
 ]

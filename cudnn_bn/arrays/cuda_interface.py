@@ -34,21 +34,14 @@ def from_cupy(name: str, array: Any, kind: Any) -> Operand:
     return Operand(Device.NVIDIA, array.device.id, desc, ptr, "", kind, array)
 
 
-def cuda_interface_device(name: str, array: Any) -> int:
-    """The device owning a CUDA array interface's memory (CuPy arrays know theirs)."""
-    return _owner(array, _data(name, _interface(name, array))[0])
-
-
-def _owner(array: Any, ptr: int) -> int:
-    if is_cupy(array):
-        return array.device.id
+def cuda_interface_device(name: str, iface: Any) -> int:
+    """The device owning the memory of ``iface``, a ``__cuda_array_interface__`` value."""
     from ..backends.cuda import pointer_device
 
-    return pointer_device(ptr)
+    return pointer_device(_data(name, _interface(name, iface))[0])
 
 
-def _interface(name: str, array: Any) -> dict:
-    iface = array.__cuda_array_interface__
+def _interface(name: str, iface: Any) -> dict:
     if not isinstance(iface, dict):
         raise InfiniError(
             Status.BAD_PARAM,
@@ -97,19 +90,23 @@ def _stream(name: str, iface: dict) -> int | None:
     return producer
 
 
-def from_cuda_interface(name: str, array: Any, stream: int | None, kind: Any) -> Operand:
-    """Any ``__cuda_array_interface__`` object; ``stream`` (the call's) waits for the
+def from_cuda_interface(
+    name: str, array: Any, iface: Any, device_id: int | None, stream: int | None, kind: Any
+) -> Operand:
+    """``array``, an object whose ``__cuda_array_interface__`` (read once) is ``iface``, its
+    memory on ``device_id`` (None: asked of CUDA); ``stream`` (the call's) waits for the
     producer's."""
-    iface = _interface(name, array)
+    from ..backends import cuda
+
+    iface = _interface(name, iface)
     data_type, shape, strides = interface_layout(name, "__cuda_array_interface__", iface, array)
     ptr, readonly = _data(name, iface)
     producer = _stream(name, iface)
     desc = described(name, data_type, shape, strides, ptr)
-    device_id = _owner(array, ptr)
+    if device_id is None:
+        device_id = cuda.pointer_device(ptr)
     if stream is not None and producer is not None:
-        from ..backends.cuda import wait_for
-
-        wait_for(stream, producer, device_id)
+        cuda.wait_for(stream, producer, device_id)
     return Operand(
         Device.NVIDIA, device_id, desc, ptr, "read-only" if readonly else "", kind, array
     )

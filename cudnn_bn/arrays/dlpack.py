@@ -10,6 +10,7 @@ in place. Layouts: ``dlpack.h`` v1.0 (``DLManagedTensorVersioned``, ``DLManagedT
 """
 
 import ctypes
+from collections.abc import Callable
 from typing import Any
 
 from ..enums import DataType, Device, Status
@@ -85,15 +86,14 @@ def dlpack_place(name: str, device_type: Any, device_id: Any) -> tuple[Device, i
     return devices[device_type], device_id
 
 
-def _export(name: str, array: Any, stream: int | None, written: bool) -> Any:
-    """``array.__dlpack__``: a 1.0 capsule where the producer makes one, else a legacy one.
+def _export(name: str, export: Callable, stream: int | None, written: bool) -> Any:
+    """A capsule from ``export`` (a producer's ``__dlpack__``, read once): a 1.0 capsule
+    where the producer makes one, else a legacy one.
     A CUDA ``stream`` is the consumer's (the Python array API's DLPack protocol: 1 is the
     legacy default stream, 0 is not allowed, so CuPy's 0 goes as 1)."""
     kwargs = {} if stream is None else {"stream": stream or 1}
     try:
-        return array.__dlpack__(
-            max_version=(1, 0), **kwargs, **({"copy": False} if written else {})
-        )
+        return export(max_version=(1, 0), **kwargs, **({"copy": False} if written else {}))
     except TypeError:
         pass  # a producer older than DLPack 1.0's keywords
     except BufferError as exc:
@@ -106,11 +106,11 @@ def _export(name: str, array: Any, stream: int | None, written: bool) -> Any:
             else f"{name}'s DLPack producer could not export it ({exc})",
         ) from None
     try:
-        return array.__dlpack__(**kwargs)
+        return export(**kwargs)
     except TypeError:
         if not kwargs:
             raise
-        return array.__dlpack__()  # older than the stream keyword too
+        return export()  # older than the stream keyword too
 
 
 def _managed(name: str, capsule: Any) -> tuple[_DLTensor, int]:
@@ -135,11 +135,12 @@ def _managed(name: str, capsule: Any) -> tuple[_DLTensor, int]:
 
 
 def from_dlpack(
-    name: str, array: Any, stream: int | None, written: bool, kinds: dict[Device, Any]
+    name: str, export: Callable, stream: int | None, written: bool, kinds: dict[Device, Any]
 ) -> Operand:
-    """Read a DLPack capsule without consuming it: the producer keeps ownership, and the
-    operand keeps the capsule (and so the producer's memory) alive."""
-    capsule = _export(name, array, stream, written)
+    """Read a DLPack capsule from ``export`` (a producer's ``__dlpack__``) without consuming
+    it: the producer keeps ownership, and the operand keeps the capsule (and so the
+    producer's memory) alive."""
+    capsule = _export(name, export, stream, written)
     t, flags = _managed(name, capsule)
     device, device_id = dlpack_place(name, t.device.device_type, t.device.device_id)
     dtype = _DLPACK_DTYPES.get((t.dtype.code, t.dtype.bits)) if t.dtype.lanes == 1 else None

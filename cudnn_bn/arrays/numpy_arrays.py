@@ -78,8 +78,7 @@ def from_ndarray(name: str, array: np.ndarray, kind: Any) -> Operand:
     return Operand(Device.CPU, 0, desc, ptr, readonly, kind)
 
 
-def _interface(name: str, obj: Any) -> dict:
-    iface = obj.__array_interface__
+def _interface(name: str, iface: Any) -> dict:
     if not isinstance(iface, dict):
         raise InfiniError(
             Status.BAD_PARAM,
@@ -119,9 +118,9 @@ def _buffer_view(name: str, owner: Any, iface: dict) -> np.ndarray:
     return raw[offset:]
 
 
-def from_array_interface(name: str, obj: Any, kind: Any) -> Operand:
-    """Any object with ``__array_interface__`` (not an ndarray)."""
-    iface = _interface(name, obj)
+def from_array_interface(name: str, obj: Any, iface: Any, kind: Any) -> Operand:
+    """``obj`` (not an ndarray), whose ``__array_interface__`` (read once) is ``iface``."""
+    iface = _interface(name, iface)
     data_type, shape, strides = interface_layout(name, "__array_interface__", iface, obj)
     data = iface.get("data")
     buffer = None
