@@ -357,6 +357,72 @@ def test_a_handlers_exception_as_signals_are_held_back_leaves_none_held(two_thre
     assert isinstance(raised, KeyboardInterrupt) and left == before
 
 
+def helper_runs_a_task() -> bool:
+    """Whether ``cpu_pool.team`` hands a task of two items to a helper (within 5 s)."""
+    items, state, ran = 2, np.zeros(2, np.int64), threading.Event()
+
+    def task() -> None:
+        if threading.current_thread() is not threading.main_thread():
+            ran.set()
+            return
+        ran.wait(5)
+        state[0] = state[1] = items
+
+    cpu_pool.team(task, items, state)
+    return ran.is_set()
+
+
+def helpers_alive(timeout: float = 2.0) -> int:
+    """The engine's helper threads alive once those told to end have (within ``timeout``)."""
+    want, deadline = cpu_pool._pool.helpers, time.monotonic() + timeout
+    while True:
+        alive = [t for t in threading.enumerate() if t.name.startswith("cudnn_bn-cpu-")]
+        if len(alive) <= want or time.monotonic() > deadline:
+            return len(alive)
+        time.sleep(0.01)
+
+
+@pytest.mark.parametrize("new_pool", [False, True], ids=["same pool", "new pool"])
+def test_a_handlers_exception_anywhere_in_a_hand_off_leaves_the_helpers_free(two_threads, new_pool):
+    """A signal handler's exception wherever Python runs handlers in ``team`` (and the pool's
+    code it calls, making a new pool of helpers where the thread count changed) leaves the
+    helpers to the next call, and no helper running that no pool holds: one raised as
+    ``team``'s taking of the helpers (or of the lock for making them) returned, before its
+    ``try``, left them taken for good, and every later call ran alone (found by an outsider's
+    attack: after 52 calls a 1.1 ms timer's signal ended); one raised as a new pool started
+    its threads left those started running. Raised here by a profile function at each point
+    in turn where CPython runs pending handlers: as a Python function starts and as a call
+    to a C function returns."""
+    pool_code = cpu_pool.__file__
+
+    def points_run(stop_at: int) -> int:
+        seen = 0
+
+        def profile(frame, event, arg):
+            nonlocal seen
+            if frame.f_code.co_filename == pool_code and event in ("call", "c_return"):
+                seen += 1
+                if seen == stop_at:
+                    raise KeyboardInterrupt
+
+        if new_pool:
+            cpu_pool.set_thread_count(5 - cpu_pool.thread_count())  # 2, 3, 2...
+        sys.setprofile(profile)
+        try:
+            assert helper_runs_a_task()
+        except KeyboardInterrupt:
+            pass
+        finally:
+            sys.setprofile(None)
+        return seen
+
+    assert helper_runs_a_task()
+    for stop_at in range(1, points_run(0) + 1):
+        points_run(stop_at)
+        assert helper_runs_a_task(), f"no helper after an exception at point {stop_at}"
+        assert helpers_alive() == cpu_pool.thread_count() - 1, f"at point {stop_at}"
+
+
 class _FloatIndex:
     """An ``__index__`` that returns a float (Python's TypeError: a raw error before)."""
 

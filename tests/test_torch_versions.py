@@ -236,6 +236,29 @@ def test_a_subclass_written_in_place_is_bumped_and_refused_as_a_plain_tensor():
         _train(leaf, d)
 
 
+@pytest.mark.parametrize("case", WRITES)
+def test_a_subclass_whose_properties_lie_is_refused_as_torch_refuses_it(case):
+    """A subclass's Python property (no ``__torch_function__``) saying a leaf that requires
+    grad does not, or is no leaf: torch's own getters answer, as its in-place check reads
+    them, so the write is refused as the leaf's, and nothing is written."""
+
+    class NoGrad(torch.Tensor):
+        requires_grad = property(lambda self: False)
+
+    class NoLeaf(torch.Tensor):
+        is_leaf = property(lambda self: False)
+
+    call, shape, name = WRITES[case]
+    for kind in (NoGrad, NoLeaf):
+        leaf = torch.Tensor._make_subclass(kind, torch.full(shape, 7.0), True)
+        with pytest.raises(RuntimeError, match="leaf Variable that requires grad"):
+            torch.Tensor.add_(leaf, 1)
+        with pytest.raises(InfiniError, match=rf"^BAD_PARAM: {re.escape(name)} requires grad.*"
+                           "a leaf Variable"):  # fmt: skip
+            call(leaf, _data())
+        assert leaf._version == 0 and torch.equal(leaf.detach(), torch.full(shape, 7.0))
+
+
 def test_a_layers_running_statistics_are_bumped_by_its_training_forward():
     layer, d = BatchNorm(C), _data()
     layer.forward(d["x"])

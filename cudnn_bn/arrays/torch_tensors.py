@@ -160,11 +160,13 @@ def refuse_grad_write(name: str, tensor: Any) -> None:
     statistics (``check_no_requires_grad``). Under ``no_grad``/``inference_mode`` it passes."""
     import torch
 
-    with torch._C.DisableTorchFunctionSubclass():  # a subclass's own answers are not asked
-        if not (tensor.requires_grad and torch.is_grad_enabled()):
+    own = torch._C.TensorBase  # torch's own getters: a subclass's answers are not asked,
+    with torch._C.DisableTorchFunctionSubclass():  # by __torch_function__ or a property
+        if not (own.requires_grad.__get__(tensor) and torch.is_grad_enabled()):
             return
-        base = tensor._base
-        why = _LEAF if tensor.is_leaf else _VIEW if base is not None and base.is_leaf else _OUT
+        base = own._base.__get__(tensor)
+        leaf = own.is_leaf.__get__(tensor)
+        why = _LEAF if leaf else _VIEW if base is not None and own.is_leaf.__get__(base) else _OUT
     raise InfiniError(
         Status.BAD_PARAM,
         f"{name} requires grad and grad mode is enabled, but autograd cannot record this "

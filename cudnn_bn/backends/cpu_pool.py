@@ -76,8 +76,8 @@ class _Pool:
         self.lock = threading.RLock()
         self.posted = threading.Condition(self.lock)  # sleeping helpers wait here
         self.finished = threading.Condition(self.lock)  # a caller waits here for helpers
-        self.busy = threading.Lock()  # held by the caller whose job it is
         self.job: _Job | None = None
+        self.owner: _Job | None = None  # the job of the caller that has the helpers
         self.sleeping, self.running = 0, True
         self.threads: list[threading.Thread] = []
         try:
@@ -85,8 +85,10 @@ class _Pool:
                 thread = threading.Thread(target=self.serve, name=f"cudnn_bn-cpu-{i}", daemon=True)
                 thread.start()
                 self.threads.append(thread)
-        except RuntimeError as exc:  # "can't start new thread": the system's limit
+        except BaseException as exc:  # a signal handler's, or "can't start new thread"
             self.stop()  # the helpers that started end
+            if not isinstance(exc, RuntimeError):
+                raise
             raise InfiniError(
                 Status.INTERNAL_ERROR,
                 f"the CPU engine started {len(self.threads)} of its {helpers} helper threads "
@@ -144,13 +146,17 @@ class _Pool:
             report = (type(error), error, error.__traceback__, threading.current_thread())
             threading.excepthook(threading.ExceptHookArgs(report))
 
-    def post(self, job: _Job) -> None:
-        """Hand ``job`` to the helpers."""
+    def post(self, job: _Job) -> bool:
+        """Hand ``job`` to the helpers, unless another caller's has them (False). Its caller
+        gives them back by clearing ``owner``: one store, where no signal handler runs."""
         with self.lock:
-            self.job = job
+            if self.owner is not None:
+                return False
+            self.owner = self.job = job
             self.word[0] += 1
             if self.sleeping:
                 self.posted.notify_all()
+        return True
 
     def close(self, job: _Job, state: np.ndarray, items: int) -> None:
         """Take ``job`` back from the helpers once no helper can write for it any more:
@@ -243,17 +249,15 @@ def _helpers(count: int) -> _Pool | None:
     while another call makes it, or this thread does in a call a signal handler interrupted:
     that call runs alone rather than wait (for itself)."""
     global _pool
-    if not _lock.acquire(blocking=False):
-        return None
-    try:
+    if _lock.locked():  # not ``acquire(blocking=False)``: a handler's exception as it
+        return None  # returned, before a ``try``, left the lock held for good
+    with _lock:  # another thread's call may have it now: a moment, while it makes the pool
         if _pool is None or _pool.helpers != count:
             if _pool is not None:
                 _pool.stop()
                 _pool = None
             _pool = _Pool(count)
         return _pool
-    finally:
-        _lock.release()
 
 
 def _forget_pool() -> None:
@@ -293,16 +297,19 @@ def team(task: Callable[[], None], items: int, state: np.ndarray) -> None:
         task()
         return
     pool = _helpers(_count - 1)
-    if pool is None or not pool.busy.acquire(blocking=False):
-        task()  # another caller has the helpers
+    if pool is None:
+        task()
         return
     job = _Job(task)
-    try:
-        pool.post(job)
+    try:  # taken in it (``post``), so that a handler's exception gives the helpers back
+        if not pool.post(job):
+            task()  # another caller has the helpers
+            return
         task()
         pool.close(job, state, items)
     except BaseException:
         pool.abandon(job)
         raise
     finally:
-        pool.busy.release()
+        if pool.owner is job:
+            pool.owner = None
