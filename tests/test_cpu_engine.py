@@ -305,7 +305,7 @@ def test_blocks_on_threads_as_on_one(layout, dtype, monkeypatch):
     dy, z = (laid_out(rng.standard_normal(shape), s, dtype) for s in (sd, sg))
     w, b = rng.uniform(0.5, 1.5, 100).astype(dtype), rng.standard_normal(100).astype(dtype)
     mean, var = rng.standard_normal(100).astype(dtype), rng.uniform(1, 2, 100).astype(dtype)
-    monkeypatch.setattr(cpu, "BLOCKS_MIN_VALUES", cpu.PARALLEL_MIN_VALUES)
+    monkeypatch.setattr(cpu, "THREADS_MIN_VALUES", cpu.PARALLEL_MIN_VALUES)
     handed = []
     team = cpu_pool.team
     monkeypatch.setattr(cpu_pool, "team", lambda *a: handed.append(a[1]) or team(*a))

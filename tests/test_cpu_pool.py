@@ -52,7 +52,7 @@ class LateHelpers(cpu_pool._Pool):
 
 @pytest.fixture
 def two_threads(monkeypatch):
-    """Two threads, from 65536 values on (``cpu.THREADS_MIN_VALUES``: 5 million)."""
+    """Two threads, from 65536 values on (``cpu.THREADS_MIN_VALUES``: 786432)."""
     monkeypatch.setattr(cpu, "THREADS_MIN_VALUES", cpu.PARALLEL_MIN_VALUES)
     previous = cpu_pool.thread_count()
     cpu_pool.set_thread_count(2)
@@ -88,14 +88,15 @@ def test_caller_does_not_wait_for_a_helper_that_took_no_item(two_threads, monkey
 
 
 def test_large_calls_are_split_in_more_items_than_threads(two_threads, monkeypatch):
-    """A call of 1M values on two threads is eight items, handed out one at a time."""
+    """A channels-last call of 1M values on two threads is eight work items of rows,
+    handed out one at a time (a channel-outer one: blocks of channels)."""
     seen = []
     items = cpu_layout.Layout.items
     monkeypatch.setattr(
         cpu_layout.Layout, "items", lambda layout, count: seen.append(count) or items(layout, count)
     )
     rng = np.random.default_rng(1)
-    x = rng.standard_normal((16, 64, 32, 32)).astype(np.float32)
+    x = np.moveaxis(rng.standard_normal((16, 32, 32, 64)).astype(np.float32), -1, 1)
     w, b = np.ones(64, np.float32), np.zeros(64, np.float32)
     y, *_ = cudnn_bn.batch_norm_forward_training(x, w, b, None, None)
     want = torch.nn.functional.batch_norm(
@@ -168,18 +169,18 @@ def test_helpers_sleep_while_the_process_idles(two_threads):
 @pytest.mark.parametrize(
     "shape, layout, want_teams",
     [
-        ((4, 64, 32, 32), "nchw", []),  # 262144 values: under cpu.BLOCKS_MIN_VALUES
-        ((8, 64, 32, 32), "nchw", [8]),  # blocks of channels, one hand-off
-        ((64, 64, 32, 32), "nhwc", []),  # 4 M values, under cpu.THREADS_MIN_VALUES
-        ((128, 64, 32, 32), "nhwc", [8]),  # 8 M values: work items of rows
+        ((8, 64, 32, 32), "nchw", []),  # 524288 values: under cpu.THREADS_MIN_VALUES
+        ((16, 64, 32, 32), "nchw", [16]),  # blocks of channels (of BLOCK_BYTES), one hand-off
+        ((8, 64, 32, 32), "nhwc", []),
+        ((16, 64, 32, 32), "nhwc", [8]),  # work items of rows, one hand-off
     ],
     ids=str,
 )
 def test_which_calls_reach_the_helpers(shape, layout, want_teams, monkeypatch):
     """A pass hands work to the helpers where a second thread saves more than its hand-off
-    costs, in one hand-off: runs in one channel from ``cpu.BLOCKS_MIN_VALUES`` on (blocks
-    of channels), channels innermost from ``cpu.THREADS_MIN_VALUES`` (work items of rows);
-    below, the calling thread does it all."""
+    costs, from ``cpu.THREADS_MIN_VALUES`` on, in one hand-off: blocks of channels where
+    runs stay in one channel, work items of rows where channels are innermost; below, the
+    calling thread does it all."""
     teams = []  # the items of each team that may reach a helper (a problem's first calls,
     # ``cpu.STEPWISE_CALLS``, make teams of one item, which run on the calling thread)
     team = cpu_pool.team

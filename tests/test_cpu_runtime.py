@@ -32,7 +32,7 @@ LIMIT_S = 600  # a cold numba cache compiles the kernels first (seconds; minutes
 PROBLEM = """
 import numpy as np, cudnn_bn
 from cudnn_bn.backends import cpu
-cpu.THREADS_MIN_VALUES = cpu.BLOCKS_MIN_VALUES = cpu.PARALLEL_MIN_VALUES  # threads here too
+cpu.THREADS_MIN_VALUES = cpu.PARALLEL_MIN_VALUES  # threads for this problem too
 rng = np.random.default_rng(0)
 x = rng.standard_normal((32, 64, 128), dtype=np.float32)  # 262144 values: a parallel call
 dy = rng.standard_normal(x.shape, dtype=np.float32)

@@ -55,15 +55,12 @@ _LIKE = {
 _BEYOND_HOST = 1 << 63  # no host address is this high (x86-64 and AArch64 user space)
 PARALLEL_MIN_VALUES = 1 << 16  # below this many values a thread hand-off costs more than it saves
 # Below this many values a large call runs on the calling thread alone, whatever the thread
-# count. On the 2-core development machine, after 5 ms idle, 2 threads took 1.2-2.9x the
-# 1-thread time at 1 million values and 1.2-1.6x at 1-4 million (session 7, idle; 1.2-2x
-# here with another process on one core), mostly 0.4-0.96x from 6.4 million: a threaded pass's
-# own set-up (item views, sums table, per-channel step, hand-offs) measured 0.2-0.3 ms
-# after idle, and a helper that waits for a CPU holds the caller up by the item it holds.
-THREADS_MIN_VALUES = 5_000_000
-# From this many values a pass whose runs stay in one channel runs its blocks of channels on
-# the engine's threads (``on_threads``): one hand-off, no partial sums.
-BLOCKS_MIN_VALUES = 1 << 19
+# count. A call on threads hands its pass to the helpers once (``on_threads``); on the 2-core
+# development machine, after 5 ms idle, 2 threads took 0.80-0.95x the 1-thread time at
+# 0.8-1 million values, 0.75-0.77x at 2 million, and 1.0-1.4x at 262-524 thousand (F32, every
+# pass, NCHW and channels-last, session 15; 1.2-2.9x at 1-4 million before, with two
+# hand-offs and Python between them).
+THREADS_MIN_VALUES = 3 << 18
 # A large call's work items: up to this many per thread, each of at least ITEM_MIN_VALUES,
 # claimed one at a time (``cpu_kernels._next_item``), so that a thread that starts late or
 # shares its CPU with another process does less of the work instead of holding the call up.
@@ -224,9 +221,7 @@ class _HostKernel:
         threads (``on_threads``)."""
         values = self.numel
         threads = cpu_pool.thread_count() if self.parallel else 1
-        if threads > 1 and values >= (
-            BLOCKS_MIN_VALUES if self.by_blocks(threads) else THREADS_MIN_VALUES
-        ):
+        if threads > 1 and values >= THREADS_MIN_VALUES:
             cpu_pool.wake()
             self.on_threads(at, channel, threads)
             return
