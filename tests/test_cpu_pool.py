@@ -52,7 +52,7 @@ class LateHelpers(cpu_pool._Pool):
 
 @pytest.fixture
 def two_threads(monkeypatch):
-    """Two threads, from 65536 values on (``cpu.THREADS_MIN_VALUES``: 786432)."""
+    """Two threads, from 65536 values on (``cpu.THREADS_MIN_VALUES``: 2 Mi)."""
     monkeypatch.setattr(cpu, "THREADS_MIN_VALUES", cpu.PARALLEL_MIN_VALUES)
     previous = cpu_pool.thread_count()
     cpu_pool.set_thread_count(2)
@@ -169,10 +169,10 @@ def test_helpers_sleep_while_the_process_idles(two_threads):
 @pytest.mark.parametrize(
     "shape, layout, want_teams",
     [
-        ((8, 64, 32, 32), "nchw", []),  # 524288 values: under cpu.THREADS_MIN_VALUES
-        ((16, 64, 32, 32), "nchw", [16]),  # blocks of channels (of BLOCK_BYTES), one hand-off
-        ((8, 64, 32, 32), "nhwc", []),
-        ((16, 64, 32, 32), "nhwc", [8]),  # work items of rows, one hand-off
+        ((16, 64, 32, 32), "nchw", []),  # 1 Mi values: under cpu.THREADS_MIN_VALUES
+        ((32, 64, 32, 32), "nchw", [32]),  # blocks of channels (of BLOCK_BYTES), one hand-off
+        ((16, 64, 32, 32), "nhwc", []),
+        ((32, 64, 32, 32), "nhwc", [8]),  # work items of rows, one hand-off
     ],
     ids=str,
 )

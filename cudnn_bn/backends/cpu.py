@@ -56,11 +56,12 @@ _BEYOND_HOST = 1 << 63  # no host address is this high (x86-64 and AArch64 user 
 PARALLEL_MIN_VALUES = 1 << 16  # below this many values a thread hand-off costs more than it saves
 # Below this many values a large call runs on the calling thread alone, whatever the thread
 # count. A call on threads hands its pass to the helpers once (``on_threads``); on the 2-core
-# development machine, after 5 ms idle, 2 threads took 0.80-0.95x the 1-thread time at
-# 0.8-1 million values, 0.75-0.77x at 2 million, and 1.0-1.4x at 262-524 thousand (F32, every
-# pass, NCHW and channels-last, session 15; 1.2-2.9x at 1-4 million before, with two
-# hand-offs and Python between them).
-THREADS_MIN_VALUES = 3 << 18
+# development machine, after 5 ms idle, 2 threads took 0.70-0.77x the 1-thread time at 2-4
+# million values and 1.0-1.4x at 262-524 thousand (F32, every pass, NCHW and channels-last,
+# session 15; 1.2-2.9x at 1-4 million before, with two hand-offs and Python between them).
+# At 0.8-1 million they took 0.80-0.95x alone, but no less than one thread beside torch's
+# (``benchmarks/bench_cpu.py --threads 2``), whose threads then share the cores.
+THREADS_MIN_VALUES = 1 << 21
 # A large call's work items: up to this many per thread, each of at least ITEM_MIN_VALUES,
 # claimed one at a time (``cpu_kernels._next_item``), so that a thread that starts late or
 # shares its CPU with another process does less of the work instead of holding the call up.
