@@ -1350,6 +1350,37 @@ def channel_results(kind, sums, shift, values, count, eps, momentum, mode, narro
             coefficients[0, i], coefficients[1, i], coefficients[2, i] = k
 
 
+@helper
+def _fixed(plan):
+    """A pass's fixed arguments from its ``plan`` (``whole_pass``): kind, mode, first sum,
+    flags, geometry, strides, and the values a channel sums."""
+    f = PLAN_FLAGS
+    flags = (plan[f] != 0, plan[f + 1] != 0, plan[f + 2] != 0, plan[f + 3] != 0)
+    geometry = carve(plan, PLAN_GEOMETRY, (TILE + 1,))
+    strides = carve(plan, PLAN_STRIDES, (DATA_SLOTS, STRIDE_COLUMNS))
+    count = geometry[1] * geometry[2] * geometry[TILE]
+    return plan[PLAN_KIND], plan[PLAN_MODE], plan[PLAN_FIRST], flags, geometry, strides, count
+
+
+@helper
+def _scratch(plan, floats):
+    """The views of a pass's scratch ``floats`` (``scratch_size``): per-channel values, the
+    tiled shift, the sums table, the coefficients and each of their three rows."""
+    channels, tile = plan[PLAN_GEOMETRY], plan[PLAN_GEOMETRY + TILE]
+    n = channels * tile
+    width = 0 if plan[PLAN_KIND] == INFERENCE else n + PAD
+    o = CHANNEL_SLOTS * channels
+    values = carve(floats, 0, (CHANNEL_SLOTS, channels))
+    shift, sums = carve(floats, o, (n,)), carve(floats, o + n, (SUMS, width))
+    o += n + SUMS * width
+    k_0, k_1, k_2 = (
+        carve(floats, o, (n,)),
+        carve(floats, o + n, (n,)),
+        carve(floats, o + 2 * n, (n,)),
+    )
+    return values, shift, sums, carve(floats, o, (3, n)), k_0, k_1, k_2
+
+
 @jit
 def blocks_pass(plan, eps, momentum, like, x, a, y, gi, gz, floats, blocks, state):
     """A pass (``kind``, as ``channel_results``) over ``blocks`` of channels of every row
@@ -1362,21 +1393,8 @@ def blocks_pass(plan, eps, momentum, like, x, a, y, gi, gz, floats, blocks, stat
     and shift made (``copy_channels``); its steps called by address, its fixed arguments
     read from ``plan`` (``whole_pass``). ``flags``: the forward's add z and ReLU, or the
     backward's use x (all modes but eval), mask dy by ``y > 0``, write gi, write gz."""
-    kind, mode, first = plan[PLAN_KIND], plan[PLAN_MODE], plan[PLAN_FIRST]
-    f = PLAN_FLAGS
-    flags = (plan[f] != 0, plan[f + 1] != 0, plan[f + 2] != 0, plan[f + 3] != 0)
-    geometry = carve(plan, PLAN_GEOMETRY, (TILE + 1,))
-    strides = carve(plan, PLAN_STRIDES, (DATA_SLOTS, STRIDE_COLUMNS))
-    channels, tile = geometry[0], geometry[TILE]
-    n, width = channels * tile, 0 if kind == INFERENCE else channels * tile + PAD
-    o = CHANNEL_SLOTS * channels  # the scratch's views (``scratch_size``)
-    values = carve(floats, 0, (CHANNEL_SLOTS, channels))
-    shift, sums = carve(floats, o, (n,)), carve(floats, o + n, (SUMS, width))
-    o += n + SUMS * width
-    k = carve(floats, o, (3, n))
-    k_0, k_1 = carve(floats, o, (n,)), carve(floats, o + n, (n,))
-    k_2 = carve(floats, o + 2 * n, (n,))
-    count = geometry[1] * geometry[2] * tile
+    kind, mode, first, flags, geometry, strides, count = _fixed(plan)
+    values, shift, sums, k, k_0, k_1, k_2 = _scratch(plan, floats)
     narrow = like.itemsize < 8  # F32/F16/BF16 data (``channel_results``)
     ints = zeros(2 + 4, np.int64)  # this thread's: one step's item state, its item
     own, item = carve(ints, 0, (2,)), carve(ints, 2, (1, 4))
@@ -1393,8 +1411,8 @@ def blocks_pass(plan, eps, momentum, like, x, a, y, gi, gz, floats, blocks, stat
             _call(plan[PLAN_STEPS + ITEM_SUMS], (x, empty, empty, geometry, strides, shift,
                                                  sums, first, item, own))  # fmt: skip
         _call(plan[PLAN_STEPS + RESULTS], (kind, sums, shift, values, count, eps, momentum,
-                                           mode, narrow, k, item[0, 0] // tile,
-                                           item[0, 1] // tile))  # fmt: skip
+                                           mode, narrow, k, item[0, 0] // geometry[TILE],
+                                           item[0, 1] // geometry[TILE]))  # fmt: skip
         own[0] = own[1] = 0
         if kind != BACKWARD:
             _call(plan[PLAN_STEPS + ITEM_FORWARD], (x, a, y, geometry, strides, k_0, k_1, k_2,
@@ -1414,21 +1432,8 @@ def rows_pass(plan, eps, momentum, like, x, a, y, gi, gz, floats, partial, items
     (``(SUMS * items, C * tile + PAD)``), then one thread adds them up in item order (the
     same sums for the same items) and makes the channels' results, then the items'
     elementwise pass. One hand-off to the helpers, no Python between steps."""
-    kind, mode, first = plan[PLAN_KIND], plan[PLAN_MODE], plan[PLAN_FIRST]
-    f = PLAN_FLAGS
-    flags = (plan[f] != 0, plan[f + 1] != 0, plan[f + 2] != 0, plan[f + 3] != 0)
-    geometry = carve(plan, PLAN_GEOMETRY, (TILE + 1,))
-    strides = carve(plan, PLAN_STRIDES, (DATA_SLOTS, STRIDE_COLUMNS))
-    channels, tile = geometry[0], geometry[TILE]
-    n, width = channels * tile, 0 if kind == INFERENCE else channels * tile + PAD
-    o = CHANNEL_SLOTS * channels  # the scratch's views (``scratch_size``)
-    values = carve(floats, 0, (CHANNEL_SLOTS, channels))
-    shift, sums = carve(floats, o, (n,)), carve(floats, o + n, (SUMS, width))
-    o += n + SUMS * width
-    k = carve(floats, o, (3, n))
-    k_0, k_1 = carve(floats, o, (n,)), carve(floats, o + n, (n,))
-    k_2 = carve(floats, o + 2 * n, (n,))
-    count = geometry[1] * geometry[2] * tile
+    kind, mode, first, flags, geometry, strides, count = _fixed(plan)
+    values, shift, sums, k, k_0, k_1, k_2 = _scratch(plan, floats)
     empty = carve(x, 0, (0,))
     total = items.shape[0]
     if kind == BACKWARD:
@@ -1444,11 +1449,11 @@ def rows_pass(plan, eps, momentum, like, x, a, y, gi, gz, floats, partial, items
     if _atomic_add(state, 2, 1) == 0:  # the first thread here makes the results
         for i in range(total):
             for q in range(first, SUMS):
-                for c in range(width):
+                for c in range(sums.shape[1]):
                     sums[q, c] += partial[SUMS * i + q, c]
         _call(plan[PLAN_STEPS + RESULTS], (kind, sums, shift, values, count, eps, momentum,
                                            mode, like.itemsize < 8, k, 0,
-                                           channels))  # fmt: skip
+                                           geometry[0]))  # fmt: skip
         if kind == BACKWARD and not (flags[2] or flags[3]):
             _atomic_add(state, 5, total)  # no elementwise pass: its items are done
         _atomic_add(state, 3, 1)
@@ -1478,7 +1483,6 @@ def whole_pass(plan, eps, momentum, like, x_at, a_at, y_at, gi_at, gz_at, c0, c1
     # slicing, ``reshape`` and ``np.empty`` compiled functions of their own (0.4-0.5 s of a
     # first small call).
     reads, writes = plan[PLAN_READS], plan[PLAN_WRITES]
-    geometry = carve(plan, PLAN_GEOMETRY, (TILE + 1,))
     channel_args = carve(plan, PLAN_CHANNEL_ARGS, (CHANNEL_SLOTS, 2))
     spans = carve(plan, PLAN_SPANS, (DATA_SLOTS,))
     blocks = carve(plan, PLAN_SIZE, (plan[PLAN_BLOCKS], 4))
@@ -1488,10 +1492,8 @@ def whole_pass(plan, eps, momentum, like, x_at, a_at, y_at, gi_at, gz_at, c0, c1
     at, state = carve(ints, 0, (CHANNEL_SLOTS,)), carve(ints, CHANNEL_SLOTS, (2,))
     at[0], at[1], at[2], at[3], at[4], at[5] = c0, c1, c2, c3, c4, c5
     at[FIRST_VALUES] = x_at
-    channels = geometry[0]
     floats = zeros(plan[PLAN_SCRATCH], np.float64)
-    values = carve(floats, 0, (CHANNEL_SLOTS, channels))
-    shift = carve(floats, CHANNEL_SLOTS * channels, (channels * geometry[TILE],))
+    values, shift, _, _, _, _, _ = _scratch(plan, floats)
     _call(plan[PLAN_STEPS + COPY], (at, channel_args, reads, values, shift,
                                     plan[PLAN_SHIFT_ROW], False))  # fmt: skip
     _call(plan[PLAN_STEPS + BLOCKS], (plan, eps, momentum, like, x, a, y, gi, gz, floats, blocks,
