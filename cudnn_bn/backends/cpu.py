@@ -139,7 +139,6 @@ class _HostKernel:
         self.nbytes = [span * itemsize for span in self.layout.spans]
         self.numel = self.layout.count * self.layout.channels  # of each data tensor
         self.parallel = self.numel >= PARALLEL_MIN_VALUES
-        (self.whole,) = self.layout.items(1)
         self._items: dict[int, np.ndarray] = {}  # work_items
         self._blocks: dict[int, np.ndarray] = {}  # blocks, by thread count
         self.absent = (0,) * (SLOTS - len(data))  # the data slots this pass has not
@@ -188,7 +187,7 @@ class _HostKernel:
             blocks = self.blocks(1)
             fields = (self.kind, self.reads, self.writes, self.shift_row, self.mode,
                       self.first_sum, len(blocks), self.scratch_size)  # fmt: skip
-            parts = (fields, self.flags, self.whole, layout.geometry, self.spans)
+            parts = (fields, self.flags, layout.geometry, self.spans)
             arrays = (self.channel_args.ravel(), layout.strides.ravel(), steps, blocks.ravel())
             self._plan = np.concatenate([*parts, *arrays]).astype(np.int64)
             assert self._plan.size == k.PLAN_SIZE + blocks.size
