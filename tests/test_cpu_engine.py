@@ -106,30 +106,74 @@ def test_ten_million_values_per_channel_with_a_far_mean():
         assert_close(got, want)
 
 
-@pytest.mark.parametrize("eps", [EPS, 0.0])
-def test_constant_channel(eps):
-    """A constant channel has exactly zero variance: with eps its output is the bias and its
-    grad_input w/sqrt(eps) * (dy - mean(dy)); with eps 0 the formula's inf and NaN come out."""
+def test_constant_channel():
+    """A constant channel has exactly zero variance: its output is the bias and its
+    grad_input w/sqrt(eps) * (dy - mean(dy))."""
     rng = np.random.default_rng(1)
     shape = (64, 2, 2048)  # parallel-sized: 262144 values
     x = rng.standard_normal(shape).astype(np.float32)
     x[:, 1] = 3.3  # not a power of two: a naive mean would not subtract to zero
     dy = rng.standard_normal(shape).astype(np.float32)
     w, b = np.array([0.5, 2.0], np.float32), np.array([0.0, -0.75], np.float32)
-    y, _, invstd = cudnn_bn.batch_norm_forward_training(x, w, b, None, None, eps=eps)
-    gi, gw, gb = cudnn_bn.batch_norm_backward(x, dy, w, None, None, eps=eps)
-    want = torch_backward(x[:, :1], dy[:, :1], w[:1], eps)
+    y, _, invstd = cudnn_bn.batch_norm_forward_training(x, w, b, None, None)
+    gi, gw, gb = cudnn_bn.batch_norm_backward(x, dy, w, None, None)
+    want = torch_backward(x[:, :1], dy[:, :1], w[:1])
     assert_close(gi[:, 0], want[0][:, 0])
     assert_close(gb, dy.astype(np.float64).sum((0, 2)), 1e-4)
-    if eps:
-        assert invstd[1] == np.float32(1 / np.sqrt(eps))
-        assert (y[:, 1] == b[1]).all()
-        dy1 = dy[:, 1].astype(np.float64)
-        assert_close(gi[:, 1], w[1] / np.sqrt(eps) * (dy1 - dy1.mean()), 2e-4)
-        assert gw[1] == 0
+    assert invstd[1] == np.float32(1 / np.sqrt(EPS))
+    assert (y[:, 1] == b[1]).all()
+    dy1 = dy[:, 1].astype(np.float64)
+    assert_close(gi[:, 1], w[1] / np.sqrt(EPS) * (dy1 - dy1.mean()), 2e-4)
+    assert gw[1] == 0
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64, np.float16])
+@pytest.mark.parametrize("layout", ["nchw", "nhwc"])
+@pytest.mark.parametrize("path", ["stepwise", "one_call", "threads"])
+def test_eps_zero_constant_channel_has_torchs_invstd_0(path, layout, dtype, monkeypatch):
+    """A constant channel with eps 0 has invstd 0, as torch's ``InvStd`` gives it
+    (``native_batch_norm`` in float64): the output is the bias, grad_input and grad_weight
+    0, in the forward and both backwards, in every path that computes the statistics. The
+    formula's 1/sqrt(0) made invstd inf and the rest NaN."""
+    shape = (4, 2, 64, 512) if path == "threads" else (2, 2, 4, 8)
+    rng = np.random.default_rng(8)
+    x = rng.standard_normal(shape)
+    x[:, 1] = 3.25  # exact in every dtype: torch's float64 variance of it is 0 too
+    dy = rng.standard_normal(shape)
+    if layout == "nhwc":
+        x, dy = (laid_out(a, channels_last(shape), dtype) for a in (x, dy))
     else:
-        assert np.isinf(invstd[1]) and np.isnan(y[:, 1]).all()
-        assert np.isnan(gi[:, 1]).all() and np.isnan(gw[1])
+        x, dy = x.astype(dtype), dy.astype(dtype)
+    per_channel = np.float64 if dtype is np.float64 else np.float32
+    w, b = np.array([0.5, 2.0], per_channel), np.array([0.25, -0.75], per_channel)
+    monkeypatch.setattr(cpu, "STEPWISE_CALLS", 1 << 30 if path == "stepwise" else 0)
+    monkeypatch.setattr(cpu, "_ONE_CALL_DTYPES", set())
+    monkeypatch.setattr(cpu, "THREADS_MIN_VALUES", cpu.PARALLEL_MIN_VALUES)
+    previous = cpu_pool.thread_count()
+    cpu_pool.set_thread_count(2 if path == "threads" else 1)
+    try:
+        y, mean, invstd = cudnn_bn.batch_norm_forward_training(x, w, b, None, None, eps=0.0)
+        train = cudnn_bn.batch_norm_backward(x, dy, w, None, None, eps=0.0)
+        saved = cudnn_bn.batch_norm_backward(
+            x, dy, w, None, None, eps=0.0, mode="saved", saved_mean=mean, saved_invstd=invstd
+        )
+    finally:
+        cpu_pool.set_thread_count(previous)
+    x64, dy64, w64 = f64(x), f64(dy), f64(w)
+    want_y, want_mean, want_invstd = torch.ops.aten.native_batch_norm(
+        x64, w64, f64(b), None, None, True, 0.1, 0.0
+    )
+    want = torch.ops.aten.native_batch_norm_backward(
+        dy64, x64, w64, None, None, want_mean, want_invstd, True, 0.0, [True, True, True]
+    )
+    assert want_invstd[1] == 0 and invstd[1] == 0
+    assert (f64(y[:, 1]) == f64(b)[1]).all()
+    tol = 2e-3 if dtype is np.float16 else 2e-5
+    assert_close(y, want_y, tol)
+    for got in (train, saved):
+        assert (f64(got[0][:, 1]) == 0).all() and got[1][1] == 0
+        for g, wanted in zip(got, want, strict=True):
+            assert_close(g, wanted, tol * 10)
 
 
 @pytest.mark.parametrize("layout", ["nchw", "nhwc"])

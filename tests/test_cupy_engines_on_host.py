@@ -159,6 +159,33 @@ def test_training_forward_against_torch(data, channel, shape, layout, running):
     assert got.reserve is None  # the CuPy engine keeps nothing for the backward
 
 
+@pytest.mark.parametrize(("data", "channel"), [(F16, F32), (F32, F32), (F64, F64)], ids=str)
+def test_a_constant_channel_with_eps_0_has_torchs_invstd_0(data, channel):
+    """Batch statistics take torch's ``InvStd``: a channel of 0 variance with eps 0 has
+    invstd 0, the output the bias and grad_input, grad_weight 0, in the forward and the
+    train-mode backward (the formula's 1/sqrt(0) gave inf and NaN)."""
+    values = random_values((3, 2, 4, 5), bias=True)
+    values["input"][:, 1] = 3.25
+    p = {n: convert(v, data if n in DATA else channel) for n, v in values.items()}
+    y, _, invstd = batch_norm_forward_training(
+        p["input"], p["weight"], p["bias"], None, None, eps=0.0
+    )
+    grads = batch_norm_backward(p["input"], p["grad_output"], p["weight"], None, None, eps=0.0)
+    x64, w64 = f64(p["input"]), f64(p["weight"])
+    want_y, mean, want_invstd = torch.ops.aten.native_batch_norm(
+        x64, w64, f64(p["bias"]), None, None, True, 0.1, 0.0
+    )
+    want = torch.ops.aten.native_batch_norm_backward(
+        f64(p["grad_output"]), x64, w64, None, None, mean, want_invstd, True, 0.0, [True] * 3
+    )
+    assert want_invstd[1] == 0 and invstd[1] == 0
+    assert (f64(y[:, 1]) == f64(p["bias"].to(data))[1]).all()
+    assert (grads[0][:, 1] == 0).all() and grads[1][1] == 0
+    tol = tolerance_dtype(data)
+    for got, expected in zip((y, *grads), (want_y, *want), strict=True):
+        assert_close(got, expected, tol)
+
+
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("shape", SHAPES, ids=str)
 @pytest.mark.parametrize(("data", "channel"), DTYPES, ids=str)

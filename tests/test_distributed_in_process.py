@@ -313,6 +313,31 @@ def test_nccl_adapter_passes_equal_single_process_batch_norm(staging_cupy):
         ]
 
 
+def test_a_constant_channel_with_eps_0_has_torchs_invstd_0_on_every_rank(staging_cupy):
+    """The global statistics take torch's ``InvStd``, as one process's do: a channel of 0
+    variance with eps 0 has invstd 0, its output the bias, its grad_input 0 (the formula's
+    1/sqrt(0) gave inf and NaN)."""
+    v, cuts = _global_problem()
+    v["input"][:, 1] = 3.25
+
+    def work(rank: int, group: RecordingNccl) -> Any:
+        x, dy = (v[n][cuts[rank] : cuts[rank + 1]] for n in ("input", "grad_output"))
+        forward = sync_batch_norm_forward_training(
+            x, v["weight"], v["bias"], None, None, group=group, eps=0.0
+        )
+        return forward, sync_batch_norm_backward(x, dy, v["weight"], *forward[1:], group=group)
+
+    want = torch.ops.aten.native_batch_norm(
+        *(torch.from_numpy(v[n]) for n in ("input", "weight", "bias")), None, None, True, 0.1, 0.0
+    )
+    for rank, result in enumerate(on_ranks(World(len(SIZES)), work)):
+        assert not isinstance(result, Exception), result
+        (y, _, invstd), (grad_input, grad_weight, _) = result
+        assert invstd[1] == want[2][1] == 0
+        np.testing.assert_allclose(y, want[0][cuts[rank] : cuts[rank + 1]], rtol=1e-12, atol=1e-12)
+        assert (grad_input[:, 1] == 0).all() and grad_weight[1] == 0
+
+
 def test_an_nccl_failure_raises_with_its_message_and_writes_nothing(staging_cupy):
     v, cuts = _global_problem()
     kept = []

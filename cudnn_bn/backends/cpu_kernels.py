@@ -1317,7 +1317,9 @@ def channel_results(kind, sums, shift, values, count, eps, momentum, mode, narro
         var = s1 / count - d * d
         if var < 0.0:  # rounding; a NaN stays NaN
             var = 0.0
-        invstd = 1.0 / np.sqrt(var + eps)
+        # torch's ``InvStd`` (Normalization.cpp, its CUDA kernels): a batch variance of 0
+        # with eps 0 has invstd 0, so that the output is the bias and the gradients 0
+        invstd = 1.0 / np.sqrt(var + eps) if var != 0.0 or eps != 0.0 else 0.0
         if kind == INFERENCE:
             scale = w[c] / np.sqrt(values[3, c] + eps)
             k = (values[2, c], scale, values[1, c])

@@ -113,7 +113,7 @@ class CupyBatchNormBackward(_CupyKernel):
             if a.mode == Mode.TRAIN:
                 # "k" is free until finish_channels: the variance goes there first.
                 self.channel_sums(data, ws["mean"], ws["partials"], (ws["mean"], ws["k"], *sums))
-                kern.invstd_from_var(ws["k"], self.acc, a.eps, ws["invstd"], self.acc_c)
+                kern.invstd_from_var(ws["k"], self.acc, a.eps, ws["invstd"], self.acc_c, batch=True)
             else:
                 kern.convert(v["running_mean"], self.dtype("running_mean"), ws["mean"], self.acc)
                 var, var_dtype = v["running_var"], self.dtype("running_var")
@@ -166,7 +166,7 @@ class CupyBatchNormForwardTraining(_CupyKernel):
             v, ws = self.views(ptrs, workspace)
             x = v["input"]
             self.channel_sums((x, x, x), ws["mean"], ws["partials"], (ws["mean"], ws["var"]))
-            kern.invstd_from_var(ws["var"], self.acc, a.eps, ws["invstd"], self.acc_c)
+            kern.invstd_from_var(ws["var"], self.acc, a.eps, ws["invstd"], self.acc_c, batch=True)
             kern.channel_scale(v["weight"], self.dtype("weight"), ws["invstd"], ws["k"], self.acc_c)
             kern.normalize(
                 v["input"],

@@ -86,13 +86,20 @@ def convert(src: Any, src_dtype: DataType, dst: Any, dst_dtype: DataType) -> Non
 
 @functools.cache
 def _invstd_kernel(src: DataType, acc: str) -> Any:
-    body = f"invstd = ({acc})(1.0 / sqrt((double){load('var', src, acc)} + eps))"
-    return _elementwise("S var, float64 eps", "A invstd", body, f"invstd_{src.name}_{acc}")
+    body = f"""double v = (double){load("var", src, acc)};
+        invstd = ({acc})(batch && v == 0.0 && eps == 0.0 ? 0.0 : 1.0 / sqrt(v + eps))"""
+    return _elementwise(
+        "S var, float64 eps, bool batch", "A invstd", body, f"invstd_{src.name}_{acc}"
+    )
 
 
-def invstd_from_var(var: Any, var_dtype: DataType, eps: float, out: Any, acc: str) -> None:
-    """``out = 1 / sqrt(var + eps)``, computed in double, stored as ``acc``."""
-    _invstd_kernel(var_dtype, acc)(var, eps, out)
+def invstd_from_var(
+    var: Any, var_dtype: DataType, eps: float, out: Any, acc: str, batch: bool = False
+) -> None:
+    """``out = 1 / sqrt(var + eps)``, computed in double, stored as ``acc``. For a ``batch``
+    variance, 0 where it and eps are 0, as torch's ``InvStd`` (Normalization.cpp, and its
+    CUDA kernels) gives: the output is then the bias and the gradients 0."""
+    _invstd_kernel(var_dtype, acc)(var, eps, batch, out)
 
 
 @functools.cache

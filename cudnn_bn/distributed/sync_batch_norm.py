@@ -145,7 +145,8 @@ def sync_batch_norm_forward_training(
     _, mean, m2 = combine(counts(headers), gathered[:, :channels], gathered[:, channels:])
     var = m2 / n if n else m2
     with scope(input, checked.stream, checked.device_id), np.errstate(divide="ignore"):
-        invstd = 1.0 / np.sqrt(var + epsilon)
+        # torch's ``InvStd``, as the engines' batch statistics: 0 for 0 variance and eps 0
+        invstd = np.where((var == 0) & (epsilon == 0), 0.0, 1.0 / np.sqrt(var + epsilon))
         output = kind.normalize(input, (mean, invstd * w, b))
         saved_mean, saved_invstd = kind.statistics(mean, input), kind.statistics(invstd, input)
         if n:
