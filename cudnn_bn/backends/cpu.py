@@ -195,6 +195,8 @@ class _HostKernel:
 
     @property
     def scratch_size(self) -> int:
+        """The float64 scratch one call of this pass takes (``cpu_kernels.scratch_size``:
+        per-channel values, tiled shift, sums, coefficients), for its layout and kind."""
         return cpu_kernels.scratch_size(self.layout.channels, self.tile, self.kind)
 
     def blocks(self, threads: int) -> np.ndarray:
