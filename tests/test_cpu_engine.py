@@ -506,12 +506,17 @@ def test_channels_last_rows_of_two_dimensions(rows):
     assert_backwards_as_torch(x, dy, weight, mean, invstd)
 
 
+@pytest.mark.parametrize("interpreted", [True, False], ids=["numpy", "compiled"])
 @pytest.mark.parametrize("layout", ["nchw", "nhwc"])
 @pytest.mark.parametrize("dtype", [np.float32, np.float16, np.float64], ids=str)
-def test_first_calls_step_by_step_give_the_one_call_passs_results(monkeypatch, layout, dtype):
-    """A problem's first calls (``cpu.STEPWISE_CALLS``) run the steps from Python; later
-    calls run the one-call pass: the same results, bit for bit, for every pass, fused or not,
-    in either walk."""
+def test_first_calls_step_by_step_give_the_one_call_passs_results(
+    monkeypatch, layout, dtype, interpreted
+):
+    """A problem's first calls (``cpu.STEPWISE_CALLS``) run the steps from Python, their
+    per-channel steps NumPy's and the interpreter's or compiled (``cpu.INTERPRETED_COLUMNS``);
+    later calls run the one-call pass: the same results, bit for bit, for every pass, fused
+    or not, in either walk."""
+    monkeypatch.setattr(cpu, "INTERPRETED_COLUMNS", 1 << 62 if interpreted else 0)
     shape = (16, 8, 33, 31)  # 131k values: a problem the one-call pass serves on one thread
     rng = np.random.default_rng(7)
     strides = contiguous_strides(shape) if layout == "nchw" else channels_last(shape)
