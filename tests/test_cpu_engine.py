@@ -508,7 +508,7 @@ def test_channels_last_rows_of_two_dimensions(rows):
 
 @pytest.mark.parametrize("interpreted", [True, False], ids=["numpy", "compiled"])
 @pytest.mark.parametrize("layout", ["nchw", "nhwc"])
-@pytest.mark.parametrize("dtype", [np.float32, np.float16, np.float64], ids=str)
+@pytest.mark.parametrize("dtype", [np.float32, np.float16, np.float64, "bfloat16"], ids=str)
 def test_first_calls_step_by_step_give_the_one_call_passs_results(
     monkeypatch, layout, dtype, interpreted
 ):
@@ -517,6 +517,7 @@ def test_first_calls_step_by_step_give_the_one_call_passs_results(
     later calls run the one-call pass: the same results, bit for bit, for every pass, fused
     or not, in either walk."""
     monkeypatch.setattr(cpu, "INTERPRETED_COLUMNS", 1 << 62 if interpreted else 0)
+    dtype = half_dtype(dtype) if dtype == "bfloat16" else dtype  # its per-channel tensors too
     shape = (16, 8, 33, 31)  # 131k values: a problem the one-call pass serves on one thread
     rng = np.random.default_rng(7)
     strides = contiguous_strides(shape) if layout == "nchw" else channels_last(shape)
@@ -538,6 +539,17 @@ def test_first_calls_step_by_step_give_the_one_call_passs_results(
     monkeypatch.setattr(cpu, "STEPWISE_CALLS", 0)
     later = passes()
     assert all(np.array_equal(f, g, equal_nan=True) for f, g in zip(first, later, strict=True))
+
+
+def test_per_channel_steps_are_compiled_once_the_processs_budget_is_spent(monkeypatch):
+    """Step-by-step calls make their per-channel steps in NumPy and the interpreter until
+    they have taken ``cpu.INTERPRETED_COLUMNS`` in all, then call the compiled ones: the
+    interpreter's 8 us a column is bounded."""
+    monkeypatch.setattr(cpu, "INTERPRETED_COLUMNS", 100)
+    monkeypatch.setattr(cpu, "_interpreted_columns", [0])
+    assert cpu._per_channel_steps(64) == (cpu._numpy_copy, cpu._interpreted_results)
+    compiled = (cpu.cpu_kernels.copy_channels, cpu.cpu_kernels.channel_results)
+    assert cpu._per_channel_steps(64) == compiled
 
 
 # --- speed ---------------------------------------------------------------------------------
