@@ -11,7 +11,8 @@
 - a large call compiles only its layout's walk (first calls compiled both), and two
   per-channel functions (a dozen, each compiled apart); a small call after it compiles only
   the whole-pass function (it compiled a copy of every step, of both walks), which compiles
-  no NumPy implementation, and an item's bounds and strides no function of their own.
+  no NumPy implementation, and an item's bounds and strides no function of their own; a
+  problem's first calls on one thread compile no per-channel function.
 
 Results are checked against the same call made serially in the same process.
 """
