@@ -13,6 +13,7 @@ import os
 import subprocess
 import sys
 import threading
+import warnings
 
 import numpy as np
 import pytest
@@ -550,6 +551,21 @@ def test_per_channel_steps_are_compiled_once_the_processs_budget_is_spent(monkey
     assert cpu._per_channel_steps(64) == (cpu._numpy_copy, cpu._interpreted_results)
     compiled = (cpu.cpu_kernels.copy_channels, cpu.cpu_kernels.channel_results)
     assert cpu._per_channel_steps(64) == compiled
+
+
+def test_first_calls_write_a_per_channel_overflow_as_inf_without_a_warning(monkeypatch):
+    """A step-by-step call's per-channel results beyond their dtype's range are written as
+    inf, as the compiled copy writes them, with no warning: NumPy's cast warned "overflow
+    encountered in cast", an error under ``-W error``."""
+    monkeypatch.setattr(cpu, "INTERPRETED_COLUMNS", 1 << 62)
+    rng = np.random.default_rng(3)
+    x = (rng.standard_normal((32, 64, 8, 8)) * 300).astype(np.float16)  # variance 9e4
+    w, b = np.ones(64, np.float16), np.zeros(64, np.float16)
+    rm, rv = np.zeros(64, np.float16), np.ones(64, np.float16)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        cudnn_bn.batch_norm_forward_training(x, w, b, rm, rv, momentum=1.0)
+    assert np.isinf(rv).all()
 
 
 # --- speed ---------------------------------------------------------------------------------

@@ -110,7 +110,8 @@ def _numpy_copy(at, args, bits, values, shift, shift_row, store) -> None:
         span = flat_array(int(at[t]), (count - 1) * stride + 1, storage)
         view = np.lib.stride_tricks.as_strided(span, (count,), (stride * storage.itemsize,))
         if store:
-            view[...] = values[t]
+            with np.errstate(all="ignore"):  # beyond the dtype's range: inf, as compiled
+                view[...] = values[t]
         elif code == _BF16:
             values[t] = (view.astype(np.uint32) << 16).view(np.float32)
         else:
