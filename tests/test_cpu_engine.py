@@ -13,6 +13,7 @@ import os
 import subprocess
 import sys
 import threading
+import warnings
 
 import numpy as np
 import pytest
@@ -506,12 +507,18 @@ def test_channels_last_rows_of_two_dimensions(rows):
     assert_backwards_as_torch(x, dy, weight, mean, invstd)
 
 
+@pytest.mark.parametrize("interpreted", [True, False], ids=["numpy", "compiled"])
 @pytest.mark.parametrize("layout", ["nchw", "nhwc"])
-@pytest.mark.parametrize("dtype", [np.float32, np.float16, np.float64], ids=str)
-def test_first_calls_step_by_step_give_the_one_call_passs_results(monkeypatch, layout, dtype):
-    """A problem's first calls (``cpu.STEPWISE_CALLS``) run the steps from Python; later
-    calls run the one-call pass: the same results, bit for bit, for every pass, fused or not,
-    in either walk."""
+@pytest.mark.parametrize("dtype", [np.float32, np.float16, np.float64, "bfloat16"], ids=str)
+def test_first_calls_step_by_step_give_the_one_call_passs_results(
+    monkeypatch, layout, dtype, interpreted
+):
+    """A problem's first calls (``cpu.STEPWISE_CALLS``) run the steps from Python, their
+    per-channel steps NumPy's and the interpreter's or compiled (``cpu.INTERPRETED_COLUMNS``);
+    later calls run the one-call pass: the same results, bit for bit, for every pass, fused
+    or not, in either walk."""
+    monkeypatch.setattr(cpu, "INTERPRETED_COLUMNS", 1 << 62 if interpreted else 0)
+    dtype = half_dtype(dtype) if dtype == "bfloat16" else dtype  # its per-channel tensors too
     shape = (16, 8, 33, 31)  # 131k values: a problem the one-call pass serves on one thread
     rng = np.random.default_rng(7)
     strides = contiguous_strides(shape) if layout == "nchw" else channels_last(shape)
@@ -533,6 +540,32 @@ def test_first_calls_step_by_step_give_the_one_call_passs_results(monkeypatch, l
     monkeypatch.setattr(cpu, "STEPWISE_CALLS", 0)
     later = passes()
     assert all(np.array_equal(f, g, equal_nan=True) for f, g in zip(first, later, strict=True))
+
+
+def test_per_channel_steps_are_compiled_once_the_processs_budget_is_spent(monkeypatch):
+    """Step-by-step calls make their per-channel steps in NumPy and the interpreter until
+    they have taken ``cpu.INTERPRETED_COLUMNS`` in all, then call the compiled ones: the
+    interpreter's 8 us a column is bounded."""
+    monkeypatch.setattr(cpu, "INTERPRETED_COLUMNS", 100)
+    monkeypatch.setattr(cpu, "_interpreted_columns", [0])
+    assert cpu._per_channel_steps(64) == (cpu._numpy_copy, cpu._interpreted_results)
+    compiled = (cpu.cpu_kernels.copy_channels, cpu.cpu_kernels.channel_results)
+    assert cpu._per_channel_steps(64) == compiled
+
+
+def test_first_calls_write_a_per_channel_overflow_as_inf_without_a_warning(monkeypatch):
+    """A step-by-step call's per-channel results beyond their dtype's range are written as
+    inf, as the compiled copy writes them, with no warning: NumPy's cast warned "overflow
+    encountered in cast", an error under ``-W error``."""
+    monkeypatch.setattr(cpu, "INTERPRETED_COLUMNS", 1 << 62)
+    rng = np.random.default_rng(3)
+    x = (rng.standard_normal((32, 64, 8, 8)) * 300).astype(np.float16)  # variance 9e4
+    w, b = np.ones(64, np.float16), np.zeros(64, np.float16)
+    rm, rv = np.zeros(64, np.float16), np.ones(64, np.float16)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        cudnn_bn.batch_norm_forward_training(x, w, b, rm, rv, momentum=1.0)
+    assert np.isinf(rv).all()
 
 
 # --- speed ---------------------------------------------------------------------------------

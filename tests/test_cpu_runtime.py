@@ -11,7 +11,8 @@
 - a large call compiles only its layout's walk (first calls compiled both), and two
   per-channel functions (a dozen, each compiled apart); a small call after it compiles only
   the whole-pass function (it compiled a copy of every step, of both walks), which compiles
-  no NumPy implementation, and an item's bounds and strides no function of their own.
+  no NumPy implementation, and an item's bounds and strides no function of their own; a
+  problem's first calls on one thread compile no per-channel function.
 
 Results are checked against the same call made serially in the same process.
 """
@@ -492,3 +493,23 @@ def test_a_small_call_compiles_no_kernel_of_its_own(tmp_path):
         )
     )
     assert_printed(run_child(script, NUMBA_CACHE_DIR=str(tmp_path)), "['whole_pass']")
+
+
+def test_a_problems_first_calls_compile_no_per_channel_step(tmp_path):
+    """The first calls of a problem on one thread (the README's first block: (32, 64, 8, 8))
+    compile the item kernels of their walk alone, and neither threaded pass: the per-channel
+    copies are NumPy's and the per-channel results run in the interpreter
+    (``cpu._per_channel_steps``; their compiles were 1 s of that block's
+    4.9 s). ``copy_channels`` and ``channel_results`` were compiled (fails there)."""
+    script = COMPILES + (
+        "import numpy as np, cudnn_bn\n"
+        "rng = np.random.default_rng(0)\n"
+        "x = rng.standard_normal((32, 64, 8, 8), dtype=np.float32)\n"
+        "w, b = np.ones(64, np.float32), np.zeros(64, np.float32)\n"
+        "cudnn_bn.batch_norm_backward(x, x, w, None, None)\n"
+        "cudnn_bn.batch_norm_forward_training(x, w, b, b.copy(), w.copy())\n"
+        "cudnn_bn.batch_norm_forward_inference(x, w, b, b, w)\n"
+        "print(sorted(compiled))\n"
+    )
+    steps = "['item_backward_along', 'item_forward_along', 'item_sums_along']"
+    assert_printed(run_child(script, NUMBA_CACHE_DIR=str(tmp_path)), steps)

@@ -89,6 +89,66 @@ def _bits(*flags: bool) -> int:
     return sum(1 << slot for slot, flag in enumerate(flags) if flag)
 
 
+# Each dtype code's NumPy storage: NumPy converts F16, F32 and F64 to and from float64 as the
+# kernels do (exact reads, one rounding to nearest even); BF16 (uint16 bits) it reads exactly
+# as the high half of a float32, and has no rounding to it.
+_STORAGE = {int(t): f.storage for t, f in FLOAT_TYPES.items()}
+_BF16 = int(DataType.BF16)
+
+
+def _numpy_copy(at, args, bits, values, shift, shift_row, store) -> None:
+    """``cpu_kernels.copy_channels`` by NumPy (its compile was 0.46 s of the README block's
+    4.9 s), the compiled one where it writes a BF16 tensor."""
+    slots = [t for t in range(len(at)) if bits >> t & 1]
+    if store and any(args[t, 1] == _BF16 for t in slots):
+        cpu_kernels.copy_channels(at, args, bits, values, shift, shift_row, store)
+        return
+    count = values.shape[1]
+    for t in slots:
+        stride, code = int(args[t, 0]), int(args[t, 1])
+        storage = _STORAGE[code]
+        span = flat_array(int(at[t]), (count - 1) * stride + 1, storage)
+        view = np.lib.stride_tricks.as_strided(span, (count,), (stride * storage.itemsize,))
+        if store:
+            with np.errstate(all="ignore"):  # beyond the dtype's range: inf, as compiled
+                view[...] = values[t]
+        elif code == _BF16:
+            values[t] = (view.astype(np.uint32) << 16).view(np.float32)
+        else:
+            values[t] = view
+    if shift_row >= 0:  # x's first values as 0 where not finite (``copy_channels``)
+        tiled = np.tile(values[shift_row], shift.size // count)
+        finite = shift_row != cpu_kernels.FIRST_VALUES or np.isfinite(tiled)
+        shift[:] = np.where(finite, tiled, 0.0)
+
+
+def _interpreted_results(*args) -> None:
+    """``cpu_kernels.channel_results``' Python function on ``args`` (NumPy arrays and
+    scalars), warnings of NumPy's floating-point errors off (the kernels' error model: 1/0
+    is inf): its compile was 0.55 s of the README block's 4.9 s. Its float64 operations are
+    the compiled ones (IEEE, no contraction), so are the results."""
+    with np.errstate(all="ignore"):
+        cpu_kernels.channel_results.py_func(*args)
+
+
+# A process's first calls step by step (``stepwise``) make their per-channel steps in NumPy
+# and the interpreter (``_numpy_copy``, ``_interpreted_results``), until those have taken
+# this many columns (channels times tile, over all calls; about 8 us each, so 70 ms at
+# most): the README's first block then compiles no per-channel step (1 s of its 4.9 s,
+# 0.5 ms more a call at C = 64), and a process that makes more such calls compiles them once.
+INTERPRETED_COLUMNS = 1 << 13
+_interpreted_columns = [0]  # taken so far
+
+
+def _per_channel_steps(columns: int) -> tuple[Callable[..., None], Callable[..., None]]:
+    """The per-channel copy and results for a call of ``columns`` (``INTERPRETED_COLUMNS``):
+    NumPy's and the interpreter's while the process's budget lasts, else the compiled ones."""
+    if _interpreted_columns[0] + columns > INTERPRETED_COLUMNS:
+        return cpu_kernels.copy_channels, cpu_kernels.channel_results
+    _interpreted_columns[0] += columns
+    return _numpy_copy, _interpreted_results
+
+
 class _HostKernel:
     """What the three passes share: the walk, the overlap rule, the thread count."""
 
@@ -195,6 +255,8 @@ class _HostKernel:
 
     @property
     def scratch_size(self) -> int:
+        """The float64 scratch one call of this pass takes (``cpu_kernels.scratch_size``:
+        per-channel values, tiled shift, sums, coefficients), for its layout and kind."""
         return cpu_kernels.scratch_size(self.layout.channels, self.tile, self.kind)
 
     def blocks(self, threads: int) -> np.ndarray:
@@ -247,7 +309,7 @@ class _HostKernel:
         (``by_blocks``), otherwise work items of rows too (``cpu_kernels.rows_pass``)."""
         k, plan = cpu_kernels, self.plan()
         floats = np.zeros(self.scratch_size)
-        channel_at, values, shift = self.channel_inputs(channel, at[0], floats)
+        channel_at, values, shift = self.channel_inputs(channel, at[0], floats, k.copy_channels)
         eps, momentum, like = self.eps, self.momentum, self.like
         views = (*self.views(at), *(like,) * len(self.absent))  # absent slots: empty
         if self.by_blocks(threads):
@@ -283,29 +345,32 @@ class _HostKernel:
         spans, storage = self.layout.spans, self.like.dtype
         return [flat_array(a, n, storage) for a, n in zip(addresses, spans, strict=True)]
 
-    def channel_inputs(self, channel: tuple[int, ...], x: int, floats: np.ndarray) -> tuple:
+    def channel_inputs(
+        self, channel: tuple[int, ...], x: int, floats: np.ndarray, copy: Callable[..., None]
+    ) -> tuple:
         """The per-channel addresses ``channel`` (and the input's, ``x``) as an array, and
         the views of ``floats`` (``cpu_kernels.scratch_size``) that hold the float64 table
         of those read and the sums' tiled shift (``shift_row``), made
-        (``cpu_kernels.copy_channels``)."""
+        (``copy``: ``cpu_kernels.copy_channels`` or ``_numpy_copy``)."""
         k, channels = cpu_kernels, self.layout.channels
         at = np.zeros(k.CHANNEL_SLOTS, dtype=np.int64)
         at[: len(channel)], at[k.FIRST_VALUES] = channel, x
         o = k.CHANNEL_SLOTS * channels
         values = floats[:o].reshape(k.CHANNEL_SLOTS, channels)
         shift = floats[o : o + channels * self.tile]
-        k.copy_channels(at, self.channel_args, self.reads, values, shift, self.shift_row, False)
+        copy(at, self.channel_args, self.reads, values, shift, self.shift_row, False)
         return at, values, shift
 
-    def channel_results(self, at, values, sums, shift):
-        """Write the per-channel results; the elementwise pass's tiled coefficients."""
-        k = cpu_kernels
+    def channel_results(self, at, values, sums, shift, steps):
+        """Write the per-channel results; the elementwise pass's tiled coefficients (``steps``:
+        ``_per_channel_steps``)."""
+        copy, results = steps
         coefficients = np.empty((3, self.layout.channels * self.tile))
         narrow = self.like.itemsize < 8  # F32/F16/BF16 data
-        k.channel_results(self.kind, sums, shift, values, self.layout.count, self.eps,
-                          self.momentum, self.mode, narrow, coefficients, 0,
-                          self.layout.channels)  # fmt: skip
-        k.copy_channels(at, self.channel_args, self.writes, values, shift, -1, True)
+        results(self.kind, sums, shift, values, np.int64(self.layout.count), self.eps,
+                self.momentum, self.mode, narrow, coefficients, 0,
+                self.layout.channels)  # fmt: skip
+        copy(at, self.channel_args, self.writes, values, shift, -1, True)
         return coefficients
 
     def stepwise(self, at: list[int] | tuple[int, ...], channel: tuple[int, ...]) -> None:
@@ -313,14 +378,16 @@ class _HostKernel:
         problem's first calls (``STEPWISE_CALLS``) compile no pass of their own."""
         k, layout, like, kind = cpu_kernels, self.layout, self.like, self.kind
         geometry, strides, flags = layout.geometry, layout.strides, self.flags
-        channel_at, values, shift = self.channel_inputs(channel, at[0], np.zeros(self.scratch_size))
+        steps = _per_channel_steps(layout.channels * self.tile)
+        floats = np.zeros(self.scratch_size)
+        channel_at, values, shift = self.channel_inputs(channel, at[0], floats, steps[0])
         x, a, y, gi, gz = (*self.views(at), *(like,) * len(self.absent))  # absent: empty
         item, state = self.work_items(1), np.zeros(2, np.int64)
         sums = np.zeros((k.SUMS, 0 if kind == k.INFERENCE else shift.size + k.PAD))
         if kind != k.INFERENCE:  # a training forward's sums are x's alone
             dy, out = (a, y) if kind == k.BACKWARD else (like, like)
             self.item_sums(x, dy, out, geometry, strides, shift, sums, self.first_sum, item, state)
-        k_0, k_1, k_2 = self.channel_results(channel_at, values, sums, shift)
+        k_0, k_1, k_2 = self.channel_results(channel_at, values, sums, shift, steps)
         state[:] = 0
         if kind != k.BACKWARD:
             self.item_forward(x, a, y, geometry, strides, k_0, k_1, k_2, flags[:2], item, state)

@@ -1382,6 +1382,34 @@ def _scratch(plan, floats):
     return values, shift, sums, carve(floats, o, (3, n)), k_0, k_1, k_2
 
 
+@helper
+def _sums_step(plan, kind, first, x, a, y, geometry, strides, shift, out, items, state):
+    """A pass's sums step over ``items`` (``item_sums_*``, by address) into ``out``: x and
+    dy's (and ``y``'s mask) for a backward, x's alone for a training forward (its ``a`` is
+    z), none for inference. One copy for ``blocks_pass`` and ``rows_pass``."""
+    if kind == BACKWARD:
+        _call(plan[PLAN_STEPS + ITEM_SUMS], (x, a, y, geometry, strides, shift, out, first,
+                                             items, state))  # fmt: skip
+    elif kind == TRAINING:
+        empty = carve(x, 0, (0,))
+        _call(plan[PLAN_STEPS + ITEM_SUMS], (x, empty, empty, geometry, strides, shift, out,
+                                             first, items, state))  # fmt: skip
+
+
+@helper
+def _elementwise_step(plan, kind, flags, x, a, y, gi, gz, geometry, strides, k_0, k_1, k_2,
+                      items, state):  # fmt: skip
+    """A pass's elementwise step over ``items`` (``item_forward_*`` or ``item_backward_*``,
+    by address) with coefficients ``k_0``, ``k_1``, ``k_2``; none for a backward that
+    writes neither gi nor gz (``flags``, as ``blocks_pass`` takes them)."""
+    if kind != BACKWARD:
+        _call(plan[PLAN_STEPS + ITEM_FORWARD], (x, a, y, geometry, strides, k_0, k_1, k_2,
+                                                (flags[0], flags[1]), items, state))  # fmt: skip
+    elif flags[2] or flags[3]:
+        _call(plan[PLAN_STEPS + ITEM_BACKWARD], (x, a, y, gi, gz, geometry, strides, k_0, k_1,
+                                                 k_2, flags, items, state))  # fmt: skip
+
+
 @jit
 def blocks_pass(plan, eps, momentum, like, x, a, y, gi, gz, floats, blocks, state):
     """A pass (``kind``, as ``channel_results``) over ``blocks`` of channels of every row
@@ -1399,28 +1427,18 @@ def blocks_pass(plan, eps, momentum, like, x, a, y, gi, gz, floats, blocks, stat
     narrow = like.itemsize < 8  # F32/F16/BF16 data (``channel_results``)
     ints = zeros(2 + 4, np.int64)  # this thread's: one step's item state, its item
     own, item = carve(ints, 0, (2,)), carve(ints, 2, (1, 4))
-    empty = carve(x, 0, (0,))
     b = _next_item(state, NO_ITEM, blocks)
     while b >= 0:
         for q in range(4):
             item[0, q] = blocks[b, q]
         own[0] = own[1] = 0
-        if kind == BACKWARD:
-            _call(plan[PLAN_STEPS + ITEM_SUMS], (x, a, y, geometry, strides, shift, sums, first,
-                                                 item, own))  # fmt: skip
-        elif kind == TRAINING:
-            _call(plan[PLAN_STEPS + ITEM_SUMS], (x, empty, empty, geometry, strides, shift,
-                                                 sums, first, item, own))  # fmt: skip
+        _sums_step(plan, kind, first, x, a, y, geometry, strides, shift, sums, item, own)
         _call(plan[PLAN_STEPS + RESULTS], (kind, sums, shift, values, count, eps, momentum,
                                            mode, narrow, k, item[0, 0] // geometry[TILE],
                                            item[0, 1] // geometry[TILE]))  # fmt: skip
         own[0] = own[1] = 0
-        if kind != BACKWARD:
-            _call(plan[PLAN_STEPS + ITEM_FORWARD], (x, a, y, geometry, strides, k_0, k_1, k_2,
-                                                    (flags[0], flags[1]), item, own))  # fmt: skip
-        elif flags[2] or flags[3]:
-            _call(plan[PLAN_STEPS + ITEM_BACKWARD], (x, a, y, gi, gz, geometry, strides, k_0,
-                                                     k_1, k_2, flags, item, own))  # fmt: skip
+        _elementwise_step(plan, kind, flags, x, a, y, gi, gz, geometry, strides, k_0, k_1, k_2,
+                          item, own)  # fmt: skip
         b = _next_item(state, b, blocks)
 
 
@@ -1435,15 +1453,9 @@ def rows_pass(plan, eps, momentum, like, x, a, y, gi, gz, floats, partial, items
     elementwise pass. One hand-off to the helpers, no Python between steps."""
     kind, mode, first, flags, geometry, strides, count = _fixed(plan)
     values, shift, sums, k, k_0, k_1, k_2 = _scratch(plan, floats)
-    empty = carve(x, 0, (0,))
     total = items.shape[0]
-    if kind == BACKWARD:
-        _call(plan[PLAN_STEPS + ITEM_SUMS], (x, a, y, geometry, strides, shift, partial, first,
-                                             items, carve(state, 0, (2,))))  # fmt: skip
-    elif kind == TRAINING:
-        _call(plan[PLAN_STEPS + ITEM_SUMS], (x, empty, empty, geometry, strides, shift,
-                                             partial, first, items,
-                                             carve(state, 0, (2,))))  # fmt: skip
+    sums_state, elementwise_state = carve(state, 0, (2,)), carve(state, 4, (2,))
+    _sums_step(plan, kind, first, x, a, y, geometry, strides, shift, partial, items, sums_state)
     if kind != INFERENCE:
         while _atomic_read(state, 1) < total:  # every item's sums
             pass
@@ -1460,14 +1472,8 @@ def rows_pass(plan, eps, momentum, like, x, a, y, gi, gz, floats, partial, items
         _atomic_add(state, 3, 1)
     while _atomic_read(state, 3) < 1:
         pass
-    if kind != BACKWARD:
-        _call(plan[PLAN_STEPS + ITEM_FORWARD], (x, a, y, geometry, strides, k_0, k_1, k_2,
-                                                (flags[0], flags[1]), items,
-                                                carve(state, 4, (2,))))  # fmt: skip
-    elif flags[2] or flags[3]:
-        _call(plan[PLAN_STEPS + ITEM_BACKWARD], (x, a, y, gi, gz, geometry, strides, k_0, k_1,
-                                                 k_2, flags, items,
-                                                 carve(state, 4, (2,))))  # fmt: skip
+    _elementwise_step(plan, kind, flags, x, a, y, gi, gz, geometry, strides, k_0, k_1, k_2,
+                      items, elementwise_state)  # fmt: skip
 
 
 @jit
