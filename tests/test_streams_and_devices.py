@@ -1018,3 +1018,55 @@ def test_a_cuda_array_interface_is_read_once_per_call_and_the_call_runs_on_that_
     assert attacker.reads == 1
     honest = first if k > 1 else then
     assert got == attempt(DeviceTurning(honest, honest, 1))
+
+
+# --- each stream= object read once per call -----------------------------------------------------
+
+
+class TurningStream:
+    """A ``stream=`` object whose address turns from ``CALL_STREAM`` to ``OTHER_STREAM``
+    after its first read, as ``__cuda_stream__()`` (``form`` "protocol") or a ``ptr``
+    property (CuPy's); ``reads`` counts the reads of each of its attributes."""
+
+    def __init__(self, form: str) -> None:
+        self.form, self.reads = form, {}
+
+    def _address(self, what: str) -> int:
+        self.reads[what] = self.reads.get(what, 0) + 1
+        return CALL_STREAM if self.reads[what] == 1 else OTHER_STREAM
+
+    def __getattr__(self, name: str):
+        if (name, self.form) == ("__cuda_stream__", "protocol"):
+            return lambda: (0, self._address(name))
+        if (name, self.form) == ("ptr", "ptr"):
+            return self._address(name)
+        self.reads[name] = self.reads.get(name, 0) + 1
+        raise AttributeError(name)
+
+
+OTHER_STREAM = 0x6C00
+
+
+@pytest.mark.parametrize("planned", [False, True], ids=["new", "planned"])
+@pytest.mark.parametrize("door", [False, True], ids=["cupy", "interface"])
+@pytest.mark.parametrize("form", ["protocol", "ptr"])
+def test_a_stream_object_is_read_once_per_call(fake, stub, form, door, planned):
+    """A ``stream=`` object is read once per call: the stream its first read names is the
+    one allocations come from, the launch runs on and producers are ordered before. The
+    door's path read one 2 to 3 times a call (the consumer's stream, the plan's build, the
+    plan's call), each read a ``hasattr`` and a get."""
+    p = problem(fake.array, 0)
+    args = [p["input"], p["weight"], p["bias"], p["mean"], p["var"]]
+    if door:
+        args[3] = Foreign(p["mean"], PRODUCER_STREAM)
+    if planned:
+        batch_norm_forward_training(*args, stream=CALL_STREAM)
+    log, stream = len(fake.log), TurningStream(form)
+    batch_norm_forward_training(*args, stream=stream)
+    wanted = "__cuda_stream__" if form == "protocol" else "ptr"
+    assert stream.reads.get(wanted) == 1
+    assert all(n == 1 for n in stream.reads.values()), stream.reads
+    entries = fake.log[log:]
+    assert {e[1:3] for e in entries if e[0] in ("alloc", "launch")} == {(0, CALL_STREAM)}
+    assert {e[2] for e in entries if e[0] == "wait"} <= {CALL_STREAM}
+    assert stub.set_stream.stream == CALL_STREAM

@@ -44,7 +44,7 @@ from ..runtime import Handle
 from ..tensor import ITEMSIZE, TensorDesc
 from .outputs import out_arrays
 from .spelling import SPELLING
-from .streams import call_place, call_stream, host_stream
+from .streams import call_place, call_stream, host_stream, read_stream
 
 descriptor_cache = DescriptorCache()
 _PER_THREAD = 2  # cudaStreamPerThread: the calling host thread's default stream
@@ -254,9 +254,9 @@ def run(spec: Pass, arrays: tuple, raw: tuple, stream: Any, out: Any = None) -> 
         if like is None:
             raise InfiniError(Status.NULL_POINTER, "input is None")
         signatures, ptrs, others = read(arrays, spec.writes, [spec, options_key(raw)])
-        described, place = (
-            _described(spec, arrays, stream, others, signatures, ptrs) if others else ({}, None)
-        )
+        described, place = {}, None
+        if others:
+            described, place, stream = _described(spec, arrays, stream, others, signatures, ptrs)
         key = tuple(signatures)
         try:
             plan = descriptor_cache.get(key)
@@ -265,7 +265,8 @@ def run(spec: Pass, arrays: tuple, raw: tuple, stream: Any, out: Any = None) -> 
                 raise  # not the key's: a signal handler's, raised meanwhile
             spec.options(raw, dict(zip(spec.names, arrays, strict=True)))
             raise InfiniError(Status.BAD_PARAM, f"unhashable option among {raw!r}") from None
-        if plan is None:
+        if plan is None:  # the build and the call see one read of a stream object
+            stream = read_stream(stream)
             plan = descriptor_cache.add(key, _build(spec, arrays, raw, described, place, stream))
         return plan.call(arrays, ptrs, like, stream)
     except Exception as exc:
@@ -282,12 +283,14 @@ def _hashable(key: tuple) -> bool:
 
 def _described(
     spec: Pass, arrays: tuple, stream: Any, others: list[int], signatures: list, ptrs: list[int]
-) -> tuple[dict[int, Operand], tuple[Device, int]]:
+) -> tuple[dict[int, Operand], tuple[Device, int], Any]:
     """The door's operands of the producers at ``others`` (``read``), their signatures (with
     the producer's type: outputs are stored as the input is, e.g. BF16 as ``ml_dtypes``' type
-    or as uint16 bits, which its operand does not say) and pointers filled in, and the
-    call's place: one device for all, and the stream, before any is asked to export. Each
-    producer's protocol is read once (``arrays.see``), for its place and its operand."""
+    or as uint16 bits, which its operand does not say) and pointers filled in, the call's
+    place (one device for all), and its stream, found before any producer is asked to export:
+    on a device, the address producers were ordered before, which the call then runs on;
+    on the host, ``stream`` as ``read_stream`` read it. Each producer's protocol is read once
+    (``arrays.see``), for its place and its operand."""
     spelling, names = spec.spelling, spec.names
     seen, given = {}, {}  # in the pass's order, as the door's errors name them
     for at, array in enumerate(arrays):
@@ -297,6 +300,7 @@ def _described(
                 array = seen[at] = see(name, array)
             given[name] = array
     device, device_id = common_place(given)
+    stream = read_stream(stream)
     consumer = None if device == Device.CPU else call_stream(stream, arrays[0], device, device_id)
     described = {}
     for at, s in seen.items():
@@ -304,7 +308,7 @@ def _described(
         found = operand(spelling.get(name, name), s, consumer, written=name in spec.written)
         described[at], ptrs[at] = found, found.ptr
         signatures[at + 2] = (type(arrays[at]), found.signature)
-    return described, (device, device_id)
+    return described, (device, device_id), stream if consumer is None else consumer
 
 
 def _error_spelling(spec: Pass) -> dict[str, str]:
