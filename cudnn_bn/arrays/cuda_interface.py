@@ -13,7 +13,13 @@ import numpy as np
 
 from ..enums import Device, Status
 from ..errors import InfiniError
-from .checks import described, element_strides, interface_layout, numpy_data_type
+from .checks import (
+    address_pair,
+    described,
+    element_strides,
+    interface_layout,
+    numpy_data_type,
+)
 from .operand import Operand
 
 
@@ -61,17 +67,13 @@ def _interface(name: str, iface: Any) -> dict:
 
 def _data(name: str, iface: dict) -> tuple[int, bool]:
     data = iface["data"]
-    if not (
-        isinstance(data, tuple)
-        and len(data) == 2
-        and isinstance(data[0], int)
-        and not isinstance(data[0], bool)
-    ):
+    pair = address_pair(data)
+    if pair is None:
         raise InfiniError(
             Status.BAD_PARAM,
             f"{name}.__cuda_array_interface__ has data {data!r}; expected (address, read-only)",
         )
-    return data[0], bool(data[1])
+    return pair
 
 
 def _stream(name: str, iface: dict) -> int | None:

@@ -26,6 +26,7 @@ import numpy as np
 
 from ..enums import Device, Status
 from ..errors import InfiniError
+from .checks import snapshot
 from .cuda_interface import cuda_interface_device, from_cuda_interface, from_cupy, is_cupy
 from .dlpack import dlpack_place, from_dlpack
 from .kinds import CUPY, NUMPY, TORCH
@@ -124,7 +125,7 @@ def see(name: str, array: Any) -> Seen:
     ):
         value = _attribute(array, protocol, spaces)
         if value is not _ABSENT:
-            return Seen(array, protocol, value, device, device_id)
+            return Seen(array, protocol, snapshot(value), device, device_id)
     said = _attribute(array, "__dlpack_device__", spaces)
     if said is not _ABSENT:
         found = said()
