@@ -650,3 +650,40 @@ def test_a_subclass_whose_attributes_lie_is_read_as_its_memory_is(producer):
     want = cudnn_bn.batch_norm_forward_inference(x, w, zero, zero, w)
     assert tuple(got.shape) == x.shape
     np.testing.assert_array_equal(np.asarray(got), want)
+
+
+class DeviceLyingTensor(torch.Tensor):
+    """A tensor subclass whose ``device`` property says cpu once, then cuda:1 (``reads``
+    counts its reads), and whose ``__torch_function__`` says cuda:1 too."""
+
+    reads = 0
+
+    @property
+    def device(self):
+        type(self).reads += 1
+        return torch.device("cpu" if type(self).reads == 1 else "cuda:1")
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        if func is torch.Tensor.device.__get__:
+            return torch.device("cuda:1")
+        return super().__torch_function__(func, types, args, kwargs or {})
+
+
+@pytest.mark.parametrize("at", [0, 3])
+def test_a_tensor_subclass_whose_device_lies_is_placed_where_its_memory_is(at):
+    """A torch subclass's ``device`` (a property, or its ``__torch_function__``) is not
+    asked: the call is placed, checked and allocated where torch's own getter says the
+    memory is. The door asked the property three times for the place (each answer
+    trusted), and the input's ``device`` again for every output's allocation."""
+    rng = np.random.default_rng(23)
+    x, w, zero = rng.standard_normal((4, 3, 5)), np.ones(3), np.zeros(3)
+    args = [torch.from_numpy(a.copy()) for a in (x, w, zero, zero, w)]
+    args[at] = args[at].as_subclass(DeviceLyingTensor)
+    DeviceLyingTensor.reads = 0
+    got = cudnn_bn.batch_norm_forward_training(*args)
+    want = cudnn_bn.batch_norm_forward_training(x, w, zero, zero.copy(), w.copy())
+    assert DeviceLyingTensor.reads == 0
+    for g, v in zip(got, want, strict=True):
+        assert isinstance(g, torch.Tensor) and g.device.type == "cpu"
+        np.testing.assert_allclose(np.asarray(g), v)
