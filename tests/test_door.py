@@ -687,3 +687,24 @@ def test_a_tensor_subclass_whose_device_lies_is_placed_where_its_memory_is(at):
     for g, v in zip(got, want, strict=True):
         assert isinstance(g, torch.Tensor) and g.device.type == "cpu"
         np.testing.assert_allclose(np.asarray(g), v)
+
+
+class Deviceless(Versioned):
+    """A DLPack producer without ``__dlpack_device__``: its place is its export's."""
+
+    __dlpack_device__ = property(lambda self: (_ for _ in ()).throw(AttributeError("no")))
+
+
+def test_a_dlpack_producer_without_its_device_method_is_exported_once_per_call():
+    """A host producer without ``__dlpack_device__`` is exported once a call, read or
+    written (asked ``copy=False``): its place and its operand are that export's. It was
+    exported twice (once for its place, once for its operand), so the call was placed by
+    one capsule and run on another."""
+    x, _, w, b = problem()
+    cudnn_bn.descriptor_cache.clear()
+    for _ in ("new", "planned"):
+        read, written = Deviceless(x.copy()), Deviceless(np.zeros(C))
+        cudnn_bn.batch_norm_forward_training(read, w, b, written, None)
+        assert [k["copy"] for k in read.kwargs] == [None]
+        assert [k["copy"] for k in written.kwargs] == [False]
+        np.testing.assert_allclose(written.array, 0.1 * x.mean(axis=(0, 2)))

@@ -297,7 +297,7 @@ def _described(
         if array is not None:
             name = spelling.get(names[at], names[at])
             if at in others:
-                array = seen[at] = see(name, array)
+                array = seen[at] = see(name, array, written=names[at] in spec.written)
             given[name] = array
     device, device_id = common_place(given)
     stream = read_stream(stream)

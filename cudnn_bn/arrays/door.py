@@ -46,7 +46,10 @@ class Seen:
     an ndarray, a torch tensor or a CuPy array, read from their attributes), that protocol's
     value, read once (an interface's dict, or the ``__dlpack__`` method), and its place;
     ``device_id`` is None for a CUDA array interface until ``common_place`` asks CUDA which
-    device owns its pointer. ``said``: what told a DLPack producer's place."""
+    device owns its pointer. ``said``: what told a DLPack producer's place. ``export``: for
+    a DLPack producer without ``__dlpack_device__``, the operand of the export that told its
+    place (asked ``copy=False`` where ``written``), which ``operand`` takes where it hands
+    the producer no stream, so that one export places and describes it."""
 
     array: Any
     protocol: str | None
@@ -54,6 +57,8 @@ class Seen:
     device: Device
     device_id: int | None
     said: str = ""
+    export: Operand | None = None
+    written: bool = False
 
 
 def _not_an_array(name: str, array: Any) -> InfiniError:
@@ -112,9 +117,10 @@ def _attribute_place(name: str, array: Any) -> tuple[Device, int] | None:
     return None
 
 
-def see(name: str, array: Any) -> Seen:
+def see(name: str, array: Any, *, written: bool = False) -> Seen:
     """``array`` (argument ``name``) as the door sees it, each protocol read at most once;
-    BAD_PARAM where it has none."""
+    BAD_PARAM where it has none. ``written``: as for ``operand``, for a DLPack producer
+    that only an export can place."""
     where = _attribute_place(name, array)
     if where is not None:
         return Seen(array, None, None, *where)
@@ -140,9 +146,9 @@ def see(name: str, array: Any) -> Seen:
     export = _attribute(array, "__dlpack__", spaces)
     if export is _ABSENT:
         raise _not_an_array(name, array)
-    found = from_dlpack(name, export, None, False, _DLPACK_KINDS)  # its place: an export
+    found = from_dlpack(name, export, None, written, _DLPACK_KINDS)  # its place: an export
     return Seen(array, "__dlpack__", export, found.device, found.device_id,
-                "an export of it without the call's stream was")  # fmt: skip
+                "an export of it without the call's stream was", found, written)  # fmt: skip
 
 
 def operand(name: str, array: Any, stream: int | None = None, *, written: bool = False) -> Operand:
@@ -163,7 +169,7 @@ def operand(name: str, array: Any, stream: int | None = None, *, written: bool =
             return from_torch(name, array, TORCH)
         if is_cupy(array):
             return from_cupy(name, array, CUPY)
-        seen = see(name, array)
+        seen = see(name, array, written=written)
     array = seen.array
     if seen.protocol == "__array_interface__":
         return from_array_interface(name, array, seen.value, NUMPY)
@@ -171,6 +177,8 @@ def operand(name: str, array: Any, stream: int | None = None, *, written: bool =
         return from_cuda_interface(name, array, seen.value, seen.device_id, stream, CUPY)
     if seen.value is _ABSENT:  # a __dlpack_device__ without __dlpack__
         raise _not_an_array(name, array)
+    if seen.export is not None and stream is None and seen.written == written:
+        return seen.export  # exported as it would be again
     found = from_dlpack(name, seen.value, stream, written, _DLPACK_KINDS)
     if (found.device, found.device_id) != (seen.device, seen.device_id):  # planned for
         raise InfiniError(
