@@ -708,3 +708,33 @@ def test_a_dlpack_producer_without_its_device_method_is_exported_once_per_call()
         assert [k["copy"] for k in read.kwargs] == [None]
         assert [k["copy"] for k in written.kwargs] == [False]
         np.testing.assert_allclose(written.array, 0.1 * x.mean(axis=(0, 2)))
+
+
+_CUPY_SUBCLASS = """
+import cupy, numpy as np
+from cudnn_bn.arrays import operand
+
+class Lying(cupy.ndarray):
+    shape = property(lambda self: (1000, 3, 5))
+    strides = property(lambda self: (120, 40, 8))
+    device = property(lambda self: cupy.cuda.Device(1))
+
+a = np.zeros((4, 3, 5))
+memory = cupy.cuda.UnownedMemory(a.ctypes.data, a.nbytes, a, device_id=0)
+x = cupy.ndarray(a.shape, a.dtype, cupy.cuda.MemoryPointer(memory, 0), a.strides).view(Lying)
+op = operand("input", x)
+print(op.desc.shape, op.desc.strides, op.device_id, op.ptr == a.ctypes.data)
+"""
+
+
+def test_a_cupy_subclass_whose_attributes_lie_is_read_as_its_memory_is():
+    """A CuPy subclass's ``shape``, ``strides`` and ``device`` properties are not asked (the
+    door took them, so a call read and wrote past the allocation): CuPy's own getters are
+    (real CuPy, which makes such an array over host memory without a GPU; in a process of
+    its own, since importing CuPy changes what the other tests' stand-ins see)."""
+    pytest.importorskip("cupy")
+    done = subprocess.run(
+        [sys.executable, "-c", _CUPY_SUBCLASS], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split("\n")[0] == "(4, 3, 5) (15, 5, 1) 0 True"

@@ -27,7 +27,13 @@ import numpy as np
 from ..enums import Device, Status
 from ..errors import InfiniError
 from .checks import snapshot
-from .cuda_interface import cuda_interface_device, from_cuda_interface, from_cupy, is_cupy
+from .cuda_interface import (
+    cuda_interface_device,
+    cupy_attributes,
+    from_cuda_interface,
+    from_cupy,
+    is_cupy,
+)
 from .dlpack import dlpack_place, from_dlpack
 from .kinds import CUPY, NUMPY, TORCH
 from .numpy_arrays import from_array_interface, from_ndarray
@@ -113,7 +119,7 @@ def _attribute_place(name: str, array: Any) -> tuple[Device, int] | None:
     if is_torch(array):
         return torch_place(name, array)
     if is_cupy(array):
-        return Device.NVIDIA, array.device.id
+        return Device.NVIDIA, cupy_attributes(array, "device")[0].id
     return None
 
 
