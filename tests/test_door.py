@@ -24,6 +24,7 @@ from producers import (  # DLPack structs written out from dlpack.h v1.0; produc
     DLDevice,
     DLManagedTensorVersioned,
     DLTensor,
+    HostTurning,
     LyingArray,
     LyingTensor,
     NumpyDLPack,
@@ -738,3 +739,54 @@ def test_a_cupy_subclass_whose_attributes_lie_is_read_as_its_memory_is():
     )
     assert done.returncode == 0, done.stderr
     assert done.stdout.split("\n")[0] == "(4, 3, 5) (15, 5, 1) 0 True"
+
+
+class CountingStream:
+    """A ``stream=`` object (``__cuda_stream__``) counting the reads of each attribute."""
+
+    def __init__(self) -> None:
+        self.reads = {}
+
+    def __getattr__(self, name: str):
+        self.reads[name] = self.reads.get(name, 0) + 1
+        if name == "__cuda_stream__":
+            return lambda: (0, 7)
+        raise AttributeError(name)
+
+
+_PRODUCERS = {
+    "array interface": lambda a: HostTurning(a.__array_interface__, a.__array_interface__, 1),
+    "dlpack": Versioned,
+    "dlpack without its device": Deviceless,
+}
+_READS = {"array interface": lambda p: p.reads, "dlpack": lambda p: len(p.kwargs)}
+_ENTRIES = {  # each entry point's operands (x, dy, w, b, mean, var) and the ones to wrap
+    "forward_training": (lambda a, **k: cudnn_bn.batch_norm_forward_training(
+        a[0], a[2], a[3], a[4], a[5], **k), (0, 2, 3, 4, 5)),
+    "forward_inference": (lambda a, **k: cudnn_bn.batch_norm_forward_inference(
+        a[0], a[2], a[3], a[4], a[5], **k), (0, 2, 4)),
+    "backward": (lambda a, **k: cudnn_bn.batch_norm_backward(
+        a[0], a[1], a[2], None, None, **k), (0, 1, 2)),
+    "backward_batched": (lambda a, **k: cudnn_bn.batch_norm_backward_batched(
+        a[0][None], a[1][None], a[2], None, None, **k), (2,)),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("planned", [False, True], ids=["new", "planned"])
+@pytest.mark.parametrize("producer", list(_PRODUCERS))
+@pytest.mark.parametrize("entry", list(_ENTRIES))
+def test_every_entry_point_reads_each_protocol_and_stream_once_per_call(entry, producer, planned):
+    """Each array-API entry point reads each operand's protocol (an array interface, a
+    DLPack export) and each attribute of a ``stream=`` object once per call, wherever the
+    producer stands among the operands, on a new problem and on a plan's hit."""
+    call, wrapped = _ENTRIES[entry]
+    x, dy, w, b = problem()
+    for at in wrapped:
+        cudnn_bn.descriptor_cache.clear()
+        for _ in range(1 + planned):
+            a = [x, dy, w, b, np.zeros(C), np.ones(C)]
+            a[at] = made = _PRODUCERS[producer](a[at].copy())
+            stream = CountingStream()
+            call(a, stream=stream)
+            reads = _READS.get(producer, _READS["dlpack"])(made)
+            assert reads == 1 and set(stream.reads.values()) == {1}, (at, reads, stream.reads)
