@@ -8,8 +8,9 @@ read-only flags, device, and the ``Kind`` that allocates arrays like it. No othe
 reads a protocol.
 
 Each protocol is read once per operand and call (``see``): its presence is found on the
-type and the instance ``__dict__`` without evaluating it, and the one value read serves the
-place, the device, the description and the pointer, so a producer whose interface says
+type and the instance ``__dict__`` without evaluating it, an interface's dict is taken as one
+snapshot (``checks.snapshot``), and the one value read serves the place, the device, the
+description and the pointer, so a producer whose interface says
 something else on another read (an attacker's, or one racing a writer) cannot have one read
 checked and another used. Callers that find a place first hand ``common_place`` and
 ``operand`` the same ``Seen``.
