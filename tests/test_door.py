@@ -671,16 +671,22 @@ class DeviceLyingTensor(torch.Tensor):
         return super().__torch_function__(func, types, args, kwargs or {})
 
 
+@pytest.mark.parametrize("affine", [True, False], ids=["affine", "stand-ins"])
 @pytest.mark.parametrize("at", [0, 3])
-def test_a_tensor_subclass_whose_device_lies_is_placed_where_its_memory_is(at):
+def test_a_tensor_subclass_whose_device_lies_is_placed_where_its_memory_is(at, affine):
     """A torch subclass's ``device`` (a property, or its ``__torch_function__``) is not
     asked: the call is placed, checked and allocated where torch's own getter says the
     memory is. The door asked the property three times for the place (each answer
-    trusted), and the input's ``device`` again for every output's allocation."""
+    trusted), the input's ``device`` again for every output's allocation, and for the key
+    of the stand-ins for an absent weight and bias (which a lie could have shared with
+    another device's calls)."""
     rng = np.random.default_rng(23)
     x, w, zero = rng.standard_normal((4, 3, 5)), np.ones(3), np.zeros(3)
     args = [torch.from_numpy(a.copy()) for a in (x, w, zero, zero, w)]
     args[at] = args[at].as_subclass(DeviceLyingTensor)
+    if not affine:
+        args[1] = args[2] = None
+        cudnn_bn.descriptor_cache.clear()
     DeviceLyingTensor.reads = 0
     got = cudnn_bn.batch_norm_forward_training(*args)
     want = cudnn_bn.batch_norm_forward_training(x, w, zero, zero.copy(), w.copy())

@@ -164,9 +164,12 @@ _constants_lock = threading.Lock()
 
 
 def _constant(
-    kind: Any, like: Any, device_id: int, value: float, desc: TensorDesc, name: str
+    kind: Any, like: Any, place: tuple[Device, int], value: float, desc: TensorDesc, name: str
 ) -> int:
-    key = (kind.name, getattr(like, "device", None), device_id, value, desc)
+    """The address of the constant ``value`` of layout ``desc`` for calls of ``kind`` at
+    ``place`` (the door's: not ``like``'s own word for its device, which a subclass could
+    make another place's)."""
+    key = (kind.name, place, value, desc)
     with _constants_lock:
         if key not in _constants:
             array = kind.constant(like, value, desc, name)
@@ -417,7 +420,7 @@ def _build(
     if built.constants:
         with kind.scope(like, call_on, device_id):
             constants = {
-                n: _constant(kind, like, device_id, value, desc, spelled[n])
+                n: _constant(kind, like, (device, device_id), value, desc, spelled[n])
                 for n, (value, desc) in built.constants.items()
             }
     launch = descriptor.launcher(
