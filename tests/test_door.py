@@ -24,6 +24,7 @@ from producers import (  # DLPack structs written out from dlpack.h v1.0; produc
     DLDevice,
     DLManagedTensorVersioned,
     DLTensor,
+    HostTurning,
     LyingArray,
     LyingTensor,
     NumpyDLPack,
@@ -650,3 +651,148 @@ def test_a_subclass_whose_attributes_lie_is_read_as_its_memory_is(producer):
     want = cudnn_bn.batch_norm_forward_inference(x, w, zero, zero, w)
     assert tuple(got.shape) == x.shape
     np.testing.assert_array_equal(np.asarray(got), want)
+
+
+class DeviceLyingTensor(torch.Tensor):
+    """A tensor subclass whose ``device`` property says cpu once, then cuda:1 (``reads``
+    counts its reads), and whose ``__torch_function__`` says cuda:1 too."""
+
+    reads = 0
+
+    @property
+    def device(self):
+        type(self).reads += 1
+        return torch.device("cpu" if type(self).reads == 1 else "cuda:1")
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        if func is torch.Tensor.device.__get__:
+            return torch.device("cuda:1")
+        return super().__torch_function__(func, types, args, kwargs or {})
+
+
+@pytest.mark.parametrize("affine", [True, False], ids=["affine", "stand-ins"])
+@pytest.mark.parametrize("at", [0, 3])
+def test_a_tensor_subclass_whose_device_lies_is_placed_where_its_memory_is(at, affine):
+    """A torch subclass's ``device`` (a property, or its ``__torch_function__``) is not
+    asked: the call is placed, checked and allocated where torch's own getter says the
+    memory is. The door asked the property three times for the place (each answer
+    trusted), the input's ``device`` again for every output's allocation, and for the key
+    of the stand-ins for an absent weight and bias (which a lie could have shared with
+    another device's calls)."""
+    rng = np.random.default_rng(23)
+    x, w, zero = rng.standard_normal((4, 3, 5)), np.ones(3), np.zeros(3)
+    args = [torch.from_numpy(a.copy()) for a in (x, w, zero, zero, w)]
+    args[at] = args[at].as_subclass(DeviceLyingTensor)
+    if not affine:
+        args[1] = args[2] = None
+        cudnn_bn.descriptor_cache.clear()
+    DeviceLyingTensor.reads = 0
+    got = cudnn_bn.batch_norm_forward_training(*args)
+    want = cudnn_bn.batch_norm_forward_training(x, w, zero, zero.copy(), w.copy())
+    assert DeviceLyingTensor.reads == 0
+    for g, v in zip(got, want, strict=True):
+        assert isinstance(g, torch.Tensor) and g.device.type == "cpu"
+        np.testing.assert_allclose(np.asarray(g), v)
+
+
+class Deviceless(Versioned):
+    """A DLPack producer without ``__dlpack_device__``: its place is its export's."""
+
+    __dlpack_device__ = property(lambda self: (_ for _ in ()).throw(AttributeError("no")))
+
+
+def test_a_dlpack_producer_without_its_device_method_is_exported_once_per_call():
+    """A host producer without ``__dlpack_device__`` is exported once a call, read or
+    written (asked ``copy=False``): its place and its operand are that export's. It was
+    exported twice (once for its place, once for its operand), so the call was placed by
+    one capsule and run on another."""
+    x, _, w, b = problem()
+    cudnn_bn.descriptor_cache.clear()
+    for _ in ("new", "planned"):
+        read, written = Deviceless(x.copy()), Deviceless(np.zeros(C))
+        cudnn_bn.batch_norm_forward_training(read, w, b, written, None)
+        assert [k["copy"] for k in read.kwargs] == [None]
+        assert [k["copy"] for k in written.kwargs] == [False]
+        np.testing.assert_allclose(written.array, 0.1 * x.mean(axis=(0, 2)))
+
+
+_CUPY_SUBCLASS = """
+import cupy, numpy as np
+from cudnn_bn.arrays import operand
+
+class Lying(cupy.ndarray):
+    shape = property(lambda self: (1000, 3, 5))
+    strides = property(lambda self: (120, 40, 8))
+    device = property(lambda self: cupy.cuda.Device(1))
+
+a = np.zeros((4, 3, 5))
+memory = cupy.cuda.UnownedMemory(a.ctypes.data, a.nbytes, a, device_id=0)
+x = cupy.ndarray(a.shape, a.dtype, cupy.cuda.MemoryPointer(memory, 0), a.strides).view(Lying)
+op = operand("input", x)
+print(op.desc.shape, op.desc.strides, op.device_id, op.ptr == a.ctypes.data)
+"""
+
+
+def test_a_cupy_subclass_whose_attributes_lie_is_read_as_its_memory_is():
+    """A CuPy subclass's ``shape``, ``strides`` and ``device`` properties are not asked (the
+    door took them, so a call read and wrote past the allocation): CuPy's own getters are
+    (real CuPy, which makes such an array over host memory without a GPU; in a process of
+    its own, since importing CuPy changes what the other tests' stand-ins see)."""
+    pytest.importorskip("cupy")
+    done = subprocess.run(
+        [sys.executable, "-c", _CUPY_SUBCLASS], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split("\n")[0] == "(4, 3, 5) (15, 5, 1) 0 True"
+
+
+class CountingStream:
+    """A ``stream=`` object (``__cuda_stream__``) counting the reads of each attribute."""
+
+    def __init__(self) -> None:
+        self.reads = {}
+
+    def __getattr__(self, name: str):
+        self.reads[name] = self.reads.get(name, 0) + 1
+        if name == "__cuda_stream__":
+            return lambda: (0, 7)
+        raise AttributeError(name)
+
+
+_PRODUCERS = {
+    "array interface": lambda a: HostTurning(a.__array_interface__, a.__array_interface__, 1),
+    "dlpack": Versioned,
+    "dlpack without its device": Deviceless,
+}
+_READS = {"array interface": lambda p: p.reads, "dlpack": lambda p: len(p.kwargs)}
+_ENTRIES = {  # each entry point's operands (x, dy, w, b, mean, var) and the ones to wrap
+    "forward_training": (lambda a, **k: cudnn_bn.batch_norm_forward_training(
+        a[0], a[2], a[3], a[4], a[5], **k), (0, 2, 3, 4, 5)),
+    "forward_inference": (lambda a, **k: cudnn_bn.batch_norm_forward_inference(
+        a[0], a[2], a[3], a[4], a[5], **k), (0, 2, 4)),
+    "backward": (lambda a, **k: cudnn_bn.batch_norm_backward(
+        a[0], a[1], a[2], None, None, **k), (0, 1, 2)),
+    "backward_batched": (lambda a, **k: cudnn_bn.batch_norm_backward_batched(
+        a[0][None], a[1][None], a[2], None, None, **k), (2,)),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("planned", [False, True], ids=["new", "planned"])
+@pytest.mark.parametrize("producer", list(_PRODUCERS))
+@pytest.mark.parametrize("entry", list(_ENTRIES))
+def test_every_entry_point_reads_each_protocol_and_stream_once_per_call(entry, producer, planned):
+    """Each array-API entry point reads each operand's protocol (an array interface, a
+    DLPack export) and each attribute of a ``stream=`` object once per call, wherever the
+    producer stands among the operands, on a new problem and on a plan's hit."""
+    call, wrapped = _ENTRIES[entry]
+    x, dy, w, b = problem()
+    for at in wrapped:
+        cudnn_bn.descriptor_cache.clear()
+        for _ in range(1 + planned):
+            a = [x, dy, w, b, np.zeros(C), np.ones(C)]
+            a[at] = made = _PRODUCERS[producer](a[at].copy())
+            stream = CountingStream()
+            call(a, stream=stream)
+            reads = _READS.get(producer, _READS["dlpack"])(made)
+            assert reads == 1 and set(stream.reads.values()) == {1}, (at, reads, stream.reads)

@@ -1018,3 +1018,140 @@ def test_a_cuda_array_interface_is_read_once_per_call_and_the_call_runs_on_that_
     assert attacker.reads == 1
     honest = first if k > 1 else then
     assert got == attempt(DeviceTurning(honest, honest, 1))
+
+
+# --- each stream= object read once per call -----------------------------------------------------
+
+
+class TurningStream:
+    """A ``stream=`` object whose address turns from ``CALL_STREAM`` to ``OTHER_STREAM``
+    after its first read, as ``__cuda_stream__()`` (``form`` "protocol") or a ``ptr``
+    property (CuPy's); ``reads`` counts the reads of each of its attributes."""
+
+    def __init__(self, form: str) -> None:
+        self.form, self.reads = form, {}
+
+    def _address(self, what: str) -> int:
+        self.reads[what] = self.reads.get(what, 0) + 1
+        return CALL_STREAM if self.reads[what] == 1 else OTHER_STREAM
+
+    def __getattr__(self, name: str):
+        if (name, self.form) == ("__cuda_stream__", "protocol"):
+            return lambda: (0, self._address(name))
+        if (name, self.form) == ("ptr", "ptr"):
+            return self._address(name)
+        self.reads[name] = self.reads.get(name, 0) + 1
+        raise AttributeError(name)
+
+
+OTHER_STREAM = 0x6C00
+
+
+@pytest.mark.parametrize("planned", [False, True], ids=["new", "planned"])
+@pytest.mark.parametrize("door", [False, True], ids=["cupy", "interface"])
+@pytest.mark.parametrize("form", ["protocol", "ptr"])
+def test_a_stream_object_is_read_once_per_call(fake, stub, form, door, planned):
+    """A ``stream=`` object is read once per call: the stream its first read names is the
+    one allocations come from, the launch runs on and producers are ordered before. The
+    door's path read one 2 to 3 times a call (the consumer's stream, the plan's build, the
+    plan's call), each read a ``hasattr`` and a get."""
+    p = problem(fake.array, 0)
+    args = [p["input"], p["weight"], p["bias"], p["mean"], p["var"]]
+    if door:
+        args[3] = Foreign(p["mean"], PRODUCER_STREAM)
+    if planned:
+        batch_norm_forward_training(*args, stream=CALL_STREAM)
+    log, stream = len(fake.log), TurningStream(form)
+    batch_norm_forward_training(*args, stream=stream)
+    wanted = "__cuda_stream__" if form == "protocol" else "ptr"
+    assert stream.reads.get(wanted) == 1
+    assert all(n == 1 for n in stream.reads.values()), stream.reads
+    entries = fake.log[log:]
+    assert {e[1:3] for e in entries if e[0] in ("alloc", "launch")} == {(0, CALL_STREAM)}
+    assert {e[2] for e in entries if e[0] == "wait"} <= {CALL_STREAM}
+    assert stub.set_stream.stream == CALL_STREAM
+
+
+class TurningDict(dict):
+    """A CUDA array interface dict holding ``first`` that answers ``then``'s value for a key
+    from the key's second look on (``__getitem__``, ``get``); ``reads`` counts the looks."""
+
+    def __init__(self, first: dict, then: dict) -> None:
+        super().__init__(first)
+        self.then, self.reads = then, {}
+
+    def __getitem__(self, key):
+        self.reads[key] = self.reads.get(key, 0) + 1
+        return (super().__getitem__ if self.reads[key] == 1 else self.then.__getitem__)(key)
+
+    def get(self, key, default=None):
+        if key not in self:
+            return default
+        return self[key]
+
+
+class TurningPair(tuple):
+    """A ``data`` pair whose items, looked at again, name ``then``'s (``__getitem__``)."""
+
+    def __new__(cls, first: tuple, then: tuple) -> "TurningPair":
+        pair = super().__new__(cls, first)
+        pair.then, pair.reads = then, 0
+        return pair
+
+    def __getitem__(self, index):
+        self.reads += 1
+        return tuple.__getitem__(self, index) if self.reads <= 2 else self.then[index]
+
+
+class LyingAddress(int):
+    """An address whose comparisons and remainders say it is an aligned pointer."""
+
+    def __mod__(self, other):
+        return 0
+
+    def __and__(self, other):
+        return 0
+
+
+@pytest.mark.parametrize("planned", [False, True], ids=["new", "planned"])
+@pytest.mark.parametrize("turn", [*_DEVICE_TURNS, "pair"])
+def test_a_cuda_array_interface_dict_is_looked_at_once_per_call(fake, stub, turn, planned):
+    """The dict a CUDA array interface returns is read as one snapshot: a dict subclass
+    whose keys, or a ``data`` tuple subclass whose items, answer otherwise when looked at
+    again cannot have the owning device found from one pointer and cuDNN given another (the
+    door looked at ``data`` in ``common_place`` and again in the operand, and at each of its
+    items twice)."""
+    p = problem(fake.array, 1)
+    first = dict(p["mean"].__cuda_array_interface__, stream=None)
+    other = fake.array(p["mean"].shape, device=0)
+    then = _DEVICE_TURNS.get(turn, _DEVICE_TURNS["pointer"])(first, other)
+
+    def attempt(iface: dict) -> tuple:
+        cudnn_bn.descriptor_cache.clear()
+        args = [p["input"], p["weight"], p["bias"], Foreign(p["mean"]), p["var"]]
+        if planned:
+            batch_norm_forward_training(*args)
+        args[3].__cuda_array_interface__, log = iface, len(fake.log)
+        stub.forward_training.calls = 0
+        batch_norm_forward_training(*args)
+        record = stub.forward_training
+        waits = [e for e in fake.log[log:] if e[0] == "wait"]
+        return stub.tensor(record.x_desc), record.running_mean, fake.allocations()[-1], waits
+
+    if turn == "pair":
+        pair = TurningPair(first["data"], then["data"])
+        got = attempt(dict(first, data=pair))
+    else:
+        got = attempt(TurningDict(first, then))
+    assert got == attempt(first)
+
+
+def test_an_interface_address_is_read_as_its_int_value(fake):
+    """An int subclass as the address is its value, whatever its ``%`` says: misaligned."""
+    p = problem(fake.array, 0)
+    iface = p["mean"].__cuda_array_interface__
+    bad = Foreign(p["mean"])
+    bad.__cuda_array_interface__ = dict(iface, data=(LyingAddress(iface["data"][0] + 1), False))
+    with pytest.raises(InfiniError, match=r"running_mean.*not aligned"):
+        batch_norm_forward_training(p["input"], p["weight"], p["bias"], bad, p["var"])
+    assert fake.allocations() == []

@@ -44,7 +44,7 @@ from ..runtime import Handle
 from ..tensor import ITEMSIZE, TensorDesc
 from .outputs import out_arrays
 from .spelling import SPELLING
-from .streams import call_place, call_stream, host_stream
+from .streams import call_place, call_stream, host_stream, read_stream
 
 descriptor_cache = DescriptorCache()
 _PER_THREAD = 2  # cudaStreamPerThread: the calling host thread's default stream
@@ -164,9 +164,12 @@ _constants_lock = threading.Lock()
 
 
 def _constant(
-    kind: Any, like: Any, device_id: int, value: float, desc: TensorDesc, name: str
+    kind: Any, like: Any, place: tuple[Device, int], value: float, desc: TensorDesc, name: str
 ) -> int:
-    key = (kind.name, getattr(like, "device", None), device_id, value, desc)
+    """The address of the constant ``value`` of layout ``desc`` for calls of ``kind`` at
+    ``place`` (the door's: not ``like``'s own word for its device, which a subclass could
+    make another place's)."""
+    key = (kind.name, place, value, desc)
     with _constants_lock:
         if key not in _constants:
             array = kind.constant(like, value, desc, name)
@@ -254,9 +257,9 @@ def run(spec: Pass, arrays: tuple, raw: tuple, stream: Any, out: Any = None) -> 
         if like is None:
             raise InfiniError(Status.NULL_POINTER, "input is None")
         signatures, ptrs, others = read(arrays, spec.writes, [spec, options_key(raw)])
-        described, place = (
-            _described(spec, arrays, stream, others, signatures, ptrs) if others else ({}, None)
-        )
+        described, place = {}, None
+        if others:
+            described, place, stream = _described(spec, arrays, stream, others, signatures, ptrs)
         key = tuple(signatures)
         try:
             plan = descriptor_cache.get(key)
@@ -265,7 +268,8 @@ def run(spec: Pass, arrays: tuple, raw: tuple, stream: Any, out: Any = None) -> 
                 raise  # not the key's: a signal handler's, raised meanwhile
             spec.options(raw, dict(zip(spec.names, arrays, strict=True)))
             raise InfiniError(Status.BAD_PARAM, f"unhashable option among {raw!r}") from None
-        if plan is None:
+        if plan is None:  # the build and the call see one read of a stream object
+            stream = read_stream(stream)
             plan = descriptor_cache.add(key, _build(spec, arrays, raw, described, place, stream))
         return plan.call(arrays, ptrs, like, stream)
     except Exception as exc:
@@ -282,21 +286,24 @@ def _hashable(key: tuple) -> bool:
 
 def _described(
     spec: Pass, arrays: tuple, stream: Any, others: list[int], signatures: list, ptrs: list[int]
-) -> tuple[dict[int, Operand], tuple[Device, int]]:
+) -> tuple[dict[int, Operand], tuple[Device, int], Any]:
     """The door's operands of the producers at ``others`` (``read``), their signatures (with
     the producer's type: outputs are stored as the input is, e.g. BF16 as ``ml_dtypes``' type
-    or as uint16 bits, which its operand does not say) and pointers filled in, and the
-    call's place: one device for all, and the stream, before any is asked to export. Each
-    producer's protocol is read once (``arrays.see``), for its place and its operand."""
+    or as uint16 bits, which its operand does not say) and pointers filled in, the call's
+    place (one device for all), and its stream, found before any producer is asked to export:
+    on a device, the address producers were ordered before, which the call then runs on;
+    on the host, ``stream`` as ``read_stream`` read it. Each producer's protocol is read once
+    (``arrays.see``), for its place and its operand."""
     spelling, names = spec.spelling, spec.names
     seen, given = {}, {}  # in the pass's order, as the door's errors name them
     for at, array in enumerate(arrays):
         if array is not None:
             name = spelling.get(names[at], names[at])
             if at in others:
-                array = seen[at] = see(name, array)
+                array = seen[at] = see(name, array, written=names[at] in spec.written)
             given[name] = array
     device, device_id = common_place(given)
+    stream = read_stream(stream)
     consumer = None if device == Device.CPU else call_stream(stream, arrays[0], device, device_id)
     described = {}
     for at, s in seen.items():
@@ -304,7 +311,7 @@ def _described(
         found = operand(spelling.get(name, name), s, consumer, written=name in spec.written)
         described[at], ptrs[at] = found, found.ptr
         signatures[at + 2] = (type(arrays[at]), found.signature)
-    return described, (device, device_id)
+    return described, (device, device_id), stream if consumer is None else consumer
 
 
 def _error_spelling(spec: Pass) -> dict[str, str]:
@@ -413,7 +420,7 @@ def _build(
     if built.constants:
         with kind.scope(like, call_on, device_id):
             constants = {
-                n: _constant(kind, like, device_id, value, desc, spelled[n])
+                n: _constant(kind, like, (device, device_id), value, desc, spelled[n])
                 for n, (value, desc) in built.constants.items()
             }
     launch = descriptor.launcher(

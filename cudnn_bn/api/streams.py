@@ -1,6 +1,7 @@
 """The CUDA stream an array-API call runs on, and the scope its allocations need."""
 
 from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass
 from typing import Any
 
 from ..arrays import common_place
@@ -10,6 +11,7 @@ from ..enums import Device, Status
 from ..errors import InfiniError, integer, shown
 
 _ON_HOST = nullcontext()
+_ABSENT = object()
 
 
 def resolve_stream(stream: Any, like: Any) -> int:
@@ -52,35 +54,64 @@ def host_stream(stream: Any) -> None:
     given_stream(stream, None)
 
 
-def given_stream(stream: Any, device_id: int | None) -> int:
-    """The ``cudaStream_t`` address of a ``stream=`` the caller gave, which must not belong
-    to a device other than ``device_id`` (None: any)."""
+@dataclass(frozen=True, slots=True)
+class GivenStream:
+    """A ``stream=`` object as ``read_stream`` read it, once: its address, and the device it
+    says it belongs to (None: it says none), so that a stream object whose answers change
+    cannot have the checks see one stream and the launch use another."""
+
+    ptr: int
+    owner: int | None
+
+
+def read_stream(stream: Any) -> Any:
+    """``stream=`` with any stream object read (``GivenStream``): None, an int and one
+    already read are themselves (an int subclass its value); BAD_PARAM where it is none of
+    the forms ``given_stream`` takes."""
+    if stream is None or type(stream) is int or type(stream) is GivenStream:
+        return stream
     if isinstance(stream, int) and not isinstance(stream, bool):
         return _address(stream, stream)
-    if hasattr(stream, "__cuda_stream__"):  # the CUDA stream protocol: (version 0, address)
-        pair = stream.__cuda_stream__()
+    protocol = getattr(stream, "__cuda_stream__", _ABSENT)  # (version 0, address)
+    if protocol is not _ABSENT:
+        pair = protocol()
         if not (isinstance(pair, tuple) and len(pair) == 2):
             raise InfiniError(
                 Status.BAD_PARAM,
                 f"stream.__cuda_stream__() returned {shown(pair)}, not (version, address)",
             )
         ptr = pair[1]
-    elif hasattr(stream, "ptr") or hasattr(stream, "cuda_stream"):
-        ptr = stream.ptr if hasattr(stream, "ptr") else stream.cuda_stream
-    else:
-        raise InfiniError(
-            Status.BAD_PARAM,
-            f"stream must be an int, a CuPy or torch stream, or None; got {stream!r}",
-        )
+    else:  # CuPy's streams have .ptr, torch's .cuda_stream
+        ptr = getattr(stream, "ptr", _ABSENT)
+        ptr = getattr(stream, "cuda_stream", _ABSENT) if ptr is _ABSENT else ptr
+        if ptr is _ABSENT:
+            raise InfiniError(
+                Status.BAD_PARAM,
+                f"stream must be an int, a CuPy or torch stream, or None; got {stream!r}",
+            )
     ptr = _address(stream, ptr)
     # CuPy streams know their device as .device_id (-1: unknown), torch's as .device.
-    owner = getattr(stream, "device_id", getattr(getattr(stream, "device", None), "index", None))
-    if device_id is not None and isinstance(owner, int) and owner >= 0 and owner != device_id:
+    owner = getattr(stream, "device_id", _ABSENT)
+    if owner is _ABSENT:
+        owner = getattr(getattr(stream, "device", None), "index", None)
+    return GivenStream(ptr, owner if isinstance(owner, int) and owner >= 0 else None)
+
+
+def given_stream(stream: Any, device_id: int | None) -> int:
+    """The ``cudaStream_t`` address of a ``stream=`` the caller gave (``read_stream``
+    reads it where it is not read yet), which must not belong to a device other than
+    ``device_id`` (None: any)."""
+    if type(stream) is int:
+        return _address(stream, stream)
+    given = read_stream(stream)
+    if type(given) is int:
+        return given
+    if device_id is not None and given.owner is not None and given.owner != device_id:
         raise InfiniError(
             Status.BAD_PARAM,
-            f"stream is on device {owner} but the arrays are on NVIDIA:{device_id}",
+            f"stream is on device {given.owner} but the arrays are on NVIDIA:{device_id}",
         )
-    return ptr
+    return given.ptr
 
 
 def _address(stream: Any, ptr: Any) -> int:

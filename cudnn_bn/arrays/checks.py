@@ -2,6 +2,7 @@
 element type and byte order, sizes and strides a buffer can hold (``TensorDesc.checked``),
 whole-element strides, an aligned, non-NULL data pointer."""
 
+import operator
 from collections.abc import Sequence
 from typing import Any
 
@@ -56,6 +57,29 @@ def interface_layout(
         dtype.itemsize,
     )
     return data_type, shape, strides
+
+
+def snapshot(iface: Any) -> Any:
+    """An array interface's dict (NumPy's or the CUDA one) as one read of it: a plain dict of
+    its entries, each tuple among them a plain tuple, so that no later look at a key or at a
+    tuple's items (a subclass's ``__getitem__``, or a producer changing its dict meanwhile)
+    answers other than the look the checks made; anything else as it is, for the reader to
+    refuse."""
+    if not isinstance(iface, dict):
+        return iface
+    return {k: tuple(v) if isinstance(v, tuple) else v for k, v in dict(iface).items()}
+
+
+def address_pair(data: Any) -> tuple[int, bool] | None:
+    """An interface's ``data`` as ``(address, read-only)``, the address a plain int (an int
+    subclass's ``%`` or comparisons could tell the checks another); None where it is no such
+    pair."""
+    if not (isinstance(data, tuple) and len(data) == 2):
+        return None
+    address, readonly = data
+    if not isinstance(address, int) or isinstance(address, bool):
+        return None
+    return operator.index(address), bool(readonly)
 
 
 def typestr_dtype(name: str, protocol: str, typestr: Any) -> np.dtype:

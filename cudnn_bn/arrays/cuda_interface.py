@@ -6,14 +6,22 @@ checked key by key, its device is the one owning its pointer, and its ``stream``
 before the call's with an event (the interface's synchronization rule).
 """
 
+import functools
 import sys
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
 from ..enums import Device, Status
 from ..errors import InfiniError
-from .checks import described, element_strides, interface_layout, numpy_data_type
+from .checks import (
+    address_pair,
+    described,
+    element_strides,
+    interface_layout,
+    numpy_data_type,
+)
 from .operand import Operand
 
 
@@ -26,12 +34,32 @@ def is_cupy(array: Any) -> bool:
     return type(array).__module__.partition(".")[0] == "cupy"
 
 
+@functools.cache
+def _getters(ndarray: type, names: tuple[str, ...]) -> tuple[Callable[[Any], Any], ...]:
+    """CuPy's own getters (``ndarray``'s) of the attributes ``names``."""
+    return tuple(next(vars(k)[n] for k in ndarray.__mro__ if n in vars(k)).__get__ for n in names)
+
+
+def cupy_attributes(array: Any, *names: str) -> tuple:
+    """The attributes ``names`` of a CuPy array, a subclass's as CuPy's own getters read
+    them: a subclass may define ``shape``, ``strides``, ``data`` or ``device`` as properties
+    that say other than its memory holds (a larger shape would be read and written past its
+    allocation); a stand-in's as it says."""
+    ndarray = getattr(sys.modules.get("cupy"), "ndarray", None)
+    if type(array) is not ndarray and isinstance(ndarray, type) and isinstance(array, ndarray):
+        return tuple(get(array) for get in _getters(ndarray, names))
+    return tuple(getattr(array, n) for n in names)
+
+
 def from_cupy(name: str, array: Any, kind: Any) -> Operand:
-    dtype = numpy_data_type(name, np.dtype(array.dtype))
-    strides = element_strides(name, tuple(array.shape), tuple(array.strides), array.itemsize)
-    ptr = array.data.ptr
-    desc = described(name, dtype, tuple(array.shape), strides, ptr)
-    return Operand(Device.NVIDIA, array.device.id, desc, ptr, "", kind, array)
+    dtype, shape, strides, data, device = cupy_attributes(
+        array, "dtype", "shape", "strides", "data", "device"
+    )
+    dtype = np.dtype(dtype)
+    shape, ptr = tuple(shape), data.ptr
+    strides = element_strides(name, shape, tuple(strides), dtype.itemsize)
+    desc = described(name, numpy_data_type(name, dtype), shape, strides, ptr)
+    return Operand(Device.NVIDIA, device.id, desc, ptr, "", kind, array)
 
 
 def cuda_interface_device(name: str, iface: Any) -> int:
@@ -61,17 +89,13 @@ def _interface(name: str, iface: Any) -> dict:
 
 def _data(name: str, iface: dict) -> tuple[int, bool]:
     data = iface["data"]
-    if not (
-        isinstance(data, tuple)
-        and len(data) == 2
-        and isinstance(data[0], int)
-        and not isinstance(data[0], bool)
-    ):
+    pair = address_pair(data)
+    if pair is None:
         raise InfiniError(
             Status.BAD_PARAM,
             f"{name}.__cuda_array_interface__ has data {data!r}; expected (address, read-only)",
         )
-    return data[0], bool(data[1])
+    return pair
 
 
 def _stream(name: str, iface: dict) -> int | None:

@@ -141,21 +141,23 @@ def from_dlpack(
     it: the producer keeps ownership, and the operand keeps the capsule (and so the
     producer's memory) alive."""
     capsule = _export(name, export, stream, written)
-    t, flags = _managed(name, capsule)
+    managed, flags = _managed(name, capsule)
+    # One copy of the DLTensor, read once: the producer's memory, which another of its
+    # threads could change between two reads (an ndim checked, then another one walked).
+    t = _DLTensor.from_buffer_copy(managed)
     device, device_id = dlpack_place(name, t.device.device_type, t.device.device_id)
-    dtype = _DLPACK_DTYPES.get((t.dtype.code, t.dtype.bits)) if t.dtype.lanes == 1 else None
+    code, bits, lanes = t.dtype.code, t.dtype.bits, t.dtype.lanes
+    dtype = _DLPACK_DTYPES.get((code, bits)) if lanes == 1 else None
     if dtype is None:
         raise InfiniError(
             Status.BAD_TENSOR_DTYPE,
-            f"{name} has DLPack dtype (code {t.dtype.code}, bits {t.dtype.bits}, "
-            f"lanes {t.dtype.lanes}); {EXPECTED}",
+            f"{name} has DLPack dtype (code {code}, bits {bits}, lanes {lanes}); {EXPECTED}",
         )
-    if not 0 <= t.ndim <= _MAX_NDIM or (t.ndim and not t.shape):
-        raise InfiniError(Status.BAD_PARAM, f"{name} has a DLPack ndim of {t.ndim} without shape")
-    shape = tuple(t.shape[i] for i in range(t.ndim))
-    strides = tuple(t.strides[i] for i in range(t.ndim)) if t.strides else None
-    if strides is None:
-        strides = contiguous_strides(shape)
+    ndim = t.ndim
+    if not 0 <= ndim <= _MAX_NDIM or (ndim and not t.shape):
+        raise InfiniError(Status.BAD_PARAM, f"{name} has a DLPack ndim of {ndim} without shape")
+    shape = tuple(t.shape[:ndim])
+    strides = tuple(t.strides[:ndim]) if t.strides else contiguous_strides(shape)
     ptr = (t.data or 0) + t.byte_offset
     desc = described(name, dtype, shape, strides, ptr)
     readonly = (

@@ -8,8 +8,9 @@ read-only flags, device, and the ``Kind`` that allocates arrays like it. No othe
 reads a protocol.
 
 Each protocol is read once per operand and call (``see``): its presence is found on the
-type and the instance ``__dict__`` without evaluating it, and the one value read serves the
-place, the device, the description and the pointer, so a producer whose interface says
+type and the instance ``__dict__`` without evaluating it, an interface's dict is taken as one
+snapshot (``checks.snapshot``), and the one value read serves the place, the device, the
+description and the pointer, so a producer whose interface says
 something else on another read (an attacker's, or one racing a writer) cannot have one read
 checked and another used. Callers that find a place first hand ``common_place`` and
 ``operand`` the same ``Seen``.
@@ -26,7 +27,14 @@ import numpy as np
 
 from ..enums import Device, Status
 from ..errors import InfiniError
-from .cuda_interface import cuda_interface_device, from_cuda_interface, from_cupy, is_cupy
+from .checks import snapshot
+from .cuda_interface import (
+    cuda_interface_device,
+    cupy_attributes,
+    from_cuda_interface,
+    from_cupy,
+    is_cupy,
+)
 from .dlpack import dlpack_place, from_dlpack
 from .kinds import CUPY, NUMPY, TORCH
 from .numpy_arrays import from_array_interface, from_ndarray
@@ -45,7 +53,10 @@ class Seen:
     an ndarray, a torch tensor or a CuPy array, read from their attributes), that protocol's
     value, read once (an interface's dict, or the ``__dlpack__`` method), and its place;
     ``device_id`` is None for a CUDA array interface until ``common_place`` asks CUDA which
-    device owns its pointer. ``said``: what told a DLPack producer's place."""
+    device owns its pointer. ``said``: what told a DLPack producer's place. ``export``: for
+    a DLPack producer without ``__dlpack_device__``, the operand of the export that told its
+    place (asked ``copy=False`` where ``written``), which ``operand`` takes where it hands
+    the producer no stream, so that one export places and describes it."""
 
     array: Any
     protocol: str | None
@@ -53,6 +64,8 @@ class Seen:
     device: Device
     device_id: int | None
     said: str = ""
+    export: Operand | None = None
+    written: bool = False
 
 
 def _not_an_array(name: str, array: Any) -> InfiniError:
@@ -107,13 +120,14 @@ def _attribute_place(name: str, array: Any) -> tuple[Device, int] | None:
     if is_torch(array):
         return torch_place(name, array)
     if is_cupy(array):
-        return Device.NVIDIA, array.device.id
+        return Device.NVIDIA, cupy_attributes(array, "device")[0].id
     return None
 
 
-def see(name: str, array: Any) -> Seen:
+def see(name: str, array: Any, *, written: bool = False) -> Seen:
     """``array`` (argument ``name``) as the door sees it, each protocol read at most once;
-    BAD_PARAM where it has none."""
+    BAD_PARAM where it has none. ``written``: as for ``operand``, for a DLPack producer
+    that only an export can place."""
     where = _attribute_place(name, array)
     if where is not None:
         return Seen(array, None, None, *where)
@@ -124,7 +138,7 @@ def see(name: str, array: Any) -> Seen:
     ):
         value = _attribute(array, protocol, spaces)
         if value is not _ABSENT:
-            return Seen(array, protocol, value, device, device_id)
+            return Seen(array, protocol, snapshot(value), device, device_id)
     said = _attribute(array, "__dlpack_device__", spaces)
     if said is not _ABSENT:
         found = said()
@@ -139,9 +153,9 @@ def see(name: str, array: Any) -> Seen:
     export = _attribute(array, "__dlpack__", spaces)
     if export is _ABSENT:
         raise _not_an_array(name, array)
-    found = from_dlpack(name, export, None, False, _DLPACK_KINDS)  # its place: an export
+    found = from_dlpack(name, export, None, written, _DLPACK_KINDS)  # its place: an export
     return Seen(array, "__dlpack__", export, found.device, found.device_id,
-                "an export of it without the call's stream was")  # fmt: skip
+                "an export of it without the call's stream was", found, written)  # fmt: skip
 
 
 def operand(name: str, array: Any, stream: int | None = None, *, written: bool = False) -> Operand:
@@ -162,7 +176,7 @@ def operand(name: str, array: Any, stream: int | None = None, *, written: bool =
             return from_torch(name, array, TORCH)
         if is_cupy(array):
             return from_cupy(name, array, CUPY)
-        seen = see(name, array)
+        seen = see(name, array, written=written)
     array = seen.array
     if seen.protocol == "__array_interface__":
         return from_array_interface(name, array, seen.value, NUMPY)
@@ -170,6 +184,8 @@ def operand(name: str, array: Any, stream: int | None = None, *, written: bool =
         return from_cuda_interface(name, array, seen.value, seen.device_id, stream, CUPY)
     if seen.value is _ABSENT:  # a __dlpack_device__ without __dlpack__
         raise _not_an_array(name, array)
+    if seen.export is not None and stream is None and seen.written == written:
+        return seen.export  # exported as it would be again
     found = from_dlpack(name, seen.value, stream, written, _DLPACK_KINDS)
     if (found.device, found.device_id) != (seen.device, seen.device_id):  # planned for
         raise InfiniError(

@@ -35,7 +35,7 @@ from ..enums import DataType, Status
 from ..errors import InfiniError
 from ..tensor import TensorDesc, contiguous_strides
 from .numpy_arrays import ndarray_data
-from .torch_tensors import torch_dtypes, torch_stream
+from .torch_tensors import torch_device, torch_dtypes, torch_stream
 
 # Makes one new array of a planned layout or byte size (its kind's ``address`` gives its
 # data pointer).
@@ -120,20 +120,21 @@ class TorchKind:
 
     def current(self, like: Any, device_id: int) -> tuple[int, AbstractContextManager]:
         """torch's current stream on ``like``'s device, where torch allocates for it."""
-        return sys.modules["torch"].cuda.current_stream(like.device).cuda_stream, _ANYWHERE
+        return sys.modules["torch"].cuda.current_stream(torch_device(like)).cuda_stream, _ANYWHERE
 
     def scope(self, like: Any, stream: int, device_id: int) -> AbstractContextManager:
-        if like.device.type != "cuda":  # allocations go to like's device
+        device = torch_device(like)
+        if device.type != "cuda":  # allocations go to like's device
             return _ANYWHERE
         torch = sys.modules["torch"]
-        if stream == torch.cuda.current_stream(like.device).cuda_stream:
+        if stream == torch.cuda.current_stream(device).cuda_stream:
             return _ANYWHERE
-        return torch.cuda.stream(torch_stream(stream, like.device.index or 0))
+        return torch.cuda.stream(torch_stream(stream, device.index or 0))
 
     def allocator(self, like: Any, desc: TensorDesc) -> Allocator:
         import torch
 
-        dtype, device = torch_dtypes()[desc.dtype], like.device
+        dtype, device = torch_dtypes()[desc.dtype], torch_device(like)
         shape, strides = desc.shape, desc.strides
 
         return partial(torch.empty_strided, shape, strides, dtype=dtype, device=device)
@@ -144,17 +145,18 @@ class TorchKind:
 
     def buffer(self, like: Any, nbytes: int) -> Allocator:
         torch = sys.modules["torch"]  # imported: like is a tensor
-        return partial(torch.empty, nbytes, dtype=torch.uint8, device=like.device)
+        return partial(torch.empty, nbytes, dtype=torch.uint8, device=torch_device(like))
 
     def constant(self, like: Any, value: float, desc: TensorDesc, name: str) -> Any:
         import torch
 
-        on_gpu = like.device.type == "cuda"
+        device = torch_device(like)
+        on_gpu = device.type == "cuda"
         if on_gpu and torch.cuda.is_current_stream_capturing():
             raise _captured(name)
-        array = torch.full(desc.shape, value, dtype=torch_dtypes()[desc.dtype], device=like.device)
+        array = torch.full(desc.shape, value, dtype=torch_dtypes()[desc.dtype], device=device)
         if on_gpu:
-            torch.cuda.current_stream(like.device).synchronize()
+            torch.cuda.current_stream(device).synchronize()
         return array
 
 

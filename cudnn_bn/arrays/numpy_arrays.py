@@ -16,7 +16,13 @@ import numpy as np
 from ..enums import Device, Status
 from ..errors import InfiniError, integer
 from ..tensor import contiguous_strides
-from .checks import described, element_strides, interface_layout, numpy_data_type
+from .checks import (
+    address_pair,
+    described,
+    element_strides,
+    interface_layout,
+    numpy_data_type,
+)
 from .operand import Operand, byte_extent
 
 # PyArrayObject's data pointer is the first field after the object header
@@ -127,8 +133,8 @@ def from_array_interface(name: str, obj: Any, iface: Any, kind: Any) -> Operand:
     if data is None or not isinstance(data, tuple):
         buffer = _buffer_view(name, obj if data is None else data, iface)
         ptr, readonly = ndarray_data(buffer), not buffer.flags.writeable
-    elif len(data) == 2 and isinstance(data[0], int) and not isinstance(data[0], bool):
-        ptr, readonly = data[0], bool(data[1])
+    elif pair := address_pair(data):
+        ptr, readonly = pair
     else:
         raise InfiniError(
             Status.BAD_PARAM,

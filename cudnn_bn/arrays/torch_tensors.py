@@ -50,13 +50,27 @@ def _from_torch_dtypes() -> dict[Any, DataType]:
     return {torch_dtype: dtype for dtype, torch_dtype in torch_dtypes().items()}
 
 
+def torch_device(tensor: Any) -> Any:
+    """``tensor.device`` as torch's own getter reads it, for a subclass too: a ``device``
+    property or ``__torch_function__`` of a subclass is not asked (one that lied would have
+    the call placed on one device and allocate on another); a stand-in's (no
+    ``torch.Tensor``) as it says."""
+    if is_plain(tensor) or not is_tensor(tensor):
+        return tensor.device
+    import torch
+
+    with torch._C.DisableTorchFunctionSubclass():
+        return torch._C.TensorBase.device.__get__(tensor)
+
+
 def torch_place(name: str, tensor: Any) -> tuple[Device, int]:
     devices = {"cpu": Device.CPU, "cuda": Device.NVIDIA}
-    if tensor.device.type not in devices:
+    device = torch_device(tensor)
+    if device.type not in devices:
         raise InfiniError(
-            Status.DEVICE_TYPE_NOT_SUPPORTED, f"{name} is on {tensor.device}; expected cpu or cuda"
+            Status.DEVICE_TYPE_NOT_SUPPORTED, f"{name} is on {device}; expected cpu or cuda"
         )
-    return devices[tensor.device.type], tensor.device.index or 0
+    return devices[device.type], device.index or 0
 
 
 def _refuse_layout(name: str, tensor: Any) -> None:
