@@ -11,7 +11,7 @@ so that small problems take the one-call pass, the first calls' steps or the thr
 passes (blocks of channels, work items of rows); 1-4 Python threads making the call at once
 on the shared inputs, each with outputs of its own; now and then another thread flipping
 ``cpu_pool.set_thread_count`` meanwhile; rarely (1 in ``FORK_ONE_IN``) a fork after the
-calls, whose child makes a threaded call.
+calls or while they make their plans, whose child makes a plan of its own and a threaded call.
 
 Invariants (README, Threads and First use): a result is bit for bit the same call's at 1
 thread with the engine's own thresholds (blocks of channels on threads, the one-call pass
@@ -31,6 +31,7 @@ import time
 import warnings
 from contextlib import contextmanager
 from dataclasses import dataclass
+from functools import partial
 
 import ml_dtypes
 import numpy as np
@@ -89,14 +90,15 @@ class Problem:
 class Runtime:
     """How the example runs: the path drawn and the engine's thresholds for it, the thread
     count, the calling threads, the counts a flipping thread sets (none: none flips),
-    whether it forks after."""
+    whether it forks ("after" the calls, ``delay`` seconds into them: "during", or "")."""
 
     path: str
     thresholds: dict
     threads: int
     callers: int
     flips: tuple[int, ...]
-    fork: bool
+    fork: str
+    delay: float
 
 
 def laid_out(values: np.ndarray, strides: tuple[int, ...], dtype, on_torch: bool):
@@ -163,8 +165,10 @@ def runtimes(draw, p: Problem) -> Runtime:
         if draw(st.integers(0, 3)) == 0
         else ()
     )
-    fork = path == "threads" and draw(st.sampled_from([False] * (FORK_ONE_IN - 1) + [True]))
-    return Runtime(path, thresholds, threads, draw(st.integers(1, 4)), flips, fork)
+    fork = draw(st.sampled_from([""] * (FORK_ONE_IN - 2) + ["after", "during"]))
+    fork = fork if path == "threads" else ""
+    delay = draw(st.sampled_from([1e-3, 0.0, 1e-4, 5e-3]))  # of a fork "during" the calls
+    return Runtime(path, thresholds, threads, draw(st.integers(1, 4)), flips, fork, delay)
 
 
 def outputs(p: Problem) -> tuple | None:
@@ -267,10 +271,10 @@ def runtime(thresholds: dict, threads: int):
         cudnn_bn.descriptor_cache.clear()
 
 
-def in_threads(p: Problem, callers: int, flips: tuple[int, ...]) -> list:
+def in_threads(p: Problem, callers: int, flips: tuple[int, ...], meanwhile=None) -> list:
     """``call(p)`` in ``callers`` threads at once (and a thread setting the thread counts
-    ``flips`` in turn meanwhile): their results. A call that does not return within
-    ``JOIN_S`` hangs; one that raises escapes."""
+    ``flips`` in turn meanwhile, and ``meanwhile()`` in this one): their results. A call that
+    does not return within ``JOIN_S`` hangs; one that raises escapes."""
     results, errors, done = [None] * callers, [], threading.Event()
     start = threading.Barrier(callers + bool(flips))
 
@@ -293,6 +297,8 @@ def in_threads(p: Problem, callers: int, flips: tuple[int, ...]) -> list:
     threads += [threading.Thread(target=flipper, daemon=True)] if flips else []
     for t in threads:
         t.start()
+    if meanwhile is not None:
+        meanwhile()
     deadline = time.monotonic() + JOIN_S
     for t in threads[:callers]:
         t.join(max(deadline - time.monotonic(), 0))
@@ -359,12 +365,12 @@ def settle() -> None:
 
 
 def forked(p: Problem, threads: int, want: list) -> None:
-    """A child forked now makes the call at ``threads`` threads; it must exit 0 (its results
-    ``want`` bit for bit) within ``JOIN_S``."""
-    COUNTS["forks"] += 1
+    """A child forked now makes the call anew (its plan too) at ``threads`` threads; it must
+    exit 0 (its results    ``want`` bit for bit) within ``JOIN_S``."""
     pid = os.fork()
     if pid == 0:
         try:
+            cudnn_bn.descriptor_cache.clear()  # a plan made in the child
             cpu_pool.set_thread_count(threads)
             os._exit(0 if same(call(p), want) else 3)
         except BaseException:
@@ -394,6 +400,8 @@ def counted(p: Problem, r: Runtime) -> None:
     COUNTS[f"callers_{r.callers}"] += 1
     COUNTS["flips"] += bool(r.flips)
     COUNTS["out"] += p.out
+    if r.fork:
+        COUNTS[f"fork_{r.fork}"] += 1
 
 
 @settings(SETTINGS, max_examples=EXAMPLES_PER_RUN)
@@ -411,15 +419,22 @@ def fuzz(data) -> None:
         lone = lone_results(p, r, plain)
         for got in lone.values():
             as_torch(p, got, want)
-        for got in in_threads(p, r.callers, r.flips):
+        threads = max(lone)
+        fork = partial(forked, p, threads, lone[threads])
+
+        def during() -> None:  # a fork while the callers make their plans (cache cleared)
+            time.sleep(r.delay)
+            fork()
+
+        if r.fork == "during":
+            cudnn_bn.descriptor_cache.clear()
+        for got in in_threads(p, r.callers, r.flips, during if r.fork == "during" else None):
             if not any(same(got, w) for w in lone.values()):
-                raise violation(
-                    "wrong", f"{p.pass_} {p.shape}: a concurrent call's results are no lone call's"
-                )
+                message = f"{p.pass_} {p.shape}: a concurrent call's results are no lone call's"
+                raise violation("wrong", message)
         settle()
-        if r.fork:
-            threads = max(lone)
-            forked(p, threads, lone[threads])
+        if r.fork == "after":
+            fork()
     for name, a in p.args.items():
         if snapshot(a) != before[name]:
             raise violation("half_writes", f"{p.pass_} changed {name}, which it only reads")
