@@ -188,36 +188,27 @@ def call(p: Problem) -> list:
     """The drawn call, with outputs (and running statistics, where written) of its own: its
     results, then the running statistics a training forward updated."""
     a, out = p.args, outputs(p)
-    x, dy, w, b = a["input"], a["grad_output"], a["weight"], a["bias"]
-    outs = {} if out is None else {"out": out}
+    x, w, b, rm, rv = (a[n] for n in ("input", "weight", "bias", "running_mean", "running_var"))
     if p.pass_ == "inference":
         outs = {} if out is None else {"out": out[0]}
-        return [
-            cudnn_bn.batch_norm_forward_inference(
-                x, w, b, a["running_mean"], a["running_var"], **outs
-            )
-        ]
-    if p.pass_ in BACKWARDS:
-        if p.pass_ == "backward_saved":
-            stats = {
-                "mode": "saved",
-                "saved_mean": a["saved_mean"],
-                "saved_invstd": a["saved_invstd"],
-            }
-            rm = rv = None
-        else:
-            stats, rm, rv = {"mode": p.pass_}, a["running_mean"], a["running_var"]
-        return list(
-            cudnn_bn.batch_norm_backward(x, dy, w, rm, rv, output_mask=p.mask, **stats, **outs)
+        return [cudnn_bn.batch_norm_forward_inference(x, w, b, rm, rv, **outs)]
+    outs = {} if out is None else {"out": out}
+    if p.pass_ == "backward_saved":
+        saved = {"saved_mean": a["saved_mean"], "saved_invstd": a["saved_invstd"]}
+        got = cudnn_bn.batch_norm_backward(
+            x, a["grad_output"], w, None, None, mode="saved", output_mask=p.mask, **saved, **outs
         )
+        return list(got)
+    if p.pass_ in BACKWARDS:
+        got = cudnn_bn.batch_norm_backward(
+            x, a["grad_output"], w, rm, rv, mode=p.pass_, output_mask=p.mask, **outs
+        )
+        return list(got)
     copy = torch.clone if isinstance(x, torch.Tensor) else np.copy
-    rm, rv = copy(a["running_mean"]), copy(a["running_var"])
-    fused = (
-        {}
-        if p.pass_ == "training"
-        else {"fusion": p.pass_, "z": a["z"] if p.pass_ == "add_relu" else None}
-    )
-    return [*cudnn_bn.batch_norm_forward_training(x, w, b, rm, rv, **fused, **outs), rm, rv]
+    rm, rv = copy(rm), copy(rv)
+    if p.pass_ != "training":
+        outs |= {"fusion": p.pass_, "z": a["z"] if p.pass_ == "add_relu" else None}
+    return [*cudnn_bn.batch_norm_forward_training(x, w, b, rm, rv, **outs), rm, rv]
 
 
 def torch_results(p: Problem) -> list:
