@@ -1,9 +1,10 @@
 """The fuzz tests' runner: hypothesis-driven targets in a child process, on a time budget.
 
-A target (``fuzz_capi.py``, ``fuzz_arrays.py``) is a script with one hypothesis test whose
-examples count what they did in ``COUNTS``. ``run_child`` runs it in a fresh Python process
-(so that a crash is reported, not suffered) for some seconds: hypothesis runs of
-``EXAMPLES_PER_RUN`` new random examples each, until the time is spent; the child prints
+A target (``fuzz_capi.py``, ``fuzz_arrays.py``, ``fuzz_distributed.py``,
+``fuzz_runtime.py``) is a script with one hypothesis test whose examples count what they did
+in ``COUNTS``. ``run_child`` runs it in a fresh Python process (so that a crash is reported,
+not suffered) for some seconds: hypothesis runs of ``EXAMPLES_PER_RUN`` new random examples
+each (fewer for a target whose examples are slow), until the time is spent; the child prints
 its counts as one JSON line. An example that breaks an invariant fails: hypothesis shrinks
 it and the child exits non-zero, printing the smallest example.
 
@@ -24,13 +25,14 @@ import numpy as np
 from hypothesis import HealthCheck, settings
 
 TESTS = Path(__file__).resolve().parent
-TARGETS = ("fuzz_capi", "fuzz_arrays", "fuzz_distributed")  # FUZZ_SECONDS is shared by all
+# FUZZ_SECONDS is shared by all
+TARGETS = ("fuzz_capi", "fuzz_arrays", "fuzz_distributed", "fuzz_runtime")
 EXAMPLES_PER_RUN = 100
 COUNTS: Counter = Counter()  # what the examples did: calls, statuses, refusals...
 # What must never happen; the parent test asserts each count is 0.
 VIOLATIONS = (
     "crashes", "escapes", "undocumented_statuses", "half_writes", "leaks", "wrong", "cuda_calls",
-    "swallowed",
+    "swallowed", "hangs", "stuck",
 )  # fmt: skip
 
 SETTINGS = settings(

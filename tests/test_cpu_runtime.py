@@ -2,7 +2,7 @@
 
 - in a child forked after a parallel call (``os.fork``, and ``multiprocessing.Pool`` with the
   fork start method): GNU OpenMP killed or hung such children; and in one forked while
-  another thread compiles;
+  another thread compiles, or makes an LLVM call;
 - under every numba threading layer installed, from 16 Python threads at once: numba's
   ``workqueue`` layer aborted the process ("Concurrent access has been detected");
 - where no cache location is writable: every call failed with INTERNAL_ERROR ("no locator
@@ -112,6 +112,39 @@ if pid == 0:
     signal.alarm(30)  # a child that hangs ends
     numba.njit(lambda: 1)()  # its first compile: took the lock the thread held
     signal.alarm(0)  # (its first call may compile for long on a cold cache)
+    x = np.ones((2, 3, 4), np.float32)
+    ones = np.ones(3, np.float32)
+    y = cudnn_bn.batch_norm_forward_inference(x, ones, 0 * ones, 0 * ones, ones)
+    os._exit(0 if np.allclose(y, x / np.sqrt(1 + 1e-5)) else 3)
+print(os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]))
+"""
+    assert_printed(run_child(script), "0")
+
+
+def test_forked_child_while_another_thread_makes_an_llvm_call():
+    """A fork while another thread makes an LLVM call (holding llvmlite's lock, as a new
+    plan's look-up of its steps' addresses does, outside numba's compiler lock) waits for
+    it: the child's first plan hung for ever at that lock, the child inheriting it held by
+    a thread it does not have (found by ``fuzz_runtime.py``: forks while other threads
+    called)."""
+    script = """
+import os, signal, threading, time
+import numpy as np, cudnn_bn
+from cudnn_bn.backends import cpu_pool  # what a first CPU call imports
+from llvmlite.binding import ffi
+
+held = threading.Event()
+
+def in_llvm():  # another thread's call, looking its plan's steps up
+    with ffi.lib._lock:
+        held.set()
+        time.sleep(1)
+
+threading.Thread(target=in_llvm).start()
+held.wait()
+pid = os.fork()
+if pid == 0:
+    signal.alarm(60)  # a child that hangs ends (a cold cache compiles for long)
     x = np.ones((2, 3, 4), np.float32)
     ones = np.ones(3, np.float32)
     y = cudnn_bn.batch_norm_forward_inference(x, ones, 0 * ones, 0 * ones, ones)

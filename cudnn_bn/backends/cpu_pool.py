@@ -26,6 +26,7 @@ from contextlib import contextmanager
 
 import numba
 import numpy as np
+from llvmlite.binding import ffi
 from numba.core.compiler_lock import global_compiler_lock
 
 from ..enums import Status
@@ -267,12 +268,25 @@ def _forget_pool() -> None:
 
 
 os.register_at_fork(after_in_child=_forget_pool)
-# A fork waits for a compile in another thread to end: a child forked while that thread held
-# numba's compiler lock would wait for it forever at its own first compile.
+# A fork waits for a compile in another thread to end, and for an LLVM call (llvmlite's lock,
+# which a new plan's look-up of its steps' addresses takes without numba's compiler lock): a
+# child forked while another thread held either lock would wait for it forever at its own
+# first compile or plan. Taken in the order a compile takes them.
+_FORK_LOCKS = (global_compiler_lock, ffi.lib._lock._lock)
+
+
+def _hold_fork_locks() -> None:
+    for lock in _FORK_LOCKS:
+        lock.acquire()
+
+
+def _release_fork_locks() -> None:
+    for lock in reversed(_FORK_LOCKS):
+        lock.release()
+
+
 os.register_at_fork(
-    before=global_compiler_lock.acquire,
-    after_in_parent=global_compiler_lock.release,
-    after_in_child=global_compiler_lock.release,
+    before=_hold_fork_locks, after_in_parent=_release_fork_locks, after_in_child=_release_fork_locks
 )
 
 
