@@ -87,64 +87,39 @@ print(os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]))
     assert_printed(run_child(script), "0")
 
 
-def test_forked_child_while_another_thread_compiles():
-    """A fork while another thread compiles (holding numba's compiler lock, which the child
-    inherits held by a thread it does not have) waits for the compile: the child's own
-    first call hung for ever at that lock (found by an outsider's attack)."""
-    script = """
+LOCKS = {  # what another thread holds at the fork, and how the script takes it
+    "compiling": "from numba.core.compiler_lock import global_compiler_lock as lock",
+    "llvm_call": "from llvmlite.binding import ffi\nlock = ffi.lib._lock",
+}
+
+
+@pytest.mark.parametrize("held", LOCKS)
+def test_forked_child_while_another_thread_holds_a_compile_lock(held):
+    """A fork while another thread compiles (holding numba's compiler lock) or makes an LLVM
+    call (holding llvmlite's, as a new plan's look-up of its steps' addresses does outside
+    numba's lock) waits for it: the child, inheriting the lock held by a thread it does not
+    have, hung for ever at its own first compile or plan (found by an outsider's attack and
+    by ``fuzz_runtime.py``'s forks while other threads called)."""
+    script = f"""
 import os, signal, threading, time
 import numpy as np, cudnn_bn
 from cudnn_bn.backends import cpu_pool  # what a first CPU call imports
-from numba.core.compiler_lock import global_compiler_lock
+{LOCKS[held]}
 
-held = threading.Event()
+taken = threading.Event()
 
-def compiling():  # a first call in another thread, compiling for a second
-    with global_compiler_lock:
-        held.set()
+def holding():  # another thread's first call, compiling or looking its steps up
+    with lock:
+        taken.set()
         time.sleep(1)
 
-threading.Thread(target=compiling).start()
-held.wait()
+threading.Thread(target=holding).start()
+taken.wait()
 pid = os.fork()
 if pid == 0:
     import numba
-    signal.alarm(30)  # a child that hangs ends
-    numba.njit(lambda: 1)()  # its first compile: took the lock the thread held
-    signal.alarm(0)  # (its first call may compile for long on a cold cache)
-    x = np.ones((2, 3, 4), np.float32)
-    ones = np.ones(3, np.float32)
-    y = cudnn_bn.batch_norm_forward_inference(x, ones, 0 * ones, 0 * ones, ones)
-    os._exit(0 if np.allclose(y, x / np.sqrt(1 + 1e-5)) else 3)
-print(os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]))
-"""
-    assert_printed(run_child(script), "0")
-
-
-def test_forked_child_while_another_thread_makes_an_llvm_call():
-    """A fork while another thread makes an LLVM call (holding llvmlite's lock, as a new
-    plan's look-up of its steps' addresses does, outside numba's compiler lock) waits for
-    it: the child's first plan hung for ever at that lock, the child inheriting it held by
-    a thread it does not have (found by ``fuzz_runtime.py``: forks while other threads
-    called)."""
-    script = """
-import os, signal, threading, time
-import numpy as np, cudnn_bn
-from cudnn_bn.backends import cpu_pool  # what a first CPU call imports
-from llvmlite.binding import ffi
-
-held = threading.Event()
-
-def in_llvm():  # another thread's call, looking its plan's steps up
-    with ffi.lib._lock:
-        held.set()
-        time.sleep(1)
-
-threading.Thread(target=in_llvm).start()
-held.wait()
-pid = os.fork()
-if pid == 0:
     signal.alarm(60)  # a child that hangs ends (a cold cache compiles for long)
+    numba.njit(lambda: 1)()  # its first compile
     x = np.ones((2, 3, 4), np.float32)
     ones = np.ones(3, np.float32)
     y = cudnn_bn.batch_norm_forward_inference(x, ones, 0 * ones, 0 * ones, ones)
