@@ -568,6 +568,35 @@ def test_first_calls_write_a_per_channel_overflow_as_inf_without_a_warning(monke
     assert np.isinf(rv).all()
 
 
+@pytest.mark.parametrize("dtype", [np.float32, "bfloat16"], ids=str)
+def test_first_calls_read_a_signaling_nan_as_the_compiled_copy_does(monkeypatch, dtype):
+    """A signaling NaN in a per-channel tensor or among x's first values, read by a
+    step-by-step call's NumPy copy: made quiet without a word, as the compiled copy reads it.
+    NumPy's F32/BF16-to-float64 cast flagged it ("invalid value encountered in cast"): a
+    warning, an error under ``-W error``, and under the caller's ``np.seterr(all="raise")``
+    a FloatingPointError (INTERNAL_ERROR) from the first calls alone."""
+    dtype = half_dtype(dtype) if dtype == "bfloat16" else dtype
+    signaling = 0x7F81 if dtype != np.float32 else 0x7F800001
+    bits = np.uint16 if dtype != np.float32 else np.uint32
+    rng = np.random.default_rng(5)
+    x = rng.standard_normal((16, 8, 33, 31)).astype(dtype)  # 131k values: step by step
+    x[0, 5, 0, 0:1].view(bits)[0] = signaling  # channel 5's first value
+    w, b = np.ones(8, dtype), np.zeros(8, dtype)
+    w[3:4].view(bits)[0] = signaling
+    monkeypatch.setattr(cpu, "_ONE_CALL_DTYPES", set())
+    monkeypatch.setattr(cpu, "STEPWISE_CALLS", 1 << 30)
+    results = []
+    for budget in (1 << 62, 0):  # NumPy's and the interpreter's steps, then the compiled
+        monkeypatch.setattr(cpu, "INTERPRETED_COLUMNS", budget)
+        with warnings.catch_warnings(), np.errstate(all="raise"):
+            warnings.simplefilter("error")
+            out = cudnn_bn.batch_norm_forward_training(x, w, b, None, None)
+            out = [*out[:3], *cudnn_bn.batch_norm_backward(x, x, w, None, None)]
+        results.append([np.asarray(a).view(np.uint8) for a in out])
+    assert all(np.array_equal(f, g) for f, g in zip(*results, strict=True))
+    assert np.isnan(np.asarray(results[0][0].view(dtype), np.float64)[:, 3]).all()
+
+
 # --- speed ---------------------------------------------------------------------------------
 
 

@@ -109,13 +109,17 @@ def _numpy_copy(at, args, bits, values, shift, shift_row, store) -> None:
         storage = _STORAGE[code]
         span = flat_array(int(at[t]), (count - 1) * stride + 1, storage)
         view = np.lib.stride_tricks.as_strided(span, (count,), (stride * storage.itemsize,))
-        if store:
-            with np.errstate(all="ignore"):  # beyond the dtype's range: inf, as compiled
+        # NumPy's casts flag what the compiled copy ignores: a result beyond the dtype's
+        # range (stored as inf), and a signaling NaN read from an F32 or BF16 tensor (made
+        # quiet), "invalid value encountered in cast", a warning or, under the caller's
+        # ``np.seterr(all="raise")``, an error
+        with np.errstate(all="ignore"):
+            if store:
                 view[...] = values[t]
-        elif code == _BF16:
-            values[t] = (view.astype(np.uint32) << 16).view(np.float32)
-        else:
-            values[t] = view
+            elif code == _BF16:
+                values[t] = (view.astype(np.uint32) << 16).view(np.float32)
+            else:
+                values[t] = view
     if shift_row >= 0:  # x's first values as 0 where not finite (``copy_channels``)
         tiled = np.tile(values[shift_row], shift.size // count)
         finite = shift_row != cpu_kernels.FIRST_VALUES or np.isfinite(tiled)
