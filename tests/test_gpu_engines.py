@@ -128,6 +128,29 @@ def test_2d_input_runs_on_the_cupy_engine(n):
         close(g, want[name], TOL[F32], name)
 
 
+def test_cupy_engine_gives_a_constant_channel_with_eps_0_torchs_invstd_0():
+    """The CuPy engine's batch statistics take torch's ``InvStd`` on the device, as
+    ``test_cupy_engines_on_host.py`` shows on the host: a channel of zero variance with eps
+    0 has invstd 0, its output the bias, its grad_input and grad_weight 0, as torch's own
+    CUDA kernels give (cuDNN off)."""
+    x = torch.randn(64, 3, device="cuda", dtype=F64).float()
+    x[:, 1] = 3.25
+    dy = torch.randn(64, 3, device="cuda", dtype=F64).float()
+    w, b = torch.rand(3, device="cuda") + 0.5, torch.randn(3, device="cuda")
+    cudnn_bn.descriptor_cache.clear()
+    y, _, invstd = batch_norm_forward_training(x, w, b, None, None, eps=0.0)
+    gi, gw, gb = batch_norm_backward(x, dy, w, None, None, eps=0.0)
+    assert engines() == ["cupy", "cupy"]
+    with torch.backends.cudnn.flags(enabled=False):
+        want_y, _, want_invstd = torch.ops.aten.native_batch_norm(
+            x.double(), w.double(), b.double(), None, None, True, 0.1, 0.0
+        )
+    assert float(want_invstd[1]) == 0 and float(torch.as_tensor(invstd)[1]) == 0
+    close(y, want_y, TOL[F32], "output")
+    assert (torch.as_tensor(gi)[:, 1] == 0).all() and float(torch.as_tensor(gw)[1]) == 0
+    close(gb, dy.double().sum(0), TOL[F32], "grad_bias")
+
+
 @pytest.mark.parametrize("layout", ["contiguous", "channels_last"])
 @pytest.mark.parametrize("dtype", [F16, F32])
 def test_cudnn_backward_sized_with_x_as_y(layout, dtype):
