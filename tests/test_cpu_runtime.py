@@ -397,6 +397,23 @@ def test_conversions_and_views_compile_no_function_of_their_own(tmp_path):
     assert_printed(run_child(script, NUMBA_CACHE_DIR=str(tmp_path)), "[]")
 
 
+def test_the_forward_across_channels_compiles_no_function_outside_the_engine(tmp_path):
+    """The channels-last forward's coefficient tables are ``zeros`` views, not
+    ``np.full``, and its bound is taken without ``min``: those compiled numba's
+    implementations (0.35 s of a first F32 call, F16 the same again)."""
+    script = (
+        COMPILES
+        + PROBLEM
+        + (
+            "nhwc = np.moveaxis(np.moveaxis(x.reshape(32, 64, 8, 16), 1, -1).copy(), -1, 1)\n"
+            "for data in (nhwc, nhwc.astype(np.float16)):\n"
+            "    cudnn_bn.batch_norm_forward_training(data, w, b, None, None)\n"
+            "print(sorted(others))\n"
+        )
+    )
+    assert_printed(run_child(script, NUMBA_CACHE_DIR=str(tmp_path)), "[]")
+
+
 def test_an_items_bounds_and_strides_compile_no_function_of_their_own(tmp_path):
     """What an item's loops read from its bounds and the strides (``_walk``, ``_column``,
     ``_channel_offsets``) are intrinsics: as helpers each was compiled apart on first use
