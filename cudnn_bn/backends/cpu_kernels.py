@@ -119,6 +119,14 @@ def helper(function=None, **options):
     return jit(function, cache=False, no_cpython_wrapper=True, no_cfunc_wrapper=True, **options)
 
 
+def inlined(function):
+    """``helper`` for a walk that one kernel alone calls (``_sums_across``...): numba writes
+    its IR into that kernel's (``inline="always"``) instead of compiling it apart, then
+    linking it in, where LLVM optimized it again (the across kernels' first use: 0.2-0.5 s
+    less each, per dtype)."""
+    return helper(function, inline="always")
+
+
 # --- memory --------------------------------------------------------------------------------
 
 
@@ -638,7 +646,7 @@ def _next_item(state, previous, items):
 # so that it vectorizes.
 
 
-@helper
+@inlined
 def _sums_across(x, dy, y, geometry, strides, r0, r1, n, shift, out, base, first):
     # The item's sums go to rows ``base`` to ``base + SUMS`` of ``out``. Two rows at a time,
     # added in registers before the table is updated: one read and write of the table per
@@ -1001,7 +1009,7 @@ _rows_by_crossing = _narrow_only(_by_crossing_rows, singles=True)
 _needs_float64 = _narrow_only(_beyond_float32)
 
 
-@helper
+@inlined
 def _forward_across(x, z, y, geometry, strides, r0, r1, n, mean, scale, shift, flags):
     add_z, relu = flags
     sx, sz, sy = strides[0, 0], strides[1, 0], strides[2, 0]
@@ -1148,7 +1156,7 @@ def _channel_offsets(typingctx, o, c, s):
     return result(o, c, s), codegen
 
 
-@helper
+@inlined
 def _backward_across(x, dy, y, gi, gz, geometry, strides, r0, r1, n, k_dy, k_x, k_c, flags):
     use_x, masked, write_gi, write_gz = flags
     s = _column(strides, CHANNEL)
