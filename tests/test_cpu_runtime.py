@@ -330,6 +330,10 @@ def test_a_layout_compiles_only_its_own_walk(tmp_path):
     assert child.stdout.split()[-3:] == ["[0,", "0,", "0]"]
 
 
+NHWC_PROBLEM = PROBLEM + (  # the problem channels-last: the across walks
+    "nhwc = np.moveaxis(np.moveaxis(x.reshape(32, 64, 8, 16), 1, -1).copy(), -1, 1)\n"
+)
+
 COMPILES = """
 from numba.core import event
 compiled, every, others, depth = set(), set(), set(), [0]
@@ -403,9 +407,8 @@ def test_the_forward_across_channels_compiles_no_function_outside_the_engine(tmp
     implementations (0.35 s of a first F32 call, F16 the same again)."""
     script = (
         COMPILES
-        + PROBLEM
+        + NHWC_PROBLEM
         + (
-            "nhwc = np.moveaxis(np.moveaxis(x.reshape(32, 64, 8, 16), 1, -1).copy(), -1, 1)\n"
             "for data in (nhwc, nhwc.astype(np.float16)):\n"
             "    cudnn_bn.batch_norm_forward_training(data, w, b, None, None)\n"
             "print(sorted(others))\n"
@@ -420,9 +423,8 @@ def test_the_across_walks_are_written_into_their_kernels(tmp_path):
     0.2-0.5 s each of a first channels-last call, per dtype)."""
     script = (
         COMPILES
-        + PROBLEM
+        + NHWC_PROBLEM
         + (
-            "nhwc = np.moveaxis(np.moveaxis(x.reshape(32, 64, 8, 16), 1, -1).copy(), -1, 1)\n"
             "cudnn_bn.batch_norm_backward(nhwc, nhwc, w, None, None)\n"
             "cudnn_bn.batch_norm_forward_training(nhwc, w, b, None, None)\n"
             "walks = {'_sums_across', '_forward_across', '_backward_across'}\n"
@@ -438,9 +440,8 @@ def test_an_items_bounds_and_strides_compile_no_function_of_their_own(tmp_path):
     (0.3 s of the README block's 3.4 s with the kernels' calls to them)."""
     script = (
         COMPILES
-        + PROBLEM
+        + NHWC_PROBLEM
         + (
-            "nhwc = np.moveaxis(np.moveaxis(x.reshape(32, 64, 8, 16), 1, -1).copy(), -1, 1)\n"
             "cudnn_bn.batch_norm_backward(nhwc, nhwc, w, None, None)\n"
             "print(sorted(every & {'_walk', '_column', '_channel_offsets'}))\n"
         )
